@@ -1,0 +1,25 @@
+"""SpecUI entry point: flags -> load the model pair -> headless CLI or the web app."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specui.cli import build_parser, run_cli
+    from specui.errors import SpecUIError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cli:
+            return run_cli(args)
+        from specui.ui.launch import launch
+
+        return launch(args)
+    except SpecUIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Command line: flags shared by the app and the headless CLI, and the CLI itself.
+
+    python app.py --cli --method speculative --prompt "..." --max-new-tokens 64 --temperature 0 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+from specui.engine.methods import METHODS
+from specui.engine.trace import traces_to_json
+from specui.errors import SpecUIError
+from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
+from specui.pair import DEFAULT_TARGET, ModelPair, default_draft_source, load_pair
+from specui.service import ChatService, ChatSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="app.py", description="SpecUI: chat with a local LLM and watch speculative decoding.",
+    )
+    m = ap.add_argument_group("models")
+    m.add_argument("--target", default=DEFAULT_TARGET,
+                   help="hub id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)")
+    m.add_argument("--draft", default="default",
+                   help="hub id, local folder or .gguf file; 'default' = the shipped draft; 'none' = no draft")
+    m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype (auto: bf16 on GPU, fp32 on CPU)")
+    m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    m.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="target quantization (bitsandbytes)")
+    m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")
+    m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+
+    g = ap.add_argument_group("generation")
+    g.add_argument("--method", default="speculative", help=f"one of: {', '.join(sorted(METHODS))}")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--gamma", type=int, default=5, help="speculative: draft tokens per step")
+    g.add_argument("--beam-width", type=int, default=4, help="beam: number of beams")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    c = ap.add_argument_group("headless CLI")
+    c.add_argument("--cli", action="store_true", help="answer one prompt in the terminal, no browser")
+    c.add_argument("--prompt", help="the user message (--cli)")
+    c.add_argument("--system", help="optional system prompt (--cli)")
+    c.add_argument("--json", action="store_true", help="print the reply and stats as JSON (--cli)")
+    c.add_argument("--trace", type=Path, help="write every step's trace as JSON to this file (--cli)")
+
+    u = ap.add_argument_group("web app")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=7860)
+    u.add_argument("--share", action="store_true", help="public Gradio link (use with --auth)")
+    u.add_argument("--auth", help="user:pass, or a file holding user:pass lines")
+    u.add_argument("--queue", type=int, default=16, help="max queued requests")
+    return ap
+
+
+def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
+    target = ModelSpec(args.target, args.dtype, args.device, args.quantization, args.trust_remote_code)
+    if args.draft == "none":
+        return target, None
+    source = default_draft_source() if args.draft == "default" else args.draft
+    return target, ModelSpec(source, args.dtype, args.device, args.draft_quantization, args.trust_remote_code)
+
+
+def settings_from_args(args: argparse.Namespace) -> ChatSettings:
+    if args.method not in METHODS:
+        raise SpecUIError(f"unknown decoding method '{args.method}'; choose one of: {', '.join(sorted(METHODS))}")
+    return ChatSettings(
+        method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
+        stop_strings=tuple(args.stop),
+    )
+
+
+def load_from_args(args: argparse.Namespace) -> ModelPair:
+    target, draft = specs_from_args(args)
+    settings = settings_from_args(args)  # validate cheap things before loading models
+    if draft is None and settings.method in METHODS and METHODS[settings.method].uses_draft:
+        raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
+    return load_pair(target, draft)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.prompt is None:
+        raise SpecUIError("--cli needs --prompt \"your message\"")
+    settings = settings_from_args(args)
+    service = ChatService(load_from_args(args))
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": args.prompt})
+    cancel = threading.Event()
+    generation, _ = service.start(messages, settings, cancel)
+    try:
+        for step in service.stream(generation):
+            if not args.json and step.new_text and settings.method != "beam":
+                print(step.new_text, end="", flush=True)
+    except KeyboardInterrupt:
+        cancel.set()
+        generation.stats.finish_reason = "cancelled"
+    stats = generation.stats.to_dict()
+    if args.trace:
+        args.trace.write_text(traces_to_json(generation.steps, generation.stats))
+    if args.json:
+        print(json.dumps({"reply": generation.text, "stats": stats}, ensure_ascii=False))
+    else:
+        if settings.method == "beam":
+            print(generation.text, end="")
+        print("\n\n" + "  ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+    return 0

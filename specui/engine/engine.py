@@ -1,0 +1,70 @@
+"""Engine: a loaded target (and optional draft) with their sessions; starts generations."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from transformers import PreTrainedModel
+
+from specui.engine.loop import Generation, GenerationRequest
+from specui.engine.method import Method
+from specui.engine.session import ModelSession
+from specui.errors import SpecUIError
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: Decoder,
+        draft: PreTrainedModel | None = None,
+        eos_ids: Sequence[int] = (),
+        context_len: int | None = None,
+    ) -> None:
+        vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
+        self.target = ModelSession(target, vocab)
+        self.draft = ModelSession(draft, vocab) if draft is not None else None
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.context_len = context_len or _context_len(target)
+        self.lock = threading.Lock()  # one generation at a time on these sessions
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def check(self, request: GenerationRequest, method: Method) -> GenerationRequest:
+        """Validate a request; returns it with max_new_tokens clamped to the context left."""
+        request.sampling.validate()
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise SpecUIError("the prompt is empty: type a message first")
+        if n >= self.context_len:
+            raise SpecUIError(
+                f"the prompt is {n} tokens but the model's context window is {self.context_len}; "
+                "shorten it or clear the chat history"
+            )
+        if request.max_new_tokens < 1:
+            raise SpecUIError(f"max new tokens must be >= 1, got {request.max_new_tokens}")
+        if method.uses_draft and self.draft is None:
+            raise SpecUIError(f"method '{method.name}' needs a draft model, and none is loaded")
+        request.max_new_tokens = min(request.max_new_tokens, self.context_len - n)
+        return request
+
+    def generate(
+        self, request: GenerationRequest, method: Method, cancel: threading.Event | None = None,
+    ) -> Generation:
+        request = self.check(request, method)
+        return Generation(
+            method, request, self.target, self.draft, self.decode, self.eos_ids, cancel,
+        )
+
+
+def _context_len(model: PreTrainedModel) -> int:
+    cfg = model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 2048))

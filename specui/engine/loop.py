@@ -1,0 +1,144 @@
+"""The one generate loop. Every method plugs in here; each step yields a StepTrace."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+
+from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
+from specui.engine.sampling import SamplingConfig, make_generator
+from specui.engine.session import ModelSession
+from specui.engine.trace import GenerationStats, StepTrace
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+
+
+class Generation:
+    """Iterate to run the generation step by step; `text`, `output_ids`, `steps` and
+    `stats` are filled in as it goes. Setting `cancel` stops it after the current step."""
+
+    def __init__(
+        self,
+        method: Method,
+        request: GenerationRequest,
+        target: ModelSession,
+        draft: ModelSession | None,
+        decode: Callable[[Sequence[int]], str],
+        eos_ids: frozenset[int],
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.method = method
+        self.request = request
+        self.decode = decode
+        self.cancel = cancel or threading.Event()
+        self.steps: list[StepTrace] = []
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.stats = GenerationStats(method=method.name, prompt_tokens=len(request.prompt_ids))
+        self._ctx = DecodeContext(
+            target=target,
+            draft=draft,
+            sampling=request.sampling,
+            generator=make_generator(request.sampling.seed, target.device),
+            ids=list(request.prompt_ids),
+            prompt_len=len(request.prompt_ids),
+            max_new_tokens=request.max_new_tokens,
+            eos_ids=eos_ids,
+            timer=StepTimer(target.device),
+        )
+
+    def run(self) -> Generation:
+        for _ in self:
+            pass
+        return self
+
+    def __iter__(self) -> Iterator[StepTrace]:
+        ctx, stats = self._ctx, self.stats
+        t0 = time.perf_counter()
+        self.method.begin(ctx)
+        stats.prefill_s = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        while not stats.finish_reason:
+            if self.cancel.is_set():
+                stats.finish_reason = "cancelled"
+                break
+            if ctx.remaining <= 0:
+                stats.finish_reason = "length"
+                break
+            ctx.timer.reset()
+            t_step = time.perf_counter()
+            result = self.method.step(ctx)
+            step_ms = (time.perf_counter() - t_step) * 1000.0
+            trace = self._commit(result, step_ms)
+            stats.decode_s = time.perf_counter() - t_decode
+            yield trace
+        stats.decode_s = time.perf_counter() - t_decode
+
+    # 4. commit: apply stops (EOS, max tokens, stop strings), update text, caches, stats
+    def _commit(self, result: StepResult, step_ms: float) -> StepTrace:
+        ctx, stats = self._ctx, self.stats
+        base = [] if result.replace else self.output_ids
+        tokens = list(result.tokens)
+        from_draft = list(result.from_draft) if result.from_draft else [False] * len(tokens)
+        reason = "finished" if result.finished else ""
+        for i, tok in enumerate(tokens):
+            if tok in ctx.eos_ids:
+                tokens, from_draft, reason = tokens[: i + 1], from_draft[: i + 1], "eos"
+                break
+        room = ctx.max_new_tokens - len(base)
+        if len(tokens) >= room:
+            tokens, from_draft = tokens[:room], from_draft[:room]
+            reason = reason or "length"
+        self.output_ids = base + tokens
+        ctx.ids = ctx.ids[: ctx.prompt_len] + self.output_ids
+        ctx.target.commit(ctx.ids)
+        if ctx.draft is not None and self.method.uses_draft:
+            ctx.draft.commit(ctx.ids)
+
+        text = self.decode(self.output_ids)
+        if not reason:
+            text = text.rstrip("\ufffd")  # hold back a half-decoded multi-byte character
+        for stop in self.request.stop_strings:
+            cut = text.find(stop) if stop else -1
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        previous = "" if result.replace else self.text
+        new_text = text[len(previous):] if text.startswith(previous) else text
+        self.text = text
+
+        stats.target_forwards += 1
+        stats.drafted += result.drafted
+        stats.accepted += result.accepted
+        stats.new_tokens = len(self.output_ids)
+        stats.finish_reason = reason
+        for node in result.nodes:
+            node.text = self.decode([node.token_id])
+        ms = ctx.timer.ms
+        trace = StepTrace(
+            index=len(self.steps),
+            method=self.method.name,
+            nodes=result.nodes,
+            drafted=result.drafted,
+            accepted=result.accepted,
+            new_token_ids=tokens,
+            new_from_draft=from_draft,
+            new_text=new_text,
+            text=text,
+            gamma=result.gamma,
+            beam_width=result.beam_width,
+            draft_ms=ms.get("draft", 0.0),
+            verify_ms=ms.get("verify", 0.0),
+            step_ms=step_ms,
+        )
+        self.steps.append(trace)
+        return trace
+

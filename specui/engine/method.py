@@ -1,0 +1,95 @@
+"""The seam between *how to decode* (a Method) and *the loop* (engine/loop.py).
+
+A Method turns one target forward pass into a StepResult. It reads and may extend the
+committed sequence only through the DecodeContext; timings go through ctx.timer.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from specui.engine.sampling import SamplingConfig
+from specui.engine.session import ModelSession
+from specui.engine.trace import NodeTrace
+
+
+class StepTimer:
+    """The one place timings are measured (with a CUDA sync where there is a GPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.ms: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.ms = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1000.0
+
+
+@dataclass
+class DecodeContext:
+    target: ModelSession
+    draft: ModelSession | None
+    sampling: SamplingConfig
+    generator: torch.Generator
+    ids: list[int]  # prompt + committed reply tokens
+    prompt_len: int
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    timer: StepTimer
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.generated
+
+
+@dataclass
+class StepResult:
+    """What a step produced. `tokens` are appended to the reply, or replace it when
+    `replace` is set (beam search rewrites its best beam)."""
+
+    tokens: list[int]
+    nodes: list[NodeTrace] = field(default_factory=list)
+    from_draft: list[bool] | None = None
+    drafted: int = 0
+    accepted: int = 0
+    gamma: int | None = None
+    beam_width: int | None = None
+    replace: bool = False
+    finished: bool = False
+
+
+class Method(ABC):
+    """A decoding method. A fresh instance serves one generation (it may hold state)."""
+
+    name: ClassVar[str]
+    uses_draft: ClassVar[bool] = False
+
+    def begin(self, ctx: DecodeContext) -> None:
+        """Prefill: cache the prompt (all but its last token) in every model used."""
+        ctx.target.prefill(ctx.ids)
+        if self.uses_draft and ctx.draft is not None:
+            ctx.draft.prefill(ctx.ids)
+
+    @abstractmethod
+    def step(self, ctx: DecodeContext) -> StepResult:
+        """One target forward pass; returns what it committed."""

@@ -1,0 +1,20 @@
+"""Autoregressive decoding (DESIGN.md 3.1): one target forward per token, with KV cache."""
+
+from __future__ import annotations
+
+from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.sampling import sample, shown_probs, warp
+from specui.engine.trace import TARGET, NodeTrace
+
+
+class Autoregressive(Method):
+    name = "autoregressive"
+
+    def step(self, ctx: DecodeContext) -> StepResult:
+        with ctx.timer.phase("verify"):
+            logits = ctx.target.advance(ctx.ids, need=1)[-1]
+            probs = warp(logits, ctx.sampling)
+            token = int(logits.argmax()) if ctx.sampling.greedy else sample(probs, ctx.generator)
+            p = float(shown_probs(logits, probs, ctx.sampling)[token])
+        node = NodeTrace(token_id=token, text="", parent=-1, depth=1, status=TARGET, p=p)
+        return StepResult(tokens=[token], nodes=[node])

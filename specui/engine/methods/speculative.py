@@ -1,0 +1,118 @@
+"""Speculative decoding with a fixed candidate length (DESIGN.md 3.3; Leviathan et al.,
+Chen et al.). Draft gamma tokens from q~, score them in one target forward, accept x_t with
+probability min(1, p~(x_t) / q~(x_t)); at the first rejection sample from res(p~, q~); if
+all pass, sample a bonus token from p~. Greedy: accept while the target's argmax agrees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.sampling import SamplingConfig, residual, sample, shown_probs, uniform, warp
+from specui.engine.session import ModelSession
+from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
+from specui.errors import SpecUIError
+
+
+@dataclass
+class ChainVerdict:
+    accepted: int  # number of draft tokens accepted
+    next_token: int  # the correction (resampled) or bonus token
+    bonus: bool  # True if every draft token was accepted
+
+
+def draft_chain(
+    draft: ModelSession, ids: list[int], gamma: int, cfg: SamplingConfig,
+    generator: torch.Generator, eos_ids: frozenset[int],
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Draw up to gamma tokens from the draft's warped q~ (stopping after an EOS).
+    Returns (tokens, q~ rows (n, V), raw draft logits (n, V))."""
+    tokens: list[int] = []
+    q_rows, logit_rows = [], []
+    for _ in range(gamma):
+        logits = draft.advance(ids + tokens, need=1)[-1]
+        q = warp(logits, cfg)
+        token = int(logits.argmax()) if cfg.greedy else sample(q, generator)
+        tokens.append(token)
+        q_rows.append(q)
+        logit_rows.append(logits)
+        if token in eos_ids:
+            break
+    return tokens, torch.stack(q_rows), torch.stack(logit_rows)
+
+
+def verify_chain(
+    drafts: list[int], q: torch.Tensor, p: torch.Tensor, cfg: SamplingConfig,
+    generator: torch.Generator | None,
+) -> ChainVerdict:
+    """q: warped draft rows (n, V); p: warped target rows (n + 1, V)."""
+    for t, x in enumerate(drafts):
+        if cfg.greedy:
+            ok = int(p[t].argmax()) == x
+        else:
+            ok = uniform(generator) < min(1.0, float(p[t, x]) / float(q[t, x]))
+        if not ok:
+            nxt = int(p[t].argmax()) if cfg.greedy else sample(residual(p[t], q[t]), generator)
+            return ChainVerdict(accepted=t, next_token=nxt, bonus=False)
+    n = len(drafts)
+    nxt = int(p[n].argmax()) if cfg.greedy else sample(p[n], generator)
+    return ChainVerdict(accepted=n, next_token=nxt, bonus=True)
+
+
+def chain_nodes(
+    drafts: list[int], verdict: ChainVerdict, q_shown: torch.Tensor, p_shown: torch.Tensor,
+) -> list[NodeTrace]:
+    """The step's chain for the trace: accepted..., rejected, unverified..., then the
+    resampled or bonus token hanging under the last accepted draft."""
+    nodes = []
+    for t, x in enumerate(drafts):
+        status = ACCEPTED if t < verdict.accepted else REJECTED if t == verdict.accepted else UNVERIFIED
+        nodes.append(NodeTrace(
+            token_id=x, text="", parent=t - 1, depth=t + 1, status=status,
+            q=float(q_shown[t, x]), p=float(p_shown[t, x]) if status != UNVERIFIED else None,
+        ))
+    a = verdict.accepted
+    nodes.append(NodeTrace(
+        token_id=verdict.next_token, text="", parent=a - 1, depth=a + 1,
+        status=BONUS if verdict.bonus else RESAMPLED, p=float(p_shown[a, verdict.next_token]),
+    ))
+    return nodes
+
+
+class Speculative(Method):
+    name = "speculative"
+    uses_draft = True
+
+    def __init__(self, gamma: int = 5) -> None:
+        if gamma < 1:
+            raise SpecUIError(f"gamma (draft length) must be >= 1, got {gamma}")
+        self.gamma = gamma
+
+    def step(self, ctx: DecodeContext) -> StepResult:
+        assert ctx.draft is not None
+        cfg = ctx.sampling
+        gamma = max(0, min(self.gamma, ctx.remaining - 1))  # room for the bonus token
+        # 1. draft
+        with ctx.timer.phase("draft"):
+            if gamma:
+                drafts, q, q_logits = draft_chain(ctx.draft, ctx.ids, gamma, cfg, ctx.generator, ctx.eos_ids)
+            else:
+                drafts, q, q_logits = [], None, None
+        # 2. score all candidates in one target forward, 3. accept
+        with ctx.timer.phase("verify"):
+            p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
+            p = warp(p_logits, cfg)
+            verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
+        p_shown = shown_probs(p_logits, p, cfg)
+        q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
+        tokens = drafts[: verdict.accepted] + [verdict.next_token]
+        return StepResult(
+            tokens=tokens,
+            from_draft=[True] * verdict.accepted + [False],
+            nodes=chain_nodes(drafts, verdict, q_shown, p_shown),
+            drafted=len(drafts),
+            accepted=verdict.accepted,
+            gamma=gamma,
+        )

@@ -1,0 +1,87 @@
+"""Warping and sampling helpers (pure functions).
+
+Notation (DESIGN.md 2): p = target distribution, q = draft distribution. Warping T
+(temperature, top-k, top-p) is applied to both before any comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specui.errors import SpecUIError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How next tokens are chosen. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise SpecUIError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecUIError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecUIError(f"top-p must be in (0, 1], got {self.top_p}")
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Logits (..., V) -> warped probabilities T(softmax(logits)), in the order
+    temperature, top-k, top-p (the order transformers applies them in).
+    Greedy configs get a one-hot distribution at the argmax."""
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    scores = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= (1.0 - cfg.top_p)
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """res(p, q) = norm(max(0, p - q)); falls back to p when p <= q everywhere (p == q)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    if bool((total <= 0).any()):
+        return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+    return r / total
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from a 1-D probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    device = generator.device if generator is not None else "cpu"
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device).item())
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on the models' device, so draws never leave it."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return g
+
+
+def shown_probs(logits: torch.Tensor, warped: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Probabilities to display in traces: the warped ones when sampling, plain softmax
+    when greedy (the one-hot greedy 'distribution' says nothing)."""
+    return logits.float().softmax(-1) if cfg.greedy else warped

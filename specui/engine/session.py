@@ -1,0 +1,105 @@
+"""ModelSession: one HF causal LM, its KV cache and the token ids the cache holds.
+
+This is the only code that touches cache internals. Invariant kept by the engine: the
+cache holds a prefix of the committed sequence; `advance` feeds whatever is missing and
+returns the logits asked for, `commit` crops back to the longest prefix that is still true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelSession:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache(config=model.config)
+        self.cached_ids: list[int] = []
+
+    # -- cache bookkeeping -------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return len(self.cached_ids)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_ids = []
+
+    def _crop(self, keep: int) -> None:
+        if keep < self.length:
+            if keep == 0:
+                self.reset()
+                return
+            self.cache.crop(keep - self.length)  # transformers 5: negative = tokens to drop
+            del self.cached_ids[keep:]
+
+    def commit(self, ids: Sequence[int]) -> None:
+        """Drop cached entries that are not a prefix of `ids` (rejected drafts)."""
+        self._crop(common_prefix(self.cached_ids, ids))
+
+    # -- forwards ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def advance(self, ids: Sequence[int], need: int = 1) -> torch.Tensor:
+        """Make the cache hold all of `ids`; return the logits (need, V) at its last `need`
+        positions (logits at position i predict token i + 1). The prefix is never recomputed."""
+        need = max(1, min(need, len(ids)))
+        keep = min(common_prefix(self.cached_ids, ids), len(ids) - need)
+        self._crop(keep)
+        new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=new, past_key_values=self.cache, use_cache=True, logits_to_keep=need)
+        self.cached_ids.extend(ids[keep:])
+        return out.logits[0, -need:, : self.vocab_size]
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Cache all but the last token of `ids` (the last is fed by the first step)."""
+        if len(ids) > 1:
+            keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+            self._crop(keep)
+            if keep < len(ids) - 1:
+                self.advance(ids[:-1], need=1)
+
+    # -- introspection (tests) ---------------------------------------------------------
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) for the cached positions."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+class BeamBatch:
+    """A batch of `width` beams over one prompt: a batched KV cache that is reordered as
+    beams are kept, dropped and duplicated (beam search needs rows, not a token tree)."""
+
+    def __init__(self, session: ModelSession) -> None:
+        self.model = session.model
+        self.vocab_size = session.vocab_size
+        self.device = session.device
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def start(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Prefill the prompt once; returns the logits (1, V) for the first new token."""
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, : self.vocab_size]
+
+    @torch.inference_mode()
+    def step(self, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Keep cache rows `parents` (one per surviving beam, duplicates allowed), feed each
+        beam its new token; returns the logits (B, V) for the next token of every beam."""
+        if self.cache.batch_size != len(parents) or not bool((parents == torch.arange(len(parents), device=parents.device)).all()):
+            self.cache.reorder_cache(parents.to(self.device))
+        out = self.model(input_ids=tokens.view(-1, 1).to(self.device), past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1, : self.vocab_size]

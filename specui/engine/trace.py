@@ -1,0 +1,118 @@
+"""Step traces: plain Python data, one per target forward pass. The UI reads only these."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+# Node statuses (DESIGN.md 4). "target" = a token the target produced with no draft.
+ACCEPTED, REJECTED, RESAMPLED, BONUS, UNVERIFIED, TARGET = (
+    "accepted", "rejected", "resampled", "bonus", "unverified", "target",
+)
+STATUSES = (ACCEPTED, REJECTED, RESAMPLED, BONUS, UNVERIFIED, TARGET)
+
+
+@dataclass
+class NodeTrace:
+    """One token of a step's tree (or chain, or beam layer). parent = -1 for roots."""
+
+    token_id: int
+    text: str
+    parent: int
+    depth: int
+    status: str
+    q: float | None = None  # draft probability of this token (warped)
+    p: float | None = None  # target probability of this token (warped)
+    p_hat: float | None = None  # product of draft probabilities along the path (trees)
+    beam: int | None = None  # which beam / tree of a forest this node belongs to
+    score: float | None = None  # beam log-likelihood after this token
+
+    @property
+    def accept_ratio(self) -> float | None:
+        if self.p is None or not self.q:
+            return None
+        return min(1.0, self.p / self.q)
+
+
+@dataclass
+class StepTrace:
+    """What one engine step did: the drafted nodes and their fate, what was committed,
+    the dynamic choices made, and timings."""
+
+    index: int
+    method: str
+    nodes: list[NodeTrace] = field(default_factory=list)
+    drafted: int = 0  # draft tokens proposed this step
+    accepted: int = 0  # draft tokens accepted this step
+    new_token_ids: list[int] = field(default_factory=list)
+    new_from_draft: list[bool] = field(default_factory=list)  # provenance of each new token
+    new_text: str = ""
+    text: str = ""  # the reply so far (beam search may rewrite it)
+    gamma: int | None = None  # candidate length used this step
+    beam_width: int | None = None
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepTrace:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["nodes"] = [NodeTrace(**n) for n in d.get("nodes", [])]
+        return cls(**kw)
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation figures (the CLI prints these)."""
+
+    method: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """1 + accepted / steps: tokens committed per target forward for chain methods."""
+        return 1.0 + self.accepted / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            mean_accepted_length=round(self.mean_accepted_length, 4),
+            acceptance_rate=round(self.acceptance_rate, 4),
+            tokens_per_s=round(self.tokens_per_s, 3),
+            wall_s=round(self.wall_s, 4),
+        )
+        return d
+
+
+def traces_to_json(steps: list[StepTrace], stats: GenerationStats | None = None) -> str:
+    return json.dumps(
+        {"stats": stats.to_dict() if stats else None, "steps": [s.to_dict() for s in steps]},
+        ensure_ascii=False,
+    )
+
+
+def traces_from_json(text: str) -> list[StepTrace]:
+    return [StepTrace.from_dict(s) for s in json.loads(text)["steps"]]

