@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cli:
             return run_cli(args)
-        from specui.ui.launch import launch
+        from specui.webapp import launch
 
         return launch(args)
     except SpecUIError as e:

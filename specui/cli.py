@@ -16,7 +16,8 @@ from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
 from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
 from specui.pair import DEFAULT_TARGET, ModelPair, default_draft_source, load_pair
-from specui.service import ChatService, ChatSettings
+from specui.service import ChatService
+from specui.settings import ChatSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hub id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)")
     m.add_argument("--draft", default="default",
                    help="hub id, local folder or .gguf file; 'default' = the shipped draft; 'none' = no draft")
-    m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights dtype (auto: bf16 on GPU, fp32 on CPU)")
+    m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights dtype (auto: bf16 on GPU, fp32 on CPU)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     m.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="target quantization (bitsandbytes)")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
@@ -14,36 +14,33 @@ from specui.chat import Message, build_prompt
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
 from specui.pair import ModelPair
+from specui.settings import ChatSettings
 
 
-@dataclass
-class ChatSettings:
-    """Every user-facing knob; each method takes the ones its constructor names."""
+def method_params(settings: ChatSettings) -> dict:
+    """The settings a method's constructor names (gamma=..., width=...)."""
+    if settings.method not in METHODS:
+        return {}
+    wanted = inspect.signature(METHODS[settings.method].__init__).parameters
+    return {k: v for k, v in asdict(settings).items() if k in wanted and k != "self"}
 
-    method: str = "speculative"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    gamma: int = 5  # speculative: draft length
-    width: int = 4  # beam: beam width
-    stop_strings: tuple[str, ...] = ()
 
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
-
-    def method_params(self) -> dict:
-        if self.method not in METHODS:
-            return {}
-        wanted = inspect.signature(METHODS[self.method].__init__).parameters
-        return {k: v for k, v in asdict(self).items() if k in wanted and k != "self"}
+def sampling_config(settings: ChatSettings) -> SamplingConfig:
+    return SamplingConfig(settings.temperature, settings.top_k, settings.top_p, settings.seed)
 
 
 class ChatService:
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
         self.engine = pair.engine()
+
+    @property
+    def target_label(self) -> str:
+        return self.pair.target.label
+
+    @property
+    def draft_label(self) -> str:
+        return self.pair.draft.label if self.pair.draft else "none"
 
     @property
     def methods(self) -> list[str]:
@@ -57,12 +54,12 @@ class ChatService:
     ) -> tuple[Generation, int]:
         """Build the prompt (dropping the oldest turns if it must) and a ready Generation.
         Returns (generation, number of turns dropped to fit the context)."""
-        method = make_method(settings.method, **settings.method_params())
+        method = make_method(settings.method, **method_params(settings))
         budget = self.engine.context_len - 1
         prompt, dropped = build_prompt(self.pair.target.tokenizer, messages, budget)
         request = GenerationRequest(
             prompt_ids=prompt, max_new_tokens=settings.max_new_tokens,
-            sampling=settings.sampling(), stop_strings=tuple(settings.stop_strings),
+            sampling=sampling_config(settings), stop_strings=tuple(settings.stop_strings),
         )
         return self.engine.generate(request, method, cancel), dropped
 

@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
 from specui.engine.sampling import SamplingConfig, make_generator
 from specui.engine.session import ModelSession

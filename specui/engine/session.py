@@ -99,7 +99,8 @@ class BeamBatch:
     def step(self, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Keep cache rows `parents` (one per surviving beam, duplicates allowed), feed each
         beam its new token; returns the logits (B, V) for the next token of every beam."""
-        if self.cache.batch_size != len(parents) or not bool((parents == torch.arange(len(parents), device=parents.device)).all()):
+        identity = torch.arange(len(parents), device=parents.device)
+        if self.cache.batch_size != len(parents) or not bool((parents == identity).all()):
             self.cache.reorder_cache(parents.to(self.device))
         out = self.model(input_ids=tokens.view(-1, 1).to(self.device), past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1, : self.vocab_size]

@@ -1,0 +1,20 @@
+"""User-facing generation settings (plain data; shared by the CLI and the UI, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ChatSettings:
+    """Every knob a user can turn; each method takes the ones its constructor names."""
+
+    method: str = "speculative"
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    gamma: int = 5  # speculative: draft tokens per step
+    width: int = 4  # beam: number of beams
+    stop_strings: tuple[str, ...] = ()

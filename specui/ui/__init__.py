@@ -1,0 +1,1 @@
+"""Gradio layout, handlers and plotly figure builders. Reads step traces only; no torch."""

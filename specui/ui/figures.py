@@ -1,0 +1,113 @@
+"""Plotly figures built from step traces (plain data)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+from specui.engine.trace import StepTrace
+
+STATUS_COLORS = {
+    "accepted": "#2e9e44",
+    "rejected": "#d62728",
+    "resampled": "#ff9f1c",
+    "bonus": "#1f77b4",
+    "unverified": "#b0b0b0",
+    "target": "#6f42c1",
+}
+
+
+def tree_layout(parents: Sequence[int]) -> list[tuple[float, float]]:
+    """(x = depth, y = tidy leaf order) for each node; parent -1 hangs under a virtual
+    root (the committed context) at (0, y)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    pos: dict[int, tuple[float, float]] = {}
+    next_leaf = [0.0]
+
+    def place(node: int, depth: int) -> float:
+        kids = children.get(node, [])
+        if not kids:
+            y = next_leaf[0]
+            next_leaf[0] += 1.0
+        else:
+            ys = [place(k, depth + 1) for k in kids]
+            y = sum(ys) / len(ys)
+        pos[node] = (float(depth), y)
+        return y
+
+    place(-1, 0)
+    return [pos[i] for i in range(len(parents))]
+
+
+def _hover(node) -> str:
+    parts = [f"<b>{node.text!r}</b> ({node.token_id})", f"status: {node.status}"]
+    for label, value in (("q", node.q), ("p", node.p), ("p^", node.p_hat), ("min(1,p/q)", node.accept_ratio)):
+        if value is not None:
+            parts.append(f"{label} = {value:.4f}")
+    if node.score is not None:
+        parts.append(f"beam log-lik = {node.score:.3f}")
+    return "<br>".join(parts)
+
+
+def tree_figure(step: StepTrace | None) -> go.Figure:
+    """The step's draft tree (chain, tree or beam layer): nodes coloured by status."""
+    fig = go.Figure()
+    if step is None or not step.nodes:
+        fig.update_layout(title="draft tree: no step yet", height=320)
+        return fig
+    parents = [n.parent for n in step.nodes]
+    xy = tree_layout(parents)
+    root_y = sum(y for (x, y), p in zip(xy, parents) if p == -1) / max(1, parents.count(-1))
+    edge_x, edge_y = [], []
+    for (x, y), p in zip(xy, parents):
+        px, py = (0.0, root_y) if p == -1 else xy[p]
+        edge_x += [px, x, None]
+        edge_y += [py, y, None]
+    fig.add_trace(go.Scatter(x=edge_x, y=edge_y, mode="lines", line=dict(color="#999", width=1),
+                             hoverinfo="skip", showlegend=False))
+    fig.add_trace(go.Scatter(x=[0.0], y=[root_y], mode="markers+text", text=["context"],
+                             textposition="middle left", marker=dict(size=14, color="#444"),
+                             hoverinfo="skip", showlegend=False))
+    for status, color in STATUS_COLORS.items():
+        idx = [i for i, n in enumerate(step.nodes) if n.status == status]
+        if not idx:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[xy[i][0] for i in idx], y=[xy[i][1] for i in idx], mode="markers+text", name=status,
+            text=[step.nodes[i].text for i in idx], textposition="top center",
+            marker=dict(size=18, color=color, line=dict(color="white", width=1)),
+            hovertext=[_hover(step.nodes[i]) for i in idx], hoverinfo="text",
+        ))
+    fig.update_layout(
+        title=f"step {step.index}: {step.accepted}/{step.drafted} drafts accepted, "
+              f"+{len(step.new_token_ids)} tokens",
+        height=320, margin=dict(l=20, r=20, t=40, b=20),
+        xaxis=dict(title="depth", dtick=1, zeroline=False), yaxis=dict(visible=False),
+    )
+    return fig
+
+
+def acceptance_figure(steps: Sequence[StepTrace]) -> go.Figure:
+    """Accepted vs rejected draft tokens per step, and the running mean accepted length."""
+    xs = [s.index for s in steps]
+    accepted = [s.accepted for s in steps]
+    rejected = [s.drafted - s.accepted for s in steps]
+    running, total = [], 0
+    for i, s in enumerate(steps):
+        total += len(s.new_token_ids)
+        running.append(total / (i + 1))
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=xs, y=accepted, name="accepted", marker_color=STATUS_COLORS["accepted"]))
+    fig.add_trace(go.Bar(x=xs, y=rejected, name="rejected / unverified", marker_color=STATUS_COLORS["rejected"]))
+    fig.add_trace(go.Scatter(x=xs, y=running, name="tokens per target forward (running mean)",
+                             mode="lines", yaxis="y2", line=dict(color="#1f77b4")))
+    fig.update_layout(
+        barmode="stack", height=280, margin=dict(l=20, r=20, t=30, b=20),
+        xaxis=dict(title="step"), yaxis=dict(title="draft tokens"),
+        yaxis2=dict(overlaying="y", side="right", title="tokens / forward", rangemode="tozero"),
+        legend=dict(orientation="h", y=1.15),
+    )
+    return fig

@@ -1,0 +1,44 @@
+"""Load the pair from flags, build the page, launch it (local, or shared with auth)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specui.cli import load_from_args
+from specui.errors import SpecUIError
+from specui.service import ChatService
+
+
+def parse_auth(value: str | None) -> list[tuple[str, str]] | None:
+    """'user:pass', or a file with one user:pass per line."""
+    if not value:
+        return None
+    path = Path(value)
+    lines = path.read_text().splitlines() if path.is_file() else [value]
+    pairs = [tuple(line.split(":", 1)) for line in lines if line.strip() and not line.startswith("#")]
+    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        raise SpecUIError("--auth needs user:pass (or a file of user:pass lines)")
+    return [(u.strip(), p.strip()) for u, p in pairs]
+
+
+def launch(args: argparse.Namespace) -> int:
+    from specui.ui.chat_ui import build_ui
+
+    auth = parse_auth(args.auth)
+    if args.share and not auth:
+        print("warning: --share without --auth makes your model public to anyone with the link", file=sys.stderr)
+    print("loading models…", file=sys.stderr)
+    service = ChatService(load_from_args(args))
+    demo = build_ui(service).queue(max_size=args.queue, default_concurrency_limit=1)
+    kwargs = dict(server_name=args.host, server_port=args.port, auth=auth)
+    if args.share:
+        try:
+            demo.launch(share=True, **kwargs)
+            return 0
+        except Exception as e:  # noqa: BLE001 - the share tunnel is optional
+            print(f"warning: could not open a public share link ({e}); serving locally only", file=sys.stderr)
+            demo.close()
+    demo.launch(**kwargs)
+    return 0
