@@ -16,7 +16,7 @@ from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
 from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
 from specui.pair import DEFAULT_TARGET, ModelPair, default_draft_source, load_pair
-from specui.service import ChatService
+from specui.service import ChatService, validate_settings
 from specui.settings import ChatSettings
 
 
@@ -83,8 +83,9 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
 
 def load_from_args(args: argparse.Namespace) -> ModelPair:
     target, draft = specs_from_args(args)
-    settings = settings_from_args(args)  # validate cheap things before loading models
-    if draft is None and settings.method in METHODS and METHODS[settings.method].uses_draft:
+    settings = settings_from_args(args)
+    validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
+    if draft is None and METHODS[settings.method].uses_draft:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     return load_pair(target, draft)
 
@@ -92,6 +93,8 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
 def run_cli(args: argparse.Namespace) -> int:
     if args.prompt is None:
         raise SpecUIError("--cli needs --prompt \"your message\"")
+    if not args.prompt.strip():
+        raise SpecUIError("the message is empty: type something to send")
     settings = settings_from_args(args)
     service = ChatService(load_from_args(args))
     messages = ([{"role": "system", "content": args.system}] if args.system else [])

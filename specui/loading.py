@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def _quantization_config(quantization: str, dtype: torch.dtype):
     except ImportError:
         raise SpecUIError("quantization needs bitsandbytes: pip install bitsandbytes") from None
     if quantization == "8bit":
+        warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*")  # once per forward
         return BitsAndBytesConfig(load_in_8bit=True)
     compute = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)

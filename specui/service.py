@@ -29,6 +29,14 @@ def sampling_config(settings: ChatSettings) -> SamplingConfig:
     return SamplingConfig(settings.temperature, settings.top_k, settings.top_p, settings.seed)
 
 
+def validate_settings(settings: ChatSettings) -> None:
+    """Raise SpecUIError for settings no generation could run with."""
+    make_method(settings.method, **method_params(settings))
+    sampling_config(settings).validate()
+    if settings.max_new_tokens < 1:
+        raise SpecUIError(f"max new tokens must be >= 1, got {settings.max_new_tokens}")
+
+
 class ChatService:
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair

@@ -23,10 +23,12 @@ class TinyTokenizer:
         return "".join(f"t{i} " for i in ids if not (skip_special_tokens and i == EOS))
 
 
-def tiny_llama(seed: int, layers: int = 2, vocab: int = TINY_VOCAB, dtype=torch.float64) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int, layers: int = 2, vocab: int = TINY_VOCAB, dtype=torch.float64, hidden: int = 32,
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False,
     )
@@ -51,3 +53,57 @@ def tiny_engine(tiny_target, tiny_draft):
     from specui.engine import Engine
 
     return Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def word_tokenizer(words: list[str]):
+    """A real fast tokenizer (word level) with a chat template, built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "<|end|>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {w: i for i, w in enumerate(specials + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<|end|>", unk_token="<unk>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+WORDS = [f"w{i}" for i in range(TINY_VOCAB - 7)]
+
+
+def save_tiny_model(folder, seed: int, layers: int, words=WORDS, dtype=torch.float32, hidden: int = 32):
+    """A local model folder (config, safetensors, tokenizer) like any downloaded model."""
+    tokenizer = word_tokenizer(words)
+    model = tiny_llama(seed, layers=layers, vocab=len(tokenizer), dtype=dtype, hidden=hidden)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """(target folder, draft folder with the same tokenizer, draft folder with another tokenizer)."""
+    root = tmp_path_factory.mktemp("models")
+    target = save_tiny_model(root / "target", seed=0, layers=3)
+    draft = save_tiny_model(root / "draft", seed=1, layers=1)
+    other = save_tiny_model(root / "other", seed=2, layers=1, words=[f"x{i}" for i in range(TINY_VOCAB - 7)])
+    return target, draft, other
+
+
+@pytest.fixture(scope="session")
+def bundled_pair():
+    """The bundled SmolLM2-135M-Instruct (GGUF, float32) and the default draft."""
+    from specui.loading import BUNDLED, ModelSpec
+    from specui.pair import default_draft_source, load_pair
+
+    spec = ModelSpec(BUNDLED, dtype="float32", device="cpu")
+    return load_pair(spec, spec.with_source(default_draft_source()))

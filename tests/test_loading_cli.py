@@ -1,0 +1,141 @@
+"""Loading from local folders (and quantized), the headless CLI, and bad input: one clear
+message each, exit code 2, never a traceback."""
+
+import json
+
+import pytest
+import torch
+
+import app
+from conftest import save_tiny_model
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.errors import SpecUIError
+from specui.loading import ModelSpec, load_model
+from specui.pair import load_pair
+
+
+def cli(capsys, *argv):
+    code = app.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_json_reports_reply_and_stats(capsys, tiny_dirs):
+    target, draft, _ = tiny_dirs
+    code, out, err = cli(capsys, "--cli", "--target", str(target), "--draft", str(draft), "--method", "speculative",
+                         "--prompt", "w1 w2 w3", "--max-new-tokens", "16", "--temperature", "0", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    stats = result["stats"]
+    assert isinstance(result["reply"], str)
+    assert 1 <= stats["new_tokens"] <= 16
+    for key in ("target_forwards", "mean_accepted_length", "acceptance_rate", "tokens_per_s", "wall_s"):
+        assert key in stats
+    assert stats["mean_accepted_length"] == pytest.approx(1 + stats["accepted"] / stats["target_forwards"], abs=1e-3)
+
+
+def test_cli_methods_agree_greedy_and_write_a_trace(capsys, tiny_dirs, tmp_path):
+    target, draft, _ = tiny_dirs
+    replies = {}
+    for method in ("autoregressive", "speculative", "beam"):
+        extra = ["--beam-width", "1"] if method == "beam" else []
+        code, out, err = cli(capsys, "--cli", "--target", str(target), "--draft", str(draft), "--method", method,
+                             "--prompt", "w4 w5", "--max-new-tokens", "12", "--json", "--trace",
+                             str(tmp_path / f"{method}.json"), *extra)
+        assert code == 0, err
+        replies[method] = json.loads(out)["reply"]
+        steps = json.loads((tmp_path / f"{method}.json").read_text())["steps"]
+        assert steps and all("nodes" in s for s in steps)
+    assert replies["autoregressive"] == replies["speculative"] == replies["beam"]
+
+
+def test_cli_plain_output_streams_text_and_stats(capsys, tiny_dirs):
+    target, _, _ = tiny_dirs
+    code, out, err = cli(capsys, "--cli", "--target", str(target), "--draft", "none", "--method", "autoregressive",
+                         "--prompt", "w1", "--max-new-tokens", "5", "--temperature", "0.7", "--seed", "1")
+    assert code == 0 and "tokens_per_s=" in err
+
+
+BAD = [
+    (["--target", "/no/such/model"], "does not exist"),
+    (["--target", "./missing-folder"], "does not exist"),
+    (["--method", "warp-speed"], "unknown decoding method"),
+    (["--prompt", "   "], "empty"),
+    (["--prompt", " ".join(["w3"] * 400)], "context window"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top-p"),
+    (["--gamma", "0"], "gamma"),
+    (["--max-new-tokens", "0"], "max new tokens"),
+    (["--quantization", "4bit", "--device", "cuda"], "no CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_gives_one_clear_message(capsys, tiny_dirs, extra, message):
+    target, draft, _ = tiny_dirs
+    argv = ["--cli", "--target", str(target), "--draft", str(draft), "--prompt", "w1 w2", "--max-new-tokens", "4"]
+    code, out, err = cli(capsys, *argv, *extra)
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last
+    assert "Traceback" not in err and err.count("error") == 1
+
+
+def test_mismatched_draft_tokenizer_is_refused(capsys, tiny_dirs):
+    target, _, other = tiny_dirs
+    code, _, err = cli(capsys, "--cli", "--target", str(target), "--draft", str(other), "--prompt", "w1")
+    assert code == 2 and "tokenizer differs" in err
+    with pytest.raises(SpecUIError, match="tokenizer differs"):
+        load_pair(ModelSpec(str(target)), ModelSpec(str(other)))
+
+
+def test_method_needing_a_draft_without_one(capsys, tiny_dirs):
+    target, _, _ = tiny_dirs
+    code, _, err = cli(capsys, "--cli", "--target", str(target), "--draft", "none", "--method", "speculative",
+                       "--prompt", "w1")
+    assert code == 2 and "needs a draft" in err
+
+
+def test_unreachable_hub_id_is_a_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SpecUIError, match="could not load"):
+        load_model(ModelSpec("specui-tests/definitely-not-a-model"))
+
+
+def test_file_that_is_not_gguf_is_refused(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(SpecUIError, match="not a .gguf"):
+        load_model(ModelSpec(str(tmp_path / "weights.bin")))
+
+
+def test_engine_refuses_prompt_at_context_length(tiny_target):
+    engine = Engine(tiny_target, None, eos_ids=[])
+    with pytest.raises(SpecUIError, match="context window"):
+        engine.generate(GenerationRequest([1] * 256, 4), make_method("autoregressive"))
+    # a prompt that fits gets max_new_tokens clamped to the room left
+    gen = engine.generate(GenerationRequest([1] * 250, 50), make_method("autoregressive"))
+    assert gen.request.max_new_tokens == 6
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_quantized_target_on_cpu_decodes_and_speculates_losslessly(tmp_path, quantization):
+    # bitsandbytes quantizes in blocks of 64: the layers must be at least that wide
+    target = save_tiny_model(tmp_path / "target", seed=0, layers=2, hidden=128)
+    draft = save_tiny_model(tmp_path / "draft", seed=1, layers=1, hidden=128)
+    pair = load_pair(ModelSpec(str(target), quantization=quantization), ModelSpec(str(draft)))
+    linear = type(pair.target.model.model.layers[0].mlp.gate_proj).__name__
+    assert linear == ("Linear4bit" if quantization == "4bit" else "Linear8bitLt")
+    engine = pair.engine()
+    prompt = pair.target.tokenizer("w1 w2 w3")["input_ids"]
+    ar = engine.generate(GenerationRequest(prompt, 12), make_method("autoregressive")).run()
+    spec = engine.generate(GenerationRequest(prompt, 12), make_method("speculative", gamma=3)).run()
+    assert spec.output_ids == ar.output_ids and len(ar.output_ids) > 0
+    assert pair.target.memory_bytes < load_model(ModelSpec(str(target))).memory_bytes
+
+
+def test_dtype_and_device_choices(tiny_dirs):
+    target, _, _ = tiny_dirs
+    loaded = load_model(ModelSpec(str(target), dtype="float64", device="cpu"))
+    assert loaded.model.dtype == torch.float64 and loaded.device.type == "cpu"
+    with pytest.raises(SpecUIError, match="unknown dtype"):
+        load_model(ModelSpec(str(target), dtype="float8"))
