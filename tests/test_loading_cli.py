@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+from conftest import save_tiny_model
 
 import app
-from conftest import save_tiny_model
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
 from specui.loading import ModelSpec, load_model

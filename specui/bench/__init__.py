@@ -1,0 +1,1 @@
+"""Benchmarks: our methods vs autoregressive vs transformers' own generate, side by side."""
