@@ -15,7 +15,7 @@ from specui.engine.methods import METHODS
 from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
 from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
-from specui.pair import DEFAULT_TARGET, ModelPair, default_draft_source, load_pair
+from specui.pair import DEFAULT_TARGET, ModelPair, default_draft_source, get_preset, load_pair
 from specui.service import ChatService, validate_settings
 from specui.settings import ChatSettings
 
@@ -25,14 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="app.py", description="SpecUI: chat with a local LLM and watch speculative decoding.",
     )
     m = ap.add_argument_group("models")
-    m.add_argument("--target", default=DEFAULT_TARGET,
+    m.add_argument("--preset", help="a named pair from models/presets.json (--target / --draft override it)")
+    m.add_argument("--target",
                    help="hub id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)")
-    m.add_argument("--draft", default="default",
+    m.add_argument("--draft",
                    help="hub id, local folder or .gguf file; 'default' = the shipped draft; 'none' = no draft")
     m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weights dtype (auto: bf16 on GPU, fp32 on CPU)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    m.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="target quantization (bitsandbytes)")
+    m.add_argument("--quantization", choices=QUANTIZATIONS, help="target quantization (bitsandbytes; default none)")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
 
@@ -64,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
-    target = ModelSpec(args.target, args.dtype, args.device, args.quantization, args.trust_remote_code)
-    if args.draft == "none":
+    """Model specs from the flags: explicit --target / --draft / --quantization win over --preset."""
+    preset = get_preset(args.preset) if args.preset else None
+    target_src = args.target or (preset.target if preset else DEFAULT_TARGET)
+    draft_src = args.draft or (preset.draft if preset else "default")
+    quant = args.quantization or (preset.quantization if preset else "none")
+    target = ModelSpec(target_src, args.dtype, args.device, quant, args.trust_remote_code)
+    if draft_src == "none":
         return target, None
-    source = default_draft_source() if args.draft == "default" else args.draft
+    source = default_draft_source() if draft_src == "default" else draft_src
     return target, ModelSpec(source, args.dtype, args.device, args.draft_quantization, args.trust_remote_code)
 
 

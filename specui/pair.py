@@ -2,17 +2,42 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from specui.chat import stop_token_ids
+from specui.draft_model import is_specui_draft, load_draft
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.loading import BUNDLED, LoadedModel, ModelSpec, check_same_tokenizer, load_model
+from specui.loading import BUNDLED, LoadedModel, ModelSpec, check_same_tokenizer, load_model, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 PLACEHOLDER_DRAFT = REPO / "models" / "smollm2-135m-draft-placeholder"
+PRESETS_FILE = REPO / "models" / "presets.json"
 DEFAULT_TARGET = BUNDLED
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target: str
+    draft: str
+    quantization: str = "none"
+
+
+def load_presets(path: Path = PRESETS_FILE) -> dict[str, Preset]:
+    """Named model pairs from models/presets.json."""
+    raw = json.loads(path.read_text())
+    return {name: Preset(name=name, **entry) for name, entry in raw.items()}
+
+
+def get_preset(name: str) -> Preset:
+    presets = load_presets()
+    if name not in presets:
+        raise SpecUIError(f"unknown preset '{name}'; choose one of: {', '.join(presets)}")
+    return presets[name]
 
 
 def default_draft_source() -> str:
@@ -45,6 +70,19 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None) -> ModelPair:
     loaded_target = load_model(target)
     loaded_draft = None
     if draft is not None:
-        loaded_draft = load_model(draft)
+        if is_specui_draft(draft.source):
+            loaded_draft = load_specui_draft(draft, loaded_target)
+        else:
+            loaded_draft = load_model(draft)
         check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
     return ModelPair(loaded_target, loaded_draft)
+
+
+def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
+    """A draft trained by `python -m specui.train`: it shares the target's embeddings and
+    follows the target's device and dtype."""
+    tokenizer = load_tokenizer(spec)
+    check_same_tokenizer(target.tokenizer, tokenizer)
+    model = load_draft(spec.source, target.model)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=target.device,
+                       label=Path(spec.source).name)

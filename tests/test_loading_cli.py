@@ -139,3 +139,20 @@ def test_dtype_and_device_choices(tiny_dirs):
     assert loaded.model.dtype == torch.float64 and loaded.device.type == "cpu"
     with pytest.raises(SpecUIError, match="unknown dtype"):
         load_model(ModelSpec(str(target), dtype="float8"))
+
+
+def test_presets_resolve_and_flags_override(capsys):
+    from specui.cli import build_parser, specs_from_args
+    from specui.pair import load_presets
+
+    presets = load_presets()
+    assert "smollm2-135m" in presets and all(p.target for p in presets.values())
+    args = build_parser().parse_args(["--preset", "qwen2.5-7b-4bit"])
+    target, draft = specs_from_args(args)
+    assert target.source == "Qwen/Qwen2.5-7B-Instruct" and target.quantization == "4bit"
+    assert draft.source == "Qwen/Qwen2.5-0.5B-Instruct"
+    args = build_parser().parse_args(["--preset", "qwen2.5-7b-4bit", "--quantization", "none", "--draft", "none"])
+    target, draft = specs_from_args(args)
+    assert target.quantization == "none" and draft is None
+    code, _, err = cli(capsys, "--cli", "--preset", "nope", "--prompt", "hi")
+    assert code == 2 and "unknown preset" in err

@@ -1,0 +1,143 @@
+"""Distil a draft for a target, on the target's own answers to the project's prompts.
+
+    python -m specui.train draft --out models/smollm2-135m-draft      # collect, train, evaluate, ship
+    python -m specui.train collect                                    # only the target's answers
+    python -m specui.train eval --draft models/smollm2-135m-draft     # quality + cost on held-out
+
+Data and checkpoints go to --work (resumable: rerun the same command to continue). The
+draft is written to a temporary folder and moved over --out only when everything succeeded,
+so a failed run never overwrites a shipped draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specui.bench.prompts import HELDOUT, TRAIN, load_prompts
+from specui.chat import stop_token_ids
+from specui.draft_model import load_draft, save_draft
+from specui.errors import SpecUIError
+from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
+from specui.train.cost import decode_ms
+from specui.train.data import AnswerSet, check_chat_model, collect
+from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
+from specui.train.trainer import TrainConfig, train
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specui.train", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=BUNDLED)
+    common.add_argument("--device", default="auto")
+    common.add_argument("--train-prompts", type=Path, default=TRAIN)
+    common.add_argument("--heldout-prompts", type=Path, default=HELDOUT)
+    common.add_argument("--work", type=Path, default=Path("out/distill"), help="data cache and checkpoints")
+    common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
+    common.add_argument("--batch-size", type=int, default=32, help="prompts per batched target generate")
+    common.add_argument("--samples", type=int, default=0, help="extra sampled (T=0.8) answers per train prompt")
+    common.add_argument("--seed", type=int, default=0)
+    sub.add_parser("collect", parents=[common], help="collect the target's answers and top-k distributions")
+    d = sub.add_parser("draft", parents=[common], help="collect, build, train, evaluate and save a draft")
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--layers", default="0,-1", help="target layers the draft's layers start from")
+    d.add_argument("--head-size", type=int, default=8192, help="tokens the draft can propose")
+    d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--batch-tokens", type=int, default=4096)
+    e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
+    e.add_argument("--draft", type=Path, required=True)
+    return ap
+
+
+def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
+    tok, model = target.tokenizer, target.model
+    check_chat_model(tok)
+    eos = stop_token_ids(tok, model.generation_config)
+    kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
+    train_items = load_prompts(args.train_prompts)
+    heldout_items = load_prompts(args.heldout_prompts)
+    overlap = {i.id for i in train_items} & {i.id for i in heldout_items}
+    if overlap:
+        raise SpecUIError(f"train and held-out prompt sets share ids: {sorted(overlap)[:5]}")
+    train_set = collect(model, tok, train_items, eos, args.work / "train-greedy.pt", **kw)
+    for s in range(args.samples):
+        extra = collect(model, tok, train_items, eos, args.work / f"train-sampled-{s}.pt", temperature=0.8,
+                        **dict(kw, seed=args.seed + 1000 * (s + 1)))
+        for field in ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp"):
+            getattr(train_set, field).extend(getattr(extra, field))
+    heldout = collect(model, tok, heldout_items, eos, args.work / "heldout-greedy.pt", **kw)
+    return train_set, heldout
+
+
+def measure(draft, target: LoadedModel, heldout: AnswerSet) -> dict:
+    quality = evaluate(draft, heldout)
+    prompt = heldout.prompt_ids[0]
+    t_ms, d_ms = decode_ms(target.model, prompt), decode_ms(draft, prompt)
+    return {**asdict(quality), "target_ms_per_token": t_ms, "draft_ms_per_token": d_ms, "cost_ratio": d_ms / t_ms}
+
+
+def cmd_draft(args, target: LoadedModel) -> dict:
+    train_set, heldout = answer_sets(args, target)
+    eos = stop_token_ids(target.tokenizer, target.model.generation_config)
+    head = choose_head_tokens(train_set, args.head_size, eos)
+    layers = [int(x) for x in args.layers.split(",")]
+    torch.manual_seed(args.seed)
+    draft = build_draft(target.model, layers, head)
+    batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens)
+    print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
+          f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
+    before = evaluate(draft, heldout)
+    print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed,
+                      checkpoint=args.work / f"draft-{args.out.name}.ckpt")
+    t0 = time.time()
+    losses = train(draft, batches, lambda b: distill_loss(draft, b), cfg, desc="distil draft")
+    report = measure(draft, target, heldout)
+    report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),
+                  agreement_before_training=before.agreement, train_answer_tokens=train_set.answer_tokens,
+                  heldout_answer_tokens=heldout.answer_tokens,
+                  command="python -m specui.train " + " ".join(sys.argv[1:]))
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_draft(draft, tmp)
+    target.tokenizer.save_pretrained(tmp)
+    (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
+    load_draft(tmp, target.model)  # the saved folder must load before it replaces anything
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    tmp.replace(args.out)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        for path in (args.train_prompts, args.heldout_prompts):
+            load_prompts(path, 1)  # fail fast on a missing prompt file
+        target = load_model(ModelSpec(args.target, dtype="float32", device=args.device))
+        if args.cmd == "collect":
+            answer_sets(args, target)
+            return 0
+        if args.cmd == "eval":
+            _, heldout = answer_sets(args, target)
+            report = measure(load_draft(args.draft, target.model), target, heldout)
+        else:
+            report = cmd_draft(args, target)
+    except SpecUIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Draft distillation: build a small draft from the target (a few of its decoder layers,
+its embeddings shared, a reduced head over the K most frequent answer tokens) and train it
+to match the target's distribution (soft cross-entropy to the target's top-k, i.e. KL up
+to a constant) along the target's own answers."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specui.draft_model import SpecUIDraftForCausalLM
+from specui.train.data import AnswerSet
+
+
+def choose_head_tokens(data: AnswerSet, size: int, always: list[int]) -> torch.Tensor:
+    """The `size` token ids the draft may propose: `always` (EOS / end of turn), then the
+    most frequent answer tokens, then the tokens carrying the most teacher top-k mass."""
+    counts = Counter(t for answer in data.answer_ids for t in answer)
+    mass: Counter = Counter()
+    for ids, logp in zip(data.topk_ids, data.topk_logp):
+        for tok, p in zip(ids.flatten().tolist(), logp.float().exp().flatten().tolist()):
+            mass[tok] += p
+    chosen = list(dict.fromkeys(always))
+    for tok, _ in counts.most_common() + mass.most_common():
+        if len(chosen) >= size:
+            break
+        if tok not in chosen:
+            chosen.append(tok)
+    return torch.tensor(sorted(chosen[:size]), dtype=torch.long)
+
+
+def build_draft(target: PreTrainedModel, layers: list[int], head_tokens: torch.Tensor) -> SpecUIDraftForCausalLM:
+    """A draft whose decoder layers, final norm and head rows start as the target's."""
+    n = target.config.num_hidden_layers
+    layers = [i % n for i in layers]
+    config = copy.deepcopy(target.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    config.tie_word_embeddings = False
+    config.specui_draft = {"head_size": len(head_tokens), "init_layers": layers, "target_layers": n}
+    draft = SpecUIDraftForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for new, old in enumerate(layers):
+            draft.model.layers[new].load_state_dict(target.model.layers[old].state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+        head = target.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(head[head_tokens].float())
+        draft.token_map.copy_(head_tokens)
+    draft.model.embed_tokens = target.get_input_embeddings()  # shared with the target
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+@dataclass
+class Batch:
+    """Right-padded conversations (causal attention: padding after a sequence is harmless)."""
+
+    input_ids: torch.Tensor  # (B, T)
+    rows: torch.Tensor  # (N,) batch row of each answer position
+    cols: torch.Tensor  # (N,) position whose hidden state predicts the answer token
+    answer: torch.Tensor  # (N,) the target's token (vocabulary id)
+    teacher_idx: torch.Tensor  # (N, k) head index of each teacher top-k token, -1 if not in the head
+    teacher_p: torch.Tensor  # (N, k) teacher probabilities
+
+
+def make_batches(data: AnswerSet, head_tokens: torch.Tensor, vocab: int, batch_tokens: int) -> list[Batch]:
+    to_head = torch.full((vocab,), -1, dtype=torch.long)
+    to_head[head_tokens] = torch.arange(len(head_tokens))
+    order = sorted(range(len(data)), key=lambda i: len(data.prompt_ids[i]) + len(data.answer_ids[i]))
+    batches, group = [], []
+    for i in order + [None]:
+        longest = max((len(data.prompt_ids[j]) + len(data.answer_ids[j]) for j in group), default=0)
+        if i is None or (group and longest * (len(group) + 1) > batch_tokens):
+            if group:
+                batches.append(_batch(data, group, to_head))
+            group = []
+        if i is not None:
+            group.append(i)
+    return batches
+
+
+def _batch(data: AnswerSet, group: list[int], to_head: torch.Tensor) -> Batch:
+    seqs = [data.prompt_ids[i] + data.answer_ids[i] for i in group]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    rows, cols, answer, t_idx, t_p = [], [], [], [], []
+    for r, (i, seq) in enumerate(zip(group, seqs)):
+        input_ids[r, : len(seq)] = torch.tensor(seq)
+        start, n = len(data.prompt_ids[i]) - 1, len(data.answer_ids[i])
+        rows.append(torch.full((n,), r))
+        cols.append(torch.arange(start, start + n))
+        answer.append(torch.tensor(data.answer_ids[i]))
+        t_idx.append(to_head[data.topk_ids[i].long()])
+        t_p.append(data.topk_logp[i].float().exp())
+    return Batch(input_ids, torch.cat(rows), torch.cat(cols), torch.cat(answer), torch.cat(t_idx), torch.cat(t_p))
+
+
+def answer_logits(draft: SpecUIDraftForCausalLM, batch: Batch) -> torch.Tensor:
+    """Head logits (N, K) at every answer position of the batch."""
+    hidden = draft.model(input_ids=batch.input_ids.to(draft.device), use_cache=False).last_hidden_state
+    return draft.head_logits(hidden[batch.rows, batch.cols])
+
+
+def distill_loss(draft: SpecUIDraftForCausalLM, batch: Batch) -> torch.Tensor:
+    """Soft cross-entropy to the target's top-k distribution (tokens outside the head are
+    unreachable for the draft and dropped): KL(p || q) up to the target's entropy."""
+    logq = answer_logits(draft, batch).log_softmax(-1)
+    idx = batch.teacher_idx.to(logq.device)
+    p = batch.teacher_p.to(logq.device) * (idx >= 0)
+    picked = logq.gather(-1, idx.clamp_min(0))
+    return -(p * picked).sum(-1).mean()
+
+
+@dataclass
+class DraftQuality:
+    positions: int
+    agreement: float  # greedy top-1 agreement with the target along its answers
+    alpha: float  # seeds' acceptance measure: E[sum_x min(p(x), q(x))] (p from the teacher's top-k)
+    head_coverage: float  # fraction of answer tokens the head can propose
+    expected_accepted: dict[int, float]  # greedy: mean tokens per target forward at gamma, teacher-forced
+
+
+@torch.inference_mode()
+def evaluate(draft: SpecUIDraftForCausalLM, data: AnswerSet, batch_tokens: int = 4096,
+             gammas: tuple[int, ...] = (2, 3, 4, 5, 6)) -> DraftQuality:
+    vocab = draft.config.vocab_size
+    head = draft.token_map.cpu()
+    in_head = torch.zeros(vocab, dtype=torch.bool)
+    in_head[head] = True
+    agree_runs: list[list[bool]] = []
+    n = agree = covered = 0
+    alpha = 0.0
+    for batch in make_batches(data, head, vocab, batch_tokens):
+        logq = answer_logits(draft, batch).float().log_softmax(-1).cpu()
+        guess = head[logq.argmax(-1)]
+        hit = guess == batch.answer
+        agree += int(hit.sum())
+        n += len(hit)
+        covered += int(in_head[batch.answer].sum())
+        q_at = torch.where(batch.teacher_idx >= 0, logq.gather(-1, batch.teacher_idx.clamp_min(0)).exp(), 0.0)
+        alpha += float(torch.minimum(batch.teacher_p, q_at).sum())
+        for r in range(int(batch.rows.max()) + 1):
+            agree_runs.append(hit[batch.rows == r].tolist())
+    return DraftQuality(
+        positions=n, agreement=agree / n, alpha=alpha / n, head_coverage=covered / n,
+        expected_accepted={g: _mean_tokens_per_forward(agree_runs, g) for g in gammas},
+    )
+
+
+def _mean_tokens_per_forward(runs: list[list[bool]], gamma: int) -> float:
+    """Replay greedy speculative decoding over teacher-forced agreement: each step accepts
+    the drafts up to the first disagreement (at most gamma) and adds the target's token."""
+    tokens = forwards = 0
+    for hits in runs:
+        t = 0
+        while t < len(hits):
+            a = 0
+            while a < gamma and t + a < len(hits) and hits[t + a]:
+                a += 1
+            t += a + 1
+            tokens += a + 1
+            forwards += 1
+    return tokens / max(1, forwards)

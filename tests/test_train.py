@@ -1,0 +1,142 @@
+"""The distillation pipeline on tiny local models: data along target answers, the reduced-
+head draft (lossless in the engine), the trainer (resumable), save/load, the CLI, bad input."""
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from specui.bench.prompts import load_prompts
+from specui.chat import stop_token_ids
+from specui.draft_model import load_draft, save_draft
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.errors import SpecUIError
+from specui.loading import ModelSpec, load_model
+from specui.pair import load_pair
+from specui.train.__main__ import main as train_main
+from specui.train.data import collect
+from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
+from specui.train.trainer import TrainConfig, train
+
+
+def write_prompts(path, n, prefix):
+    rows = [{"id": f"{prefix}-{i}", "category": "chat",
+             "messages": [{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 50}" for j in range(4))}]}
+            for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    folder = save_tiny_model(root / "target", seed=0, layers=3)
+    target = load_model(ModelSpec(str(folder), dtype="float32"))
+    train_file = write_prompts(root / "train.jsonl", 24, "train")
+    heldout_file = write_prompts(root / "heldout.jsonl", 6, "heldout")
+    eos = stop_token_ids(target.tokenizer, target.model.generation_config)
+    data = collect(target.model, target.tokenizer, load_prompts(train_file), eos, root / "train.pt",
+                   max_new_tokens=24, batch_size=8, k=8)
+    return root, folder, target, data, train_file, heldout_file
+
+
+def test_collect_records_target_answers_and_resumes(setup):
+    root, _, target, data, train_file, _ = setup
+    assert len(data) == 24 and data.answer_tokens > 24
+    for answer, ids, logp in zip(data.answer_ids, data.topk_ids, data.topk_logp):
+        assert ids.shape == (len(answer), 8)
+        # answers are greedy: the target's top-1 is the answer token at every position
+        assert ids[:, 0].tolist() == answer
+        assert bool((logp[:, :-1] >= logp[:, 1:]).all())
+    eos = stop_token_ids(target.tokenizer, target.model.generation_config)
+    again = collect(target.model, target.tokenizer, load_prompts(train_file), eos, root / "train.pt",
+                    max_new_tokens=24, batch_size=8, k=8)
+    assert again.ids == data.ids  # nothing recollected
+
+
+def test_reduced_head_draft_is_lossless_and_trainable(setup):
+    _, _, target, data, _, _ = setup
+    head = choose_head_tokens(data, 20, always=[2])
+    assert 2 in head.tolist() and len(head) == 20
+    draft = build_draft(target.model, [0, -1], head)
+    assert draft.model.embed_tokens is target.model.get_input_embeddings()
+    logits = draft(input_ids=torch.tensor([[1, 5, 9]])).logits[0, -1]
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool)
+    outside[head] = False
+    assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[head]).all()
+
+    batches = make_batches(data, head, draft.config.vocab_size, batch_tokens=256)
+    before = evaluate(draft, data)
+    losses = train(draft, batches, lambda b: distill_loss(draft, b), TrainConfig(epochs=6, lr=3e-3, warmup_steps=2))
+    after = evaluate(draft, data)
+    assert sum(losses[-len(batches):]) < sum(losses[: len(batches)])
+    assert after.agreement > before.agreement and 0 <= after.alpha <= 1
+    assert after.expected_accepted[4] >= after.expected_accepted[2] >= 1
+
+    engine = Engine(target.model, target.tokenizer, draft=draft, eos_ids=[2])
+    for prompt in data.prompt_ids[:4]:
+        ar = engine.generate(GenerationRequest(prompt, 20), make_method("autoregressive")).run().output_ids
+        spec = engine.generate(GenerationRequest(prompt, 20), make_method("speculative", gamma=3)).run()
+        assert spec.output_ids == ar
+
+
+def test_trainer_resumes_from_checkpoint(setup, tmp_path):
+    _, _, target, data, _, _ = setup
+    head = choose_head_tokens(data, 20, always=[2])
+    batches = make_batches(data, head, target.model.config.vocab_size, batch_tokens=256)
+    ckpt = tmp_path / "run.ckpt"
+    first = build_draft(target.model, [0], head)
+    train(first, batches, lambda b: distill_loss(first, b), TrainConfig(epochs=1, checkpoint=ckpt, save_every=1))
+    state = torch.load(ckpt, weights_only=False)
+    assert state["step"] == len(batches) and "model.embed_tokens.weight" not in state["module"]
+    resumed = build_draft(target.model, [0], head)
+    losses = train(resumed, batches, lambda b: distill_loss(resumed, b), TrainConfig(epochs=2, checkpoint=ckpt))
+    assert len(losses) == 2 * len(batches)  # the first epoch's losses came from the checkpoint
+
+
+def test_save_load_round_trip_shares_embeddings(setup, tmp_path):
+    _, _, target, data, _, _ = setup
+    draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 24, always=[2]))
+    save_draft(draft, tmp_path / "d", dtype=torch.float32)
+    target.tokenizer.save_pretrained(tmp_path / "d")
+    loaded = load_draft(tmp_path / "d", target.model)
+    assert loaded.model.embed_tokens is target.model.get_input_embeddings()
+    ids = torch.tensor([[1, 7, 8, 9]])
+    assert torch.equal(loaded(input_ids=ids).logits, draft(input_ids=ids).logits)
+    wrong = load_model(ModelSpec(str(save_tiny_model(tmp_path / "wide", seed=3, layers=1, hidden=64))))
+    with pytest.raises(SpecUIError, match="made for a target"):
+        load_draft(tmp_path / "d", wrong.model)
+
+
+def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_path, capsys):
+    root, folder, _, _, train_file, heldout_file = setup
+    out = tmp_path / "draft"
+    argv = ["draft", "--target", str(folder), "--train-prompts", str(train_file), "--heldout-prompts",
+            str(heldout_file), "--work", str(tmp_path / "work"), "--out", str(out), "--max-new-tokens", "16",
+            "--batch-size", "8", "--head-size", "24", "--epochs", "2", "--layers", "0", "--batch-tokens", "256"]
+    assert train_main(argv) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    for key in ("agreement", "alpha", "cost_ratio", "expected_accepted", "command"):
+        assert key in report
+    pair = load_pair(ModelSpec(str(folder)), ModelSpec(str(out)))  # the app loads it as a draft
+    assert pair.draft.model.model.embed_tokens is pair.target.model.get_input_embeddings()
+    shipped = (out / "model.safetensors").read_bytes()
+
+    bad = list(argv)
+    bad[bad.index(str(train_file))] = str(tmp_path / "missing.jsonl")
+    assert train_main(bad) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == shipped
+
+
+def test_target_without_chat_template_is_refused(setup, tmp_path, capsys):
+    _, folder, _, _, train_file, heldout_file = setup
+    plain = save_tiny_model(tmp_path / "plain", seed=0, layers=1)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    code = train_main(["collect", "--target", str(plain), "--train-prompts", str(train_file),
+                       "--heldout-prompts", str(heldout_file), "--work", str(tmp_path / "w")])
+    assert code == 2 and "no chat template" in capsys.readouterr().err
