@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specui.engine.tree import TokenTree
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -28,6 +30,7 @@ class ModelSession:
         self.device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
         self.cached_ids: list[int] = []
+        self._tree_base = 0  # where the last scored tree's entries start in the cache
 
     # -- cache bookkeeping -------------------------------------------------------------
     @property
@@ -71,6 +74,63 @@ class ModelSession:
             self._crop(keep)
             if keep < len(ids) - 1:
                 self.advance(ids[:-1], need=1)
+
+    # -- trees -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_tree(self, ids: Sequence[int], tree: TokenTree, start: int = 0) -> torch.Tensor:
+        """Score tree nodes in one forward, each attending to the committed prefix and its
+        own ancestors, at position (prefix length - 1 + depth).
+
+        start == 0: (re)start a tree after the committed `ids`: feed the not-yet-cached
+        committed tokens (normally just the last) and every node; returns logits (1 + n, V):
+        row 0 predicts the roots, row 1 + i the children of node i.
+        start > 0: the cache already holds nodes [0, start) of this tree (drafting layer by
+        layer); feed nodes [start, n) only; returns their logits (n - start, V).
+        The tree's entries stay in the cache until `commit_path` keeps the accepted ones."""
+        if start == 0:
+            keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+            self._crop(keep)
+            fresh = list(ids[keep:])
+            self._tree_base = keep + len(fresh)
+        else:
+            fresh = []
+        base, m, n = self._tree_base, len(fresh), len(tree)
+        new = tree.tokens[start:]
+        ancestors = tree.ancestor_mask()[start:]
+        attend = torch.zeros((m + len(new), base + n), dtype=torch.bool)
+        attend[:, : base - m] = True
+        attend[:m, base - m:base] = torch.ones(m, m, dtype=torch.bool).tril()
+        attend[m:, base - m:base] = True
+        attend[m:, base:] = ancestors
+        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        depths = tree.depths[start:]
+        positions = list(range(base - m, base)) + [base - 1 + d for d in depths]
+        out = self.model(
+            input_ids=torch.tensor([fresh + new], device=self.device),
+            attention_mask=mask[None, None].to(self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            past_key_values=self.cache, use_cache=True,
+        )
+        self.cached_ids.extend(fresh + new)  # tree entries: provisional until commit_path
+        first = m - 1 if m else 0
+        return out.logits[0, first:, : self.vocab_size]
+
+    @torch.inference_mode()
+    def commit_path(self, tree: TokenTree, path: list[int]) -> None:
+        """Keep the cache entries of the accepted root-to-node `path` (tree indices) that
+        this session scored, moved into contiguous slots right after the committed prefix;
+        drop the rest of the tree."""
+        base = self._tree_base
+        scored = self.length - base  # nodes [0, scored) of the tree are in the cache
+        path = [i for i in path if i < scored]
+        if path:
+            src = torch.tensor([base + i for i in path], dtype=torch.long, device=self.device)
+            for layer in self.cache.layers:
+                layer.keys[..., base:base + len(path), :] = layer.keys.index_select(-2, src)
+                layer.values[..., base:base + len(path), :] = layer.values.index_select(-2, src)
+            self.cached_ids[base:base + len(path)] = [tree.tokens[i] for i in path]
+        self._crop(base + len(path))
 
     # -- introspection (tests) ---------------------------------------------------------
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

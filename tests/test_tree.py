@@ -1,0 +1,110 @@
+"""Token trees: hand-drawn structure, tree logits equal per-path sequential logits, commit
+leaves the cache equal to a fresh prefill, and tree verification."""
+
+import pytest
+import torch
+from test_cache import assert_cache_is_fresh_prefill
+
+from specui.engine.sampling import SamplingConfig, warp
+from specui.engine.session import ModelSession
+from specui.engine.tree import TokenTree
+from specui.engine.verify_tree import verify_tree
+
+#        (ctx) -> 0 -> 1 -> 3
+#                   -> 2
+#              -> 4
+HAND = TokenTree(tokens=[11, 12, 13, 14, 15], parents=[-1, 0, 0, 1, -1])
+
+
+def test_hand_drawn_tree_structure():
+    assert HAND.depths == [1, 2, 2, 3, 1]
+    assert HAND.children(-1) == [0, 4] and HAND.children(0) == [1, 2]
+    assert HAND.path(3) == [0, 1, 3] and HAND.path(4) == [4]
+    assert HAND.dfs_order() == [0, 1, 3, 2, 4]
+    assert HAND.ancestor_mask().int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [0, 0, 0, 0, 1],
+    ]
+    sub = HAND.subtree([0, 2, 4])
+    assert sub.tokens == [11, 13, 15] and sub.parents == [-1, 0, -1]
+    with pytest.raises(ValueError):
+        TokenTree(tokens=[1, 2], parents=[1, -1])
+
+
+def test_tree_from_literal_paths():
+    tree = TokenTree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    assert tree.parents == [-1, -1, 0, 0, 2] and tree.depths == [1, 1, 2, 2, 3]
+    with pytest.raises(ValueError):
+        TokenTree.from_paths([[0, 0]])
+
+
+def sequential_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("prompt", [[1, 5, 9, 13], [1, 3]])
+def test_tree_logits_equal_per_path_sequential_logits(tiny_target, prompt):
+    session = ModelSession(tiny_target)
+    session.prefill(prompt)
+    rows = session.forward_tree(prompt, HAND)
+    assert torch.allclose(rows[0], sequential_logits(tiny_target, prompt), atol=1e-10)
+    for i in range(len(HAND)):
+        path_tokens = [HAND.tokens[j] for j in HAND.path(i)]
+        assert torch.allclose(rows[1 + i], sequential_logits(tiny_target, prompt + path_tokens), atol=1e-10)
+
+
+def test_layer_by_layer_tree_forward_equals_one_shot(tiny_target):
+    prompt = [1, 5, 9, 13]
+    one_shot = ModelSession(tiny_target).forward_tree(prompt, HAND)
+    session = ModelSession(tiny_target)
+    layer1 = HAND.subtree([0, 4])
+    rows = [session.forward_tree(prompt, TokenTree())]  # just the context row
+    grown = TokenTree(tokens=[11, 15], parents=[-1, -1])
+    rows.append(session.forward_tree(prompt, grown, start=0)[1:])
+    assert torch.allclose(rows[1], one_shot[[1, 5]], atol=1e-10)
+    assert layer1.tokens == grown.tokens
+    grown.add(12, 0)
+    grown.add(13, 0)
+    assert torch.allclose(session.forward_tree(prompt, grown, start=2), one_shot[[2, 3]], atol=1e-10)
+    grown.add(14, 2)
+    assert torch.allclose(session.forward_tree(prompt, grown, start=4), one_shot[[4]], atol=1e-10)
+
+
+@pytest.mark.parametrize("path", [[0, 1, 3], [0, 2], [4], []])
+def test_commit_path_leaves_a_fresh_prefill(tiny_target, path):
+    prompt = [1, 5, 9, 13]
+    session = ModelSession(tiny_target)
+    session.prefill(prompt)
+    session.forward_tree(prompt, HAND)
+    session.commit_path(HAND, path)
+    committed = prompt + [HAND.tokens[i] for i in path]
+    assert session.cached_ids == committed
+    assert_cache_is_fresh_prefill(session, committed)
+    # and decoding continues correctly from there
+    nxt = session.advance(committed + [7], need=1)[-1]
+    assert torch.allclose(nxt, sequential_logits(tiny_target, committed + [7]), atol=1e-10)
+
+
+def onehot_rows(argmaxes, vocab=20):
+    rows = torch.full((len(argmaxes), vocab), -10.0, dtype=torch.float64)
+    for i, t in enumerate(argmaxes):
+        rows[i, t] = 10.0
+    return rows
+
+
+def test_greedy_tree_verification_follows_the_target():
+    cfg = SamplingConfig()
+    # target argmax: ctx->11, after 0->13, after 1->9, after 2->17, after 3->5, after 4->6
+    rows = warp(onehot_rows([11, 13, 9, 17, 5, 6]), cfg)
+    v = verify_tree(HAND, rows, cfg, None)
+    assert (v.path, v.next_token, v.bonus) == ([0, 2], 17, True)
+    rows = warp(onehot_rows([11, 12, 14, 17, 5, 6]), cfg)
+    v = verify_tree(HAND, rows, cfg, None)
+    assert (v.path, v.next_token, v.bonus) == ([0, 1, 3], 5, True)
+    rows = warp(onehot_rows([2, 12, 9, 17, 5, 6]), cfg)
+    v = verify_tree(HAND, rows, cfg, None)
+    assert (v.path, v.next_token, v.bonus) == ([], 2, False) and set(v.rejected) == {0, 4}
