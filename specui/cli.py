@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--gamma", type=int, default=5, help="speculative: draft tokens per step")
     g.add_argument("--beam-width", type=int, default=4, help="beam: number of beams")
+    g.add_argument("--tree-preset", default="eagle-25", help="tree: binary-14 | eagle-25 | mcsd-42211")
+    g.add_argument("--nodes", type=int, default=25, help="opt-tree: node budget n")
+    g.add_argument("--delta", type=float, default=None, help="opt-tree: E(A) gain threshold (default: measured mu)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
     c = ap.add_argument_group("headless CLI")
@@ -83,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
     return ChatSettings(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
+        preset=args.tree_preset, nodes=args.nodes, delta=args.delta,
         stop_strings=tuple(args.stop),
     )
 

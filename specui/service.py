@@ -51,6 +51,12 @@ class ChatService:
         return self.pair.draft.label if self.pair.draft else "none"
 
     @property
+    def tree_presets(self) -> list[str]:
+        from specui.engine.methods.tree import STATIC_TREES
+
+        return list(STATIC_TREES)
+
+    @property
     def methods(self) -> list[str]:
         names = sorted(METHODS)
         if self.engine.draft is None:

@@ -17,4 +17,7 @@ class ChatSettings:
     seed: int | None = None
     gamma: int = 5  # speculative: draft tokens per step
     width: int = 4  # beam: number of beams
+    preset: str = "eagle-25"  # tree: static tree shape
+    nodes: int = 25  # opt-tree: node budget n
+    delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
     stop_strings: tuple[str, ...] = ()

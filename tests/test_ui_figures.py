@@ -75,3 +75,19 @@ def test_ui_modules_do_not_import_torch():
     code = "import sys, specui.ui.chat_ui, specui.ui.figures; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_tree_and_choices_figures_for_opt_tree(tiny_target):
+    from test_greedy_equivalence import near_copy
+
+    from specui.ui.figures import choices_figure
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=near_copy(tiny_target, 0.003, 3), eos_ids=[EOS])
+    gen = engine.generate(GenerationRequest([1, 9, 4], 20), make_method("opt-tree", nodes=8, delta=0.05)).run()
+    step = gen.steps[0]
+    fig = tree_figure(step)
+    assert sum(len(t.x) for t in fig.data if t.name in STATUS_COLORS) == len(step.nodes)
+    assert any("p^ = " in h for t in fig.data if t.name in STATUS_COLORS for h in t.hovertext)
+    names = {t.name for t in choices_figure(gen.steps).data}
+    assert {"tree nodes", "tree depth", "E(A) expected", "A achieved"} <= names
+    assert "gamma (candidate length)" not in names

@@ -1,7 +1,10 @@
 """Side-by-side throughput on held-out prompts: our methods, transformers greedy
 `generate`, and transformers assisted generation (`assistant_model=`) on the same pair.
 
-    python -m specui.bench.run --limit 10 --max-new-tokens 96 --methods autoregressive,speculative
+    python -m specui.bench.run --limit 10 --max-new-tokens 96 \
+        --methods autoregressive,speculative:3,speculative:5,tree:eagle-25,opt-tree:25
+
+A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, tree:PRESET, opt-tree:NODES.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class Row:
     forwards: int = 0
     accepted: int = 0
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    expected: list[float] = field(default_factory=list, repr=False)  # OPT-Tree E(A) per step
+    achieved: list[int] = field(default_factory=list, repr=False)  # A per step
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,7 +56,33 @@ def run_ours(pair: ModelPair, prompts: list[list[int]], n: int, method: str, par
         row.tokens += len(gen.output_ids)
         row.forwards += gen.stats.target_forwards
         row.outputs.append(gen.output_ids)
+        for step in gen.steps:
+            if step.expected_accept is not None:
+                row.expected.append(step.expected_accept)
+                row.achieved.append(step.accepted + 1)
     return row
+
+
+PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "tree": ("preset", str), "opt-tree": ("nodes", int)}
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    name, _, value = spec.partition(":")
+    if value and name in PARAM_OF:
+        key, kind = PARAM_OF[name]
+        return name, {key: kind(value)}
+    return name, {}
+
+
+def correlation(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    if n < 3:
+        return float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
 
 
 @torch.inference_mode()
@@ -100,10 +131,10 @@ def main() -> None:
 
     run_ours(pair, prompts[:1], 8, "autoregressive", {})  # warm-up
     rows = []
-    for method in args.methods.split(","):
-        params = {"gamma": args.gamma} if method == "speculative" else {}
-        if method == "beam":
-            params = {"width": 4}
+    for spec in args.methods.split(","):
+        method, params = parse_method(spec)
+        if method == "speculative" and not params:
+            params = {"gamma": args.gamma}
         rows.append(run_ours(pair, prompts, n, method, params))
     if not args.no_peers:
         rows.append(run_transformers(pair, prompts, n, assisted=False))
@@ -122,9 +153,14 @@ def main() -> None:
         per_forward = f"{r.mean_accepted_length:8.2f}" if r.forwards else f"{'-':>8}"
         print(f"{r.name:28} {r.tokens:7d} {r.tokens_per_s:8.2f} {r.tokens_per_s / base.tokens_per_s:6.2f}x "
               f"{per_forward} {same:>5}/{len(prompts)}")
+    for r in rows:
+        if r.expected:
+            print(f"{r.name}: mean E(A) {sum(r.expected) / len(r.expected):.2f}, mean A "
+                  f"{sum(r.achieved) / len(r.achieved):.2f}, corr(E(A), A) = {correlation(r.expected, r.achieved):.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(asdict(r), outputs=None, tokens_per_s=r.tokens_per_s) for r in rows], f, indent=1)
+            json.dump([dict(asdict(r), outputs=None, expected=None, achieved=None, tokens_per_s=r.tokens_per_s)
+                       for r in rows], f, indent=1)
 
 
 if __name__ == "__main__":

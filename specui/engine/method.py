@@ -74,6 +74,10 @@ class StepResult:
     accepted: int = 0
     gamma: int | None = None
     beam_width: int | None = None
+    tree_nodes: int | None = None
+    tree_depth: int | None = None
+    expected_accept: float | None = None
+    notes: list[str] = field(default_factory=list)
     replace: bool = False
     finished: bool = False
 

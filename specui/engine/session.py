@@ -31,6 +31,7 @@ class ModelSession:
         self.cache = DynamicCache(config=model.config)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache
+        self._tree_pending = False  # tree entries in the cache that commit_path has not settled
 
     # -- cache bookkeeping -------------------------------------------------------------
     @property
@@ -49,8 +50,15 @@ class ModelSession:
             self.cache.crop(keep - self.length)  # transformers 5: negative = tokens to drop
             del self.cached_ids[keep:]
 
+    def _drop_pending_tree(self) -> None:
+        """Tree entries are not a sequence: never let prefix matching reuse them."""
+        if self._tree_pending:
+            self._tree_pending = False
+            self._crop(self._tree_base)
+
     def commit(self, ids: Sequence[int]) -> None:
         """Drop cached entries that are not a prefix of `ids` (rejected drafts)."""
+        self._drop_pending_tree()
         self._crop(common_prefix(self.cached_ids, ids))
 
     # -- forwards ----------------------------------------------------------------------
@@ -59,6 +67,7 @@ class ModelSession:
         """Make the cache hold all of `ids`; return the logits (need, V) at its last `need`
         positions (logits at position i predict token i + 1). The prefix is never recomputed."""
         need = max(1, min(need, len(ids)))
+        self._drop_pending_tree()
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - need)
         self._crop(keep)
         new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
@@ -69,6 +78,7 @@ class ModelSession:
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> None:
         """Cache all but the last token of `ids` (the last is fed by the first step)."""
+        self._drop_pending_tree()
         if len(ids) > 1:
             keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
             self._crop(keep)
@@ -88,6 +98,7 @@ class ModelSession:
         layer); feed nodes [start, n) only; returns their logits (n - start, V).
         The tree's entries stay in the cache until `commit_path` keeps the accepted ones."""
         if start == 0:
+            self._drop_pending_tree()
             keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
             self._crop(keep)
             fresh = list(ids[keep:])
@@ -113,6 +124,7 @@ class ModelSession:
             past_key_values=self.cache, use_cache=True,
         )
         self.cached_ids.extend(fresh + new)  # tree entries: provisional until commit_path
+        self._tree_pending = True
         first = m - 1 if m else 0
         return out.logits[0, first:, : self.vocab_size]
 
@@ -130,6 +142,7 @@ class ModelSession:
                 layer.keys[..., base:base + len(path), :] = layer.keys.index_select(-2, src)
                 layer.values[..., base:base + len(path), :] = layer.values.index_select(-2, src)
             self.cached_ids[base:base + len(path)] = [tree.tokens[i] for i in path]
+        self._tree_pending = False
         self._crop(base + len(path))
 
     # -- introspection (tests) ---------------------------------------------------------

@@ -50,6 +50,10 @@ class StepTrace:
     text: str = ""  # the reply so far (beam search may rewrite it)
     gamma: int | None = None  # candidate length used this step
     beam_width: int | None = None
+    tree_nodes: int | None = None  # draft tree size verified this step
+    tree_depth: int | None = None
+    expected_accept: float | None = None  # OPT-Tree's E(A) for this step's tree
+    notes: list[str] = field(default_factory=list)  # clamps and calibrations worth showing
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0

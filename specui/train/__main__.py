@@ -12,6 +12,7 @@ so a failed run never overwrites a shipped draft.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -97,8 +98,11 @@ def cmd_draft(args, target: LoadedModel) -> dict:
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
     before = evaluate(draft, heldout)
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
+    recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr,
+                                         args.batch_tokens, args.seed, args.samples))
+    run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      checkpoint=args.work / f"draft-{args.out.name}.ckpt")
+                      checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
     t0 = time.time()
     losses = train(draft, batches, lambda b: distill_loss(draft, b), cfg, desc="distil draft")
     report = measure(draft, target, heldout)

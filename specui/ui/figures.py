@@ -111,3 +111,25 @@ def acceptance_figure(steps: Sequence[StepTrace]) -> go.Figure:
         legend=dict(orientation="h", y=1.15),
     )
     return fig
+
+
+def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
+    """The dynamic choices each step made: candidate length, tree size / depth, E(A) next
+    to the achieved acceptance length A, beam width."""
+    fig = go.Figure()
+    xs = [s.index for s in steps]
+    series = {
+        "gamma (candidate length)": [s.gamma for s in steps],
+        "tree nodes": [s.tree_nodes for s in steps],
+        "tree depth": [s.tree_depth for s in steps],
+        "E(A) expected": [s.expected_accept for s in steps],
+        "beam width": [s.beam_width for s in steps],
+    }
+    for name, ys in series.items():
+        if any(y is not None for y in ys):
+            fig.add_trace(go.Scatter(x=xs, y=ys, name=name, mode="lines+markers"))
+    if any(s.expected_accept is not None for s in steps):
+        fig.add_trace(go.Scatter(x=xs, y=[s.accepted + 1 for s in steps], name="A achieved", mode="markers"))
+    fig.update_layout(height=260, margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title="step"),
+                      legend=dict(orientation="h", y=1.2), title="dynamic choices" if steps else "no steps yet")
+    return fig

@@ -9,10 +9,11 @@ from specui.engine.method import Method
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.beam import Beam
 from specui.engine.methods.speculative import Speculative
+from specui.engine.methods.tree import OptTree, StaticTree
 from specui.errors import SpecUIError
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Autoregressive, Beam, Speculative)
+    cls.name: cls for cls in (Autoregressive, Beam, Speculative, StaticTree, OptTree)
 }
 
 

@@ -1,0 +1,242 @@
+"""Token-tree speculative decoding: static trees (literal path lists) and OPT-Tree (seed 004).
+
+One step: 1. draft a tree layer by layer (one draft forward per layer, tree attention over
+the draft's cache), 2. score every node in one target forward, 3. verify (greedy: longest
+path of target argmaxes; sampling: children are chosen deterministically, so draw from p~
+and descend if the draw is a child: lossless), 4. commit the accepted path in both caches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.sampling import SamplingConfig, shown_probs, warp
+from specui.engine.session import ModelSession
+from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
+from specui.engine.tree import TokenTree
+from specui.engine.verify_tree import TreeVerdict, verify_tree
+from specui.errors import SpecUIError
+
+# Medusa-style literal paths: each entry lists the child rank taken at each depth.
+STATIC_TREES: dict[str, list[list[int]]] = {
+    # full binary tree of depth 3: 2 + 4 + 8 = 14 nodes
+    "binary-14": [[a] for a in range(2)] + [[a, b] for a in range(2) for b in range(2)]
+    + [[a, b, c] for a in range(2) for b in range(2) for c in range(2)],
+    # EAGLE-style: wide near the root, a deep spine along the most likely path (25 nodes)
+    "eagle-25": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
+                 [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [2, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0],
+                 [0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0, 0, 0],
+                 [0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]],
+    # MCSD k-config (4, 2, 2, 1, 1): 4 + 8 + 16 + 16 + 16 = 60 nodes
+    "mcsd-42211": [[a] for a in range(4)] + [[a, b] for a in range(4) for b in range(2)]
+    + [[a, b, c] for a in range(4) for b in range(2) for c in range(2)]
+    + [[a, b, c, 0] for a in range(4) for b in range(2) for c in range(2)]
+    + [[a, b, c, 0, 0] for a in range(4) for b in range(2) for c in range(2)],
+}
+
+
+def draft_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The draft distribution children are ranked by: q~ when sampling, softmax when greedy."""
+    return logits.float().softmax(-1) if cfg.greedy else warp(logits, cfg).float()
+
+
+def select_top_nodes(p_hat: list[float], n: int) -> list[int]:
+    """OPT-Tree's selection: the n nodes with the largest p^ (earlier = shallower on ties).
+    p^ never grows along a path, so the choice is closed under parents: a subtree with the
+    root, and the one maximising E(A) = 1 + sum p^ among subtrees of n nodes."""
+    order = sorted(range(len(p_hat)), key=lambda i: (-p_hat[i], i))
+    return sorted(order[:n])
+
+
+def expected_accept(p_hat: list[float], nodes: list[int]) -> float:
+    return 1.0 + sum(p_hat[i] for i in nodes)
+
+
+@dataclass
+class DraftedTree:
+    tree: TokenTree  # what the target verifies
+    drafted: TokenTree  # the tree as laid out in the draft's cache (may hold more nodes)
+    index: list[int]  # tree node -> drafted node
+    expected_accept: float
+
+    def drafted_path(self, path: list[int]) -> list[int]:
+        return [self.index[i] for i in path]
+
+
+class TreeMethod(Method):
+    """Shared step: subclasses decide how to draft the tree (`draft_tree`)."""
+
+    uses_draft = True
+
+    def draft_tree(self, ctx: DecodeContext, max_depth: int) -> DraftedTree:
+        """Grow a tree of at most max_depth layers with the draft."""
+        raise NotImplementedError
+
+    def step(self, ctx: DecodeContext) -> StepResult:
+        assert ctx.draft is not None
+        cfg = ctx.sampling
+        notes = []
+        max_depth = max(0, ctx.remaining - 1)  # room for the target's own token
+        # 1. draft
+        with ctx.timer.phase("draft"):
+            drafted = self.draft_tree(ctx, max_depth) if max_depth else None
+        tree = drafted.tree if drafted else TokenTree()
+        room = ctx.target.model.config.max_position_embeddings - len(ctx.ids) - 1
+        if len(tree) > room:
+            notes.append(f"tree cut from {len(tree)} to {room} nodes: context window")
+            tree = tree.subtree(list(range(max(0, room))))
+        # 2. score, 3. verify
+        with ctx.timer.phase("verify"):
+            logits = ctx.target.forward_tree(ctx.ids, tree)
+            p = warp(logits, cfg)
+            verdict = verify_tree(tree, p, cfg, ctx.generator)
+        # 4. commit the accepted path (the loop appends the tokens)
+        ctx.target.commit_path(tree, verdict.path)
+        if drafted:
+            ctx.draft.commit_path(drafted.drafted, drafted.drafted_path(verdict.path))
+        tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
+        return StepResult(
+            tokens=tokens, from_draft=[True] * len(verdict.path) + [False],
+            nodes=tree_nodes(tree, verdict, shown_probs(logits, p, cfg)),
+            drafted=len(tree), accepted=len(verdict.path), tree_nodes=len(tree),
+            tree_depth=max(tree.depths, default=0), expected_accept=drafted.expected_accept if drafted else None,
+            notes=notes + self.pending_notes(),
+        )
+
+    def pending_notes(self) -> list[str]:
+        return []
+
+
+def tree_nodes(tree: TokenTree, verdict: TreeVerdict, p_shown: torch.Tensor) -> list[NodeTrace]:
+    on_path, rejected = set(verdict.path), set(verdict.rejected)
+    depths = tree.depths
+    nodes = []
+    for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        status = ACCEPTED if i in on_path else REJECTED if i in rejected else UNVERIFIED
+        nodes.append(NodeTrace(token_id=tok, text="", parent=parent, depth=depths[i], status=status,
+                               q=tree.q[i], p=float(p_shown[parent + 1, tok]), p_hat=tree.p_hat[i]))
+    last = verdict.path[-1] if verdict.path else -1
+    p_next = float(p_shown[last + 1, verdict.next_token])
+    nodes.append(NodeTrace(token_id=verdict.next_token, text="", parent=last, depth=len(verdict.path) + 1,
+                           status=BONUS if verdict.bonus else RESAMPLED, p=p_next))
+    return nodes
+
+
+class StaticTree(TreeMethod):
+    """A fixed tree shape; each node's children are the draft's top-k tokens."""
+
+    name = "tree"
+
+    def __init__(self, preset: str = "eagle-25") -> None:
+        if preset not in STATIC_TREES:
+            raise SpecUIError(f"unknown tree preset '{preset}'; choose one of: {', '.join(STATIC_TREES)}")
+        self.preset = preset
+        self.shape = TokenTree.from_paths(STATIC_TREES[preset])
+
+    def draft_tree(self, ctx: DecodeContext, max_depth: int) -> DraftedTree:
+        shape, draft, cfg = self.shape, ctx.draft, ctx.sampling
+        shape_depths = shape.depths
+        tree = TokenTree()
+        where: dict[int, int] = {-1: -1}  # shape node -> tree node
+        rows = {-1: draft_probs(draft.forward_tree(ctx.ids, tree)[0], cfg)}
+        for depth in range(1, min(max_depth, max(shape_depths)) + 1):
+            start = len(tree)
+            for s_parent in sorted({shape.parents[i] for i in range(len(shape)) if shape_depths[i] == depth}):
+                if s_parent not in where:
+                    continue
+                kids = shape.children(s_parent)
+                q = rows[where[s_parent]]
+                top = torch.topk(q, min(len(kids), int((q > 0).sum()))).indices.tolist()
+                for s_kid, tok in zip(kids, top):
+                    where[s_kid] = tree.add(tok, where[s_parent], float(q[tok]))
+            if len(tree) == start or depth == min(max_depth, max(shape_depths)):
+                break
+            new_rows = draft.forward_tree(ctx.ids, tree, start=start)
+            for k, i in enumerate(range(start, len(tree))):
+                rows[i] = draft_probs(new_rows[k], cfg)
+        everything = list(range(len(tree)))
+        return DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
+
+
+class OptTree(TreeMethod):
+    """OPT-Tree (DESIGN 3.6): grow layer by layer keeping the n best nodes by p^; stop when
+    E(A) grows by less than delta; mu = t_draft_step / t_target_step measured at start-up,
+    delta defaults to max(mu, 0.05), capped at 1 (inside [mu, 1])."""
+
+    name = "opt-tree"
+
+    def __init__(self, nodes: int = 25, delta: float | None = None, max_depth: int = 12) -> None:
+        self.notes: list[str] = []
+        if nodes < 1:
+            self.notes.append(f"node budget {nodes} raised to 1")
+            nodes = 1
+        self.nodes, self.delta, self.max_depth = nodes, delta, max(1, max_depth)
+        self.mu: float | None = None
+
+    def begin(self, ctx: DecodeContext) -> None:
+        super().begin(ctx)
+        room = ctx.target.model.config.max_position_embeddings - len(ctx.ids) - 1
+        if self.nodes > room:
+            self.notes.append(f"node budget {self.nodes} cut to {room}: context window")
+            self.nodes = max(1, room)
+        if self.delta is None:
+            self.mu = measure_mu(ctx.target, ctx.draft, ctx.ids, self.nodes)
+            self.delta = min(1.0, max(self.mu, 0.05))
+            self.notes.append(f"mu = t_draft / t_target = {self.mu:.3f} (measured); delta = {self.delta:.3f}")
+        else:
+            self.notes.append(f"delta = {self.delta:.3f} (given)")
+
+    def pending_notes(self) -> list[str]:
+        out, self.notes = self.notes, []
+        return out
+
+    def draft_tree(self, ctx: DecodeContext, max_depth: int) -> DraftedTree:
+        draft, cfg, n = ctx.draft, ctx.sampling, self.nodes
+        tree = TokenTree()
+        q = draft_probs(draft.forward_tree(ctx.ids, tree)[0], cfg)
+        top = torch.topk(q, min(n, int((q > 0).sum())))
+        candidates = [(float(v), tok, -1, float(v)) for v, tok in zip(top.values.tolist(), top.indices.tolist())]
+        best = 1.0
+        for depth in range(1, min(max_depth, self.max_depth) + 1):
+            start = len(tree)
+            for _, tok, parent, q_tok in sorted(candidates, key=lambda c: -c[0])[:n]:
+                tree.add(tok, parent, q_tok)
+            chosen = select_top_nodes(tree.p_hat, n)
+            gain = expected_accept(tree.p_hat, chosen) - best
+            best += gain
+            keep = [i for i in range(start, len(tree)) if i in set(chosen)]
+            tree = tree.subtree(list(range(start)) + keep)  # unchosen new nodes can never return
+            if gain < self.delta or depth == min(max_depth, self.max_depth) or not keep:
+                break
+            rows = draft.forward_tree(ctx.ids, tree, start=start)
+            candidates = []
+            for k, node in enumerate(range(start, len(tree))):
+                qn = draft_probs(rows[k], cfg)
+                top = torch.topk(qn, min(n, int((qn > 0).sum())))
+                for v, tok in zip(top.values.tolist(), top.indices.tolist()):
+                    candidates.append((tree.p_hat[node] * v, tok, node, v))
+        chosen = select_top_nodes(tree.p_hat, n)
+        return DraftedTree(tree.subtree(chosen), tree, chosen, expected_accept(tree.p_hat, chosen))
+
+
+def measure_mu(target: ModelSession, draft: ModelSession, ids: list[int], n: int) -> float:
+    """t_draft_step / t_target_step: one draft layer forward vs one target tree forward,
+    both over n nodes, timed after a warm-up; caches are left as they were."""
+    star = TokenTree(tokens=[ids[-1]] * n, parents=[-1] * n)
+
+    def timed(session: ModelSession) -> float:
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            session.forward_tree(ids, star)
+            if session.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+            session.commit_path(star, [])
+        return best
+
+    return timed(draft) / max(1e-9, timed(target))
