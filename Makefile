@@ -2,12 +2,11 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DRAFT  := models/smollm2-135m-draft-placeholder/config.json
 ARGS   ?=
 
 .PHONY: setup setup-test run cli test lint bench clean
 
-setup: $(VENV)/.runtime $(DRAFT)
+setup: $(VENV)/.runtime
 
 setup-test: setup $(VENV)/.test
 
@@ -21,9 +20,6 @@ $(VENV)/.runtime: requirements.txt
 $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 	$(PY) -m pip install -q -r requirements-test.txt
 	touch $@
-
-$(DRAFT): $(VENV)/.runtime
-	$(PY) -m specui.placeholder
 
 run: setup
 	$(PY) app.py $(ARGS)
@@ -39,4 +35,4 @@ bench: setup
 	$(PY) -m specui.bench.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) models/*-placeholder .pytest_cache
+	rm -rf $(VENV) .pytest_cache

@@ -8,6 +8,7 @@ A subclass that only replaces the output head; the decoder itself is transformer
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from specui.errors import SpecUIError
 
 MARKER = "specui_draft"  # config.json key that marks a SpecUI draft folder
 EMBED_KEY = "model.embed_tokens.weight"
+SCALE = ".int8_scale"
 
 
 class SpecUIDraftForCausalLM(LlamaForCausalLM):
@@ -57,20 +59,54 @@ def is_specui_draft(folder: str | Path) -> bool:
     return cfg.is_file() and MARKER in json.loads(cfg.read_text())
 
 
-def save_draft(model: SpecUIDraftForCausalLM, folder: Path, dtype: torch.dtype = torch.float16) -> None:
-    """config.json + model.safetensors (no input embeddings: they are the target's)."""
+def vocab_fingerprint(tokenizer) -> str:
+    """A short hash of the token -> id map: a draft only fits targets with the same one."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha1(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, int8: bool = True) -> None:
+    """config.json + model.safetensors, without the input embeddings (they are the
+    target's). Matrices are stored as int8 with one fp16 scale per row (dequantized on
+    load; the draft's quality is measured after this round trip), the rest as fp16."""
     folder.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [SpecUIDraftForCausalLM.__name__]
+    if tokenizer is not None:
+        model.config.specui_draft = {**model.config.specui_draft, "vocab_fingerprint": vocab_fingerprint(tokenizer)}
     model.config.save_pretrained(folder)
-    state = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
-             for k, v in model.state_dict().items() if k != EMBED_KEY}
+    state = {}
+    for k, v in model.state_dict().items():
+        if k == EMBED_KEY:
+            continue
+        v = v.detach().cpu()
+        if int8 and v.is_floating_point() and v.dim() == 2:
+            scale = v.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+            state[k] = (v.float() / scale).round().clamp(-127, 127).to(torch.int8).contiguous()
+            state[k + SCALE] = scale.to(torch.float16)
+        else:
+            state[k] = v.to(torch.float16).contiguous() if v.is_floating_point() else v.contiguous()
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def load_draft(folder: str | Path, target: PreTrainedModel) -> SpecUIDraftForCausalLM:
-    """Load a SpecUI draft and share the target's input embeddings with it."""
+def _dequantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        if k.endswith(SCALE):
+            continue
+        scale = state.get(k + SCALE)
+        out[k] = v.float() * scale.float() if scale is not None else v
+    return out
+
+
+def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None) -> SpecUIDraftForCausalLM:
+    """Load a SpecUI draft and share the target's input embeddings with it. With the
+    target's tokenizer given, check the draft was made for this vocabulary."""
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
+    made_for = config.specui_draft.get("vocab_fingerprint")
+    if tokenizer is not None and made_for and made_for != vocab_fingerprint(tokenizer):
+        raise SpecUIError(f"the draft in {folder} was trained for a target with another tokenizer "
+                          "(vocabulary fingerprints differ); pick the target it was made for")
     emb = target.get_input_embeddings()
     if config.vocab_size != emb.num_embeddings or config.hidden_size != emb.embedding_dim:
         raise SpecUIError(
@@ -79,7 +115,7 @@ def load_draft(folder: str | Path, target: PreTrainedModel) -> SpecUIDraftForCau
         )
     model = SpecUIDraftForCausalLM(config)
     model.model.embed_tokens = torch.nn.Embedding(1, 1)  # placeholder until the target's is attached
-    state = load_file(str(folder / "model.safetensors"))
+    state = _dequantize(load_file(str(folder / "model.safetensors")))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {EMBED_KEY}:
         raise SpecUIError(f"the draft weights in {folder} do not match its config (missing {missing[:3]}, "

@@ -10,10 +10,10 @@ from specui.chat import stop_token_ids
 from specui.draft_model import is_specui_draft, load_draft
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.loading import BUNDLED, LoadedModel, ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from specui.loading import BUNDLED, LoadedModel, ModelSpec, check_same_tokenizer, load_model
 
 REPO = Path(__file__).resolve().parent.parent
-PLACEHOLDER_DRAFT = REPO / "models" / "smollm2-135m-draft-placeholder"
+SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
 PRESETS_FILE = REPO / "models" / "presets.json"
 DEFAULT_TARGET = BUNDLED
 
@@ -41,14 +41,14 @@ def get_preset(name: str) -> Preset:
 
 
 def default_draft_source() -> str:
-    """The default draft: the placeholder built by `make setup` from the bundled target
-    (its first 3 and last layer, untrained), until a trained draft ships under models/."""
-    if not (PLACEHOLDER_DRAFT / "config.json").is_file():
+    """The default draft: the one distilled from the bundled target and shipped in models/
+    (see models/smollm2-135m-draft/README.md)."""
+    if not (SHIPPED_DRAFT / "config.json").is_file():
         raise SpecUIError(
-            f"the default draft is missing ({PLACEHOLDER_DRAFT}); build it with "
-            "'make setup' or 'python -m specui.placeholder', or pass --draft none"
+            f"the default draft is missing ({SHIPPED_DRAFT}); restore it from git, train one with "
+            "'python -m specui.train draft --out models/smollm2-135m-draft', or pass --draft none"
         )
-    return str(PLACEHOLDER_DRAFT)
+    return str(SHIPPED_DRAFT)
 
 
 @dataclass
@@ -80,9 +80,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None) -> ModelPair:
 
 def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     """A draft trained by `python -m specui.train`: it shares the target's embeddings and
-    follows the target's device and dtype."""
-    tokenizer = load_tokenizer(spec)
-    check_same_tokenizer(target.tokenizer, tokenizer)
-    model = load_draft(spec.source, target.model)
-    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=target.device,
+    tokenizer, and follows the target's device and dtype."""
+    model = load_draft(spec.source, target.model, target.tokenizer)
+    return LoadedModel(spec=spec, model=model, tokenizer=target.tokenizer, device=target.device,
                        label=Path(spec.source).name)

@@ -106,3 +106,14 @@ def test_tiny_models_are_not_trivial():
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
     gen = run(engine, PROMPTS[0], 40, "speculative", gamma=4)
     assert gen.stats.acceptance_rate < 0.5
+
+
+def test_stop_string_spanning_steps_streams_cleanly(tiny_engine):
+    ref = run(tiny_engine, PROMPTS[1], 30, "autoregressive")
+    words = ref.text.split()
+    stop = f"{words[4]} {words[5]}"  # spans two tokens, so usually two steps
+    for name in ("autoregressive", "speculative"):
+        gen = tiny_engine.generate(GenerationRequest(list(PROMPTS[1]), 30, stop_strings=(stop,)), make_method(name))
+        streamed = "".join(step.new_text for step in gen)
+        assert gen.stats.finish_reason == "stop"
+        assert streamed == gen.text == ref.text[: ref.text.find(stop)]

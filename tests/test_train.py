@@ -20,9 +20,9 @@ from specui.train.distill import build_draft, choose_head_tokens, distill_loss, 
 from specui.train.trainer import TrainConfig, train
 
 
-def write_prompts(path, n, prefix):
+def write_prompts(path, n, prefix, offset=0):
     rows = [{"id": f"{prefix}-{i}", "category": "chat",
-             "messages": [{"role": "user", "content": " ".join(f"w{(i * 7 + j) % 50}" for j in range(4))}]}
+             "messages": [{"role": "user", "content": " ".join(f"w{(i * 7 + j + offset) % 50}" for j in range(4))}]}
             for i in range(n)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
     folder = save_tiny_model(root / "target", seed=0, layers=3)
     target = load_model(ModelSpec(str(folder), dtype="float32"))
     train_file = write_prompts(root / "train.jsonl", 24, "train")
-    heldout_file = write_prompts(root / "heldout.jsonl", 6, "heldout")
+    heldout_file = write_prompts(root / "heldout.jsonl", 6, "heldout", offset=3)
     eos = stop_token_ids(target.tokenizer, target.model.generation_config)
     data = collect(target.model, target.tokenizer, load_prompts(train_file), eos, root / "train.pt",
                    max_new_tokens=24, batch_size=8, k=8)
@@ -98,12 +98,22 @@ def test_trainer_resumes_from_checkpoint(setup, tmp_path):
 def test_save_load_round_trip_shares_embeddings(setup, tmp_path):
     _, _, target, data, _, _ = setup
     draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 24, always=[2]))
-    save_draft(draft, tmp_path / "d", dtype=torch.float32)
-    target.tokenizer.save_pretrained(tmp_path / "d")
-    loaded = load_draft(tmp_path / "d", target.model)
+    save_draft(draft, tmp_path / "d", target.tokenizer, int8=False)
+    loaded = load_draft(tmp_path / "d", target.model, target.tokenizer)
     assert loaded.model.embed_tokens is target.model.get_input_embeddings()
     ids = torch.tensor([[1, 7, 8, 9]])
-    assert torch.equal(loaded(input_ids=ids).logits, draft(input_ids=ids).logits)
+    logits = draft(input_ids=ids).logits
+    assert torch.allclose(loaded(input_ids=ids).logits, logits, atol=1e-2)  # fp16 storage
+    save_draft(draft, tmp_path / "q", target.tokenizer)  # int8 rows + scales
+    quantized = load_draft(tmp_path / "q", target.model, target.tokenizer)
+    finite = torch.isfinite(logits)
+    assert torch.allclose(quantized(input_ids=ids).logits[finite], logits[finite], atol=0.1)
+    size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("d", "q")}
+    assert size["q"] < 0.6 * size["d"]
+    other = load_model(ModelSpec(str(save_tiny_model(tmp_path / "other", seed=4, layers=1,
+                                                     words=[f"x{i}" for i in range(57)]))))
+    with pytest.raises(SpecUIError, match="another tokenizer"):
+        load_draft(tmp_path / "q", target.model, other.tokenizer)
     wrong = load_model(ModelSpec(str(save_tiny_model(tmp_path / "wide", seed=3, layers=1, hidden=64))))
     with pytest.raises(SpecUIError, match="made for a target"):
         load_draft(tmp_path / "d", wrong.model)
@@ -127,6 +137,10 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     bad[bad.index(str(train_file))] = str(tmp_path / "missing.jsonl")
     assert train_main(bad) == 2
     assert "does not exist" in capsys.readouterr().err
+    leaky = list(argv)
+    leaky[leaky.index(str(train_file))] = str(heldout_file)  # training on held-out prompts is refused
+    assert train_main(leaky) == 2
+    assert "never trained on" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == shipped
 
 

@@ -61,17 +61,18 @@ def test_layer_by_layer_tree_forward_equals_one_shot(tiny_target):
     prompt = [1, 5, 9, 13]
     one_shot = ModelSession(tiny_target).forward_tree(prompt, HAND)
     session = ModelSession(tiny_target)
-    layer1 = HAND.subtree([0, 4])
-    rows = [session.forward_tree(prompt, TokenTree())]  # just the context row
-    grown = TokenTree(tokens=[11, 15], parents=[-1, -1])
-    rows.append(session.forward_tree(prompt, grown, start=0)[1:])
-    assert torch.allclose(rows[1], one_shot[[1, 5]], atol=1e-10)
-    assert layer1.tokens == grown.tokens
+    grown = TokenTree()
+    assert torch.allclose(session.forward_tree(prompt, grown), one_shot[[0]], atol=1e-10)  # context row only
+    grown.add(11, -1)
+    grown.add(15, -1)
+    assert torch.allclose(session.extend_tree(grown, 0), one_shot[[1, 5]], atol=1e-10)
     grown.add(12, 0)
     grown.add(13, 0)
-    assert torch.allclose(session.forward_tree(prompt, grown, start=2), one_shot[[2, 3]], atol=1e-10)
+    assert torch.allclose(session.extend_tree(grown, 2), one_shot[[2, 3]], atol=1e-10)
     grown.add(14, 2)
-    assert torch.allclose(session.forward_tree(prompt, grown, start=4), one_shot[[4]], atol=1e-10)
+    assert torch.allclose(session.extend_tree(grown, 4), one_shot[[4]], atol=1e-10)
+    with pytest.raises(RuntimeError):
+        session.extend_tree(grown, 2)  # nodes 2.. are already cached: a caller bug, not silently wrong
 
 
 @pytest.mark.parametrize("path", [[0, 1, 3], [0, 2], [4], []])

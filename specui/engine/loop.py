@@ -110,13 +110,15 @@ class Generation:
             cut = text.find(stop) if stop else -1
             if cut >= 0:
                 text, reason = text[:cut], "stop"
+        if not reason:
+            text = text[: len(text) - _partial_stop(text, self.request.stop_strings)]
         previous = "" if result.replace else self.text
         new_text = text[len(previous):] if text.startswith(previous) else text
         self.text = text
 
         stats.target_forwards += 1
         stats.drafted += result.drafted
-        stats.accepted += result.accepted
+        stats.accepted += sum(from_draft)  # accepted drafts that survived EOS / length cuts
         stats.new_tokens = len(self.output_ids)
         stats.finish_reason = reason
         for node in result.nodes:
@@ -145,3 +147,15 @@ class Generation:
         self.steps.append(trace)
         return trace
 
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could begin a stop string: held back from
+    streaming until the next step shows whether the stop string completes."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held

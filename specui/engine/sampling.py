@@ -39,6 +39,8 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Logits (..., V) -> warped probabilities T(softmax(logits)), in the order
     temperature, top-k, top-p (the order transformers applies them in).
     Greedy configs get a one-hot distribution at the argmax."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()  # ratios and residuals of bf16 / fp16 probabilities are too coarse
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
     scores = logits / cfg.temperature

@@ -41,6 +41,7 @@ class ModelSession:
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.cached_ids = []
+        self._tree_pending = False
 
     def _crop(self, keep: int) -> None:
         if keep < self.length:
@@ -71,7 +72,7 @@ class ModelSession:
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - need)
         self._crop(keep)
         new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=new, past_key_values=self.cache, use_cache=True, logits_to_keep=need)
+        out = self._forward(new, logits_to_keep=need)
         self.cached_ids.extend(ids[keep:])
         return out.logits[0, -need:, : self.vocab_size]
 
@@ -87,46 +88,55 @@ class ModelSession:
 
     # -- trees -------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_tree(self, ids: Sequence[int], tree: TokenTree, start: int = 0) -> torch.Tensor:
-        """Score tree nodes in one forward, each attending to the committed prefix and its
-        own ancestors, at position (prefix length - 1 + depth).
+    def forward_tree(self, ids: Sequence[int], tree: TokenTree) -> torch.Tensor:
+        """Start a tree after the committed `ids` and score all its nodes in one forward,
+        each attending to the committed prefix and its own ancestors, at position
+        (prefix length - 1 + depth). Feeds the not-yet-cached committed tokens (normally
+        just the last) too. Returns logits (1 + n, V): row 0 predicts the roots, row 1 + i
+        the children of node i. The tree's entries stay in the cache until `commit_path`."""
+        self._drop_pending_tree()
+        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+        self._crop(keep)
+        fresh = list(ids[keep:])
+        self._tree_base = keep + len(fresh)
+        return self._tree_forward(fresh, tree, 0)
 
-        start == 0: (re)start a tree after the committed `ids`: feed the not-yet-cached
-        committed tokens (normally just the last) and every node; returns logits (1 + n, V):
-        row 0 predicts the roots, row 1 + i the children of node i.
-        start > 0: the cache already holds nodes [0, start) of this tree (drafting layer by
-        layer); feed nodes [start, n) only; returns their logits (n - start, V).
-        The tree's entries stay in the cache until `commit_path` keeps the accepted ones."""
-        if start == 0:
-            self._drop_pending_tree()
-            keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
-            self._crop(keep)
-            fresh = list(ids[keep:])
-            self._tree_base = keep + len(fresh)
-        else:
-            fresh = []
+    @torch.inference_mode()
+    def extend_tree(self, tree: TokenTree, start: int) -> torch.Tensor:
+        """Continue the pending tree (drafting layer by layer): the cache holds nodes
+        [0, start); feed nodes [start, n) only. Returns their logits (n - start, V)."""
+        if not self._tree_pending or self.length - self._tree_base != start:
+            raise RuntimeError("extend_tree needs the tree started by forward_tree with nodes [0, start) cached")
+        return self._tree_forward([], tree, start)
+
+    def _tree_forward(self, fresh: list[int], tree: TokenTree, start: int) -> torch.Tensor:
         base, m, n = self._tree_base, len(fresh), len(tree)
         new = tree.tokens[start:]
-        ancestors = tree.ancestor_mask()[start:]
         attend = torch.zeros((m + len(new), base + n), dtype=torch.bool)
         attend[:, : base - m] = True
         attend[:m, base - m:base] = torch.ones(m, m, dtype=torch.bool).tril()
         attend[m:, base - m:base] = True
-        attend[m:, base:] = ancestors
+        attend[m:, base:] = tree.ancestor_mask()[start:]
         dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
-        depths = tree.depths[start:]
-        positions = list(range(base - m, base)) + [base - 1 + d for d in depths]
-        out = self.model(
-            input_ids=torch.tensor([fresh + new], device=self.device),
+        positions = list(range(base - m, base)) + [base - 1 + d for d in tree.depths[start:]]
+        out = self._forward(
+            torch.tensor([fresh + new], device=self.device),
             attention_mask=mask[None, None].to(self.device),
             position_ids=torch.tensor([positions], device=self.device),
-            past_key_values=self.cache, use_cache=True,
         )
         self.cached_ids.extend(fresh + new)  # tree entries: provisional until commit_path
         self._tree_pending = True
-        first = m - 1 if m else 0
-        return out.logits[0, first:, : self.vocab_size]
+        return out.logits[0, max(m - 1, 0):, : self.vocab_size]
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs):
+        """The one place the model runs on this cache; a failure mid-forward (out of
+        memory, cancel) leaves no half-written cache behind."""
+        try:
+            return self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        except BaseException:
+            self.reset()
+            raise
 
     @torch.inference_mode()
     def commit_path(self, tree: TokenTree, path: list[int]) -> None:

@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=BUNDLED)
     common.add_argument("--device", default="auto")
-    common.add_argument("--train-prompts", type=Path, default=TRAIN)
+    common.add_argument("--train-prompts", type=Path, nargs="+", default=[TRAIN], help="one or more JSONL files")
     common.add_argument("--heldout-prompts", type=Path, default=HELDOUT)
     common.add_argument("--work", type=Path, default=Path("out/distill"), help="data cache and checkpoints")
     common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
@@ -64,19 +64,24 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
     check_chat_model(tok)
     eos = stop_token_ids(tok, model.generation_config)
     kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
-    train_items = load_prompts(args.train_prompts)
     heldout_items = load_prompts(args.heldout_prompts)
-    overlap = {i.id for i in train_items} & {i.id for i in heldout_items}
-    if overlap:
-        raise SpecUIError(f"train and held-out prompt sets share ids: {sorted(overlap)[:5]}")
-    train_set = collect(model, tok, train_items, eos, args.work / "train-greedy.pt", **kw)
-    for s in range(args.samples):
-        extra = collect(model, tok, train_items, eos, args.work / f"train-sampled-{s}.pt", temperature=0.8,
-                        **dict(kw, seed=args.seed + 1000 * (s + 1)))
-        for field in ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp"):
-            getattr(train_set, field).extend(getattr(extra, field))
+    heldout_texts = {_user_text(i) for i in heldout_items}
+    train_set = AnswerSet()
+    for path in args.train_prompts:
+        items = load_prompts(path)
+        leaked = [i.id for i in items if _user_text(i) in heldout_texts or i.id in {h.id for h in heldout_items}]
+        if leaked:
+            raise SpecUIError(f"{path} holds held-out prompts ({', '.join(leaked[:5])}); they are never trained on")
+        train_set.extend(collect(model, tok, items, eos, args.work / f"{path.stem}-greedy.pt", **kw))
+        for s in range(args.samples):
+            train_set.extend(collect(model, tok, items, eos, args.work / f"{path.stem}-sampled-{s}.pt",
+                                     temperature=0.8, **dict(kw, seed=args.seed + 1000 * (s + 1))))
     heldout = collect(model, tok, heldout_items, eos, args.work / "heldout-greedy.pt", **kw)
     return train_set, heldout
+
+
+def _user_text(item) -> str:
+    return "\n".join(m["content"].strip() for m in item.messages if m["role"] == "user")
 
 
 def measure(draft, target: LoadedModel, heldout: AnswerSet) -> dict:
@@ -99,23 +104,23 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     before = evaluate(draft, heldout)
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr,
-                                         args.batch_tokens, args.seed, args.samples))
+                                         args.batch_tokens, args.seed, args.samples, args.train_prompts))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
     t0 = time.time()
     losses = train(draft, batches, lambda b: distill_loss(draft, b), cfg, desc="distil draft")
-    report = measure(draft, target, heldout)
+    report = {}
     report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),
                   agreement_before_training=before.agreement, train_answer_tokens=train_set.answer_tokens,
                   heldout_answer_tokens=heldout.answer_tokens,
                   command="python -m specui.train " + " ".join(sys.argv[1:]))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_draft(draft, tmp)
-    target.tokenizer.save_pretrained(tmp)
+    save_draft(draft, tmp, target.tokenizer)
+    shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
+    report.update(measure(shipped, target, heldout))  # figures of the stored (int8) weights
     (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
-    load_draft(tmp, target.model)  # the saved folder must load before it replaces anything
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.replace(args.out)
@@ -125,7 +130,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        for path in (args.train_prompts, args.heldout_prompts):
+        for path in (*args.train_prompts, args.heldout_prompts):
             load_prompts(path, 1)  # fail fast on a missing prompt file
         target = load_model(ModelSpec(args.target, dtype="float32", device=args.device))
         if args.cmd == "collect":
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "eval":
             _, heldout = answer_sets(args, target)
-            report = measure(load_draft(args.draft, target.model), target, heldout)
+            report = measure(load_draft(args.draft, target.model, target.tokenizer), target, heldout)
         else:
             report = cmd_draft(args, target)
     except SpecUIError as e:

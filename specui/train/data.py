@@ -36,6 +36,10 @@ class AnswerSet:
     def answer_tokens(self) -> int:
         return sum(len(a) for a in self.answer_ids)
 
+    def extend(self, other: AnswerSet) -> None:
+        for name in ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp"):
+            getattr(self, name).extend(getattr(other, name))
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -66,7 +70,7 @@ def generate_answers(
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     torch.manual_seed(seed)
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    sample = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     out = model.generate(
         ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
         do_sample=temperature > 0, eos_token_id=eos_ids, pad_token_id=pad, **sample,

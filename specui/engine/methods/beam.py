@@ -46,7 +46,7 @@ class Beam(Method):
 
     def _candidates(self, ctx: DecodeContext, joint: torch.Tensor) -> list[int]:
         """Flat (beam * V + token) indices in the order they are considered."""
-        pool = min(2 * self.width + len(ctx.eos_ids), joint.numel())
+        pool = min(max(2, 1 + len(ctx.eos_ids)) * self.width, joint.numel())  # as transformers
         if ctx.sampling.greedy:
             return torch.topk(joint, pool).indices.tolist()
         p_beam = warp(joint, ctx.sampling)

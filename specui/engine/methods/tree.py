@@ -155,7 +155,7 @@ class StaticTree(TreeMethod):
                     where[s_kid] = tree.add(tok, where[s_parent], float(q[tok]))
             if len(tree) == start or depth == min(max_depth, max(shape_depths)):
                 break
-            new_rows = draft.forward_tree(ctx.ids, tree, start=start)
+            new_rows = draft.extend_tree(tree, start)
             for k, i in enumerate(range(start, len(tree))):
                 rows[i] = draft_probs(new_rows[k], cfg)
         everything = list(range(len(tree)))
@@ -212,7 +212,7 @@ class OptTree(TreeMethod):
             tree = tree.subtree(list(range(start)) + keep)  # unchosen new nodes can never return
             if gain < self.delta or depth == min(max_depth, self.max_depth) or not keep:
                 break
-            rows = draft.forward_tree(ctx.ids, tree, start=start)
+            rows = draft.extend_tree(tree, start)
             candidates = []
             for k, node in enumerate(range(start, len(tree))):
                 qn = draft_probs(rows[k], cfg)
