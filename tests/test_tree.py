@@ -109,3 +109,31 @@ def test_greedy_tree_verification_follows_the_target():
     rows = warp(onehot_rows([2, 12, 9, 17, 5, 6]), cfg)
     v = verify_tree(HAND, rows, cfg, None)
     assert (v.path, v.next_token, v.bonus) == ([], 2, False) and set(v.rejected) == {0, 4}
+
+
+def first_token_distribution(p, q, k, trials, iid):
+    """Empirical distribution of the first emitted token when a root layer of k children
+    is drawn from q (i.i.d., or the top-k deterministically) and verified against p."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(len(p), dtype=torch.float64)
+    cfg = SamplingConfig(temperature=1.0)
+    for _ in range(trials):
+        if iid:
+            kids = torch.multinomial(q, k, replacement=True, generator=g).tolist()
+        else:
+            kids = torch.topk(q, k).indices.tolist()
+        tree = TokenTree(tokens=kids, parents=[-1] * k)
+        rows = torch.cat([p[None], p.expand(k, -1)])  # row 0: the roots' distribution
+        verdict = verify_tree(tree, rows, cfg, g, draft_rows={-1: q} if iid else None)
+        first = tree.tokens[verdict.path[0]] if verdict.path else verdict.next_token
+        counts[first] += 1
+    return counts / trials
+
+
+@pytest.mark.parametrize("iid", [True, False], ids=["multi-candidate-iid", "deterministic-children"])
+def test_tree_sampling_verification_is_exact_for_fixed_distributions(iid):
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10], dtype=torch.float64)
+    q = torch.tensor([0.40, 0.05, 0.30, 0.05, 0.10, 0.10], dtype=torch.float64)
+    got = first_token_distribution(p, q, k=3, trials=20000, iid=iid)
+    assert 0.5 * float((got - p).abs().sum()) < 0.015
+    assert 0.5 * float((q - p).abs().sum()) > 0.3  # the draft alone is far off
