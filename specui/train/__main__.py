@@ -1,6 +1,7 @@
 """Distil a draft for a target, on the target's own answers to the project's prompts.
 
     python -m specui.train draft --out models/smollm2-135m-draft      # collect, train, evaluate, ship
+    python -m specui.train collect --train-prompts assets/prompts/train.jsonl@1   # + 1 sampled answer each
     python -m specui.train collect                                    # only the target's answers
     python -m specui.train eval --draft models/smollm2-135m-draft     # quality + cost on held-out
 
@@ -17,7 +18,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,18 +34,34 @@ from specui.train.distill import build_draft, choose_head_tokens, distill_loss, 
 from specui.train.trainer import TrainConfig, train
 
 
+@dataclass(frozen=True)
+class PromptSource:
+    path: Path
+    samples: int = 0  # sampled answers per prompt, besides the greedy one
+
+    @classmethod
+    def parse(cls, text: str) -> PromptSource:
+        path, _, n = text.partition("@")
+        if n and not n.isdigit():
+            raise argparse.ArgumentTypeError(f"'{text}': use FILE or FILE@N (N sampled answers per prompt)")
+        return cls(Path(path), int(n or 0))
+
+    def __str__(self) -> str:
+        return f"{self.path}@{self.samples}" if self.samples else str(self.path)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specui.train", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=BUNDLED)
     common.add_argument("--device", default="auto")
-    common.add_argument("--train-prompts", type=Path, nargs="+", default=[TRAIN], help="one or more JSONL files")
+    common.add_argument("--train-prompts", type=PromptSource.parse, nargs="+", default=[PromptSource(TRAIN)],
+                        help="JSONL files; FILE@N adds N sampled (T=0.8) answers per prompt to the greedy one")
     common.add_argument("--heldout-prompts", type=Path, default=HELDOUT)
     common.add_argument("--work", type=Path, default=Path("out/distill"), help="data cache and checkpoints")
     common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
     common.add_argument("--batch-size", type=int, default=32, help="prompts per batched target generate")
-    common.add_argument("--samples", type=int, default=0, help="extra sampled (T=0.8) answers per train prompt")
     common.add_argument("--seed", type=int, default=0)
     sub.add_parser("collect", parents=[common], help="collect the target's answers and top-k distributions")
     d = sub.add_parser("draft", parents=[common], help="collect, build, train, evaluate and save a draft")
@@ -67,13 +84,14 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
     heldout_items = load_prompts(args.heldout_prompts)
     heldout_texts = {_user_text(i) for i in heldout_items}
     train_set = AnswerSet()
-    for path in args.train_prompts:
+    for source in args.train_prompts:
+        path = source.path
         items = load_prompts(path)
         leaked = [i.id for i in items if _user_text(i) in heldout_texts or i.id in {h.id for h in heldout_items}]
         if leaked:
             raise SpecUIError(f"{path} holds held-out prompts ({', '.join(leaked[:5])}); they are never trained on")
         train_set.extend(collect(model, tok, items, eos, args.work / f"{path.stem}-greedy.pt", **kw))
-        for s in range(args.samples):
+        for s in range(source.samples):
             train_set.extend(collect(model, tok, items, eos, args.work / f"{path.stem}-sampled-{s}.pt",
                                      temperature=0.8, **dict(kw, seed=args.seed + 1000 * (s + 1))))
     heldout = collect(model, tok, heldout_items, eos, args.work / "heldout-greedy.pt", **kw)
@@ -104,7 +122,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     before = evaluate(draft, heldout)
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr,
-                                         args.batch_tokens, args.seed, args.samples, args.train_prompts))
+                                         args.batch_tokens, args.seed, *map(str, args.train_prompts)))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
@@ -130,7 +148,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        for path in (*args.train_prompts, args.heldout_prompts):
+        for path in (*(s.path for s in args.train_prompts), args.heldout_prompts):
             load_prompts(path, 1)  # fail fast on a missing prompt file
         target = load_model(ModelSpec(args.target, dtype="float32", device=args.device))
         if args.cmd == "collect":
