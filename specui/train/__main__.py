@@ -71,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--batch-tokens", type=int, default=4096)
+    d.add_argument("--weight-decay", type=float, default=0.0)
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
     e.add_argument("--draft", type=Path, required=True)
     return ap
@@ -121,10 +122,10 @@ def cmd_draft(args, target: LoadedModel) -> dict:
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
     before = evaluate(draft, heldout)
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
-    recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr,
+    recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
                                          args.batch_tokens, args.seed, *map(str, args.train_prompts)))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
-    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed,
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
     t0 = time.time()
     losses = train(draft, batches, lambda b: distill_loss(draft, b), cfg, desc="distil draft")
