@@ -39,16 +39,9 @@ def verify_tree(
     while True:
         kids = tree.children(node)
         p = rows[node + 1]
-        if cfg.greedy:
-            want = int(p.argmax())
-            match = next((c for c in kids if tree.tokens[c] == want), None)
-            if match is None:
-                rejected += kids
-                return TreeVerdict(path, want, bonus=not kids, rejected=rejected)
-            path.append(match)
-            node = match
-        elif draft_rows is None:
-            x = sample(p, generator)
+        if cfg.greedy or draft_rows is None:
+            # the target's own token (argmax, or one honest draw from p~); descend if it is a child
+            x = int(p.argmax()) if cfg.greedy else sample(p, generator)
             match = next((c for c in kids if tree.tokens[c] == x), None)
             if match is None:
                 rejected += kids
