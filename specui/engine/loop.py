@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -56,8 +57,7 @@ class Generation:
         )
 
     def run(self) -> Generation:
-        for _ in self:
-            pass
+        deque(self, maxlen=0)  # drain the steps
         return self
 
     def __iter__(self) -> Iterator[StepTrace]:

@@ -9,6 +9,7 @@ and descend if the draw is a child: lossless), 4. commit the accepted path in bo
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -72,9 +73,9 @@ class TreeMethod(Method):
 
     uses_draft = True
 
+    @abstractmethod
     def draft_tree(self, ctx: DecodeContext, max_depth: int) -> DraftedTree:
         """Grow a tree of at most max_depth layers with the draft."""
-        raise NotImplementedError
 
     def step(self, ctx: DecodeContext) -> StepResult:
         assert ctx.draft is not None
