@@ -70,11 +70,11 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None) -> ModelPair:
     loaded_target = load_model(target)
     loaded_draft = None
     if draft is not None:
-        if is_specui_draft(draft.source):
+        if is_specui_draft(draft.source):  # uses the target's tokenizer; checked by its vocabulary fingerprint
             loaded_draft = load_specui_draft(draft, loaded_target)
         else:
             loaded_draft = load_model(draft)
-        check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
+            check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
     return ModelPair(loaded_target, loaded_draft)
 
 

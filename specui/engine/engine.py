@@ -61,7 +61,7 @@ class Engine:
     ) -> Generation:
         request = self.check(request, method)
         return Generation(
-            method, request, self.target, self.draft, self.decode, self.eos_ids, cancel,
+            method, request, self.target, self.draft, self.decode, self.eos_ids, self.context_len, cancel,
         )
 
 

@@ -34,6 +34,7 @@ class Generation:
         draft: ModelSession | None,
         decode: Callable[[Sequence[int]], str],
         eos_ids: frozenset[int],
+        context_len: int,
         cancel: threading.Event | None = None,
     ) -> None:
         self.method = method
@@ -54,6 +55,7 @@ class Generation:
             max_new_tokens=request.max_new_tokens,
             eos_ids=eos_ids,
             timer=StepTimer(target.device),
+            context_len=context_len,
         )
 
     def run(self) -> Generation:

@@ -52,6 +52,7 @@ class DecodeContext:
     max_new_tokens: int
     eos_ids: frozenset[int]
     timer: StepTimer
+    context_len: int  # the target's context window
 
     @property
     def generated(self) -> int:
@@ -60,6 +61,12 @@ class DecodeContext:
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - self.generated
+
+    @property
+    def room(self) -> int:
+        """Draft tokens that still fit in the context beside the committed ones and the
+        target's own next token."""
+        return self.context_len - len(self.ids) - 1
 
 
 @dataclass

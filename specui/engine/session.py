@@ -57,6 +57,14 @@ class ModelSession:
             self._tree_pending = False
             self._crop(self._tree_base)
 
+    def _sync(self, ids: Sequence[int], leave: int) -> int:
+        """Crop the cache to the longest true prefix of `ids` that leaves at least `leave`
+        of them to feed; returns that prefix length."""
+        self._drop_pending_tree()
+        keep = min(common_prefix(self.cached_ids, ids), len(ids) - leave)
+        self._crop(keep)
+        return keep
+
     def commit(self, ids: Sequence[int]) -> None:
         """Drop cached entries that are not a prefix of `ids` (rejected drafts)."""
         self._drop_pending_tree()
@@ -68,9 +76,7 @@ class ModelSession:
         """Make the cache hold all of `ids`; return the logits (need, V) at its last `need`
         positions (logits at position i predict token i + 1). The prefix is never recomputed."""
         need = max(1, min(need, len(ids)))
-        self._drop_pending_tree()
-        keep = min(common_prefix(self.cached_ids, ids), len(ids) - need)
-        self._crop(keep)
+        keep = self._sync(ids, need)
         new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
         out = self._forward(new, logits_to_keep=need)
         self.cached_ids.extend(ids[keep:])
@@ -79,12 +85,8 @@ class ModelSession:
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> None:
         """Cache all but the last token of `ids` (the last is fed by the first step)."""
-        self._drop_pending_tree()
-        if len(ids) > 1:
-            keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
-            self._crop(keep)
-            if keep < len(ids) - 1:
-                self.advance(ids[:-1], need=1)
+        if len(ids) > 1 and self._sync(ids, 1) < len(ids) - 1:
+            self.advance(ids[:-1], need=1)
 
     # -- trees -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -94,9 +96,7 @@ class ModelSession:
         (prefix length - 1 + depth). Feeds the not-yet-cached committed tokens (normally
         just the last) too. Returns logits (1 + n, V): row 0 predicts the roots, row 1 + i
         the children of node i. The tree's entries stay in the cache until `commit_path`."""
-        self._drop_pending_tree()
-        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
-        self._crop(keep)
+        keep = self._sync(ids, 1)
         fresh = list(ids[keep:])
         self._tree_base = keep + len(fresh)
         return self._tree_forward(fresh, tree, 0)

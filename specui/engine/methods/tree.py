@@ -45,6 +45,13 @@ def draft_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits.float().softmax(-1) if cfg.greedy else warp(logits, cfg).float()
 
 
+def top_tokens(q: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    """The draft's k most likely tokens (probability, token), skipping zero-probability ones
+    (top-k / top-p warping or the reduced head can leave fewer than k)."""
+    top = torch.topk(q, min(k, int((q > 0).sum())))
+    return list(zip(top.values.tolist(), top.indices.tolist()))
+
+
 def select_top_nodes(p_hat: list[float], n: int) -> list[int]:
     """OPT-Tree's selection: the n nodes with the largest p^ (earlier = shallower on ties).
     p^ never grows along a path, so the choice is closed under parents: a subtree with the
@@ -86,7 +93,7 @@ class TreeMethod(Method):
         with ctx.timer.phase("draft"):
             drafted = self.draft_tree(ctx, max_depth) if max_depth else None
         tree = drafted.tree if drafted else TokenTree()
-        room = ctx.target.model.config.max_position_embeddings - len(ctx.ids) - 1
+        room = ctx.room
         if len(tree) > room:
             notes.append(f"tree cut from {len(tree)} to {room} nodes: context window")
             tree = tree.subtree(list(range(max(0, room))))
@@ -150,10 +157,8 @@ class StaticTree(TreeMethod):
                 if s_parent not in where:
                     continue
                 kids = shape.children(s_parent)
-                q = rows[where[s_parent]]
-                top = torch.topk(q, min(len(kids), int((q > 0).sum()))).indices.tolist()
-                for s_kid, tok in zip(kids, top):
-                    where[s_kid] = tree.add(tok, where[s_parent], float(q[tok]))
+                for s_kid, (q_tok, tok) in zip(kids, top_tokens(rows[where[s_parent]], len(kids))):
+                    where[s_kid] = tree.add(tok, where[s_parent], q_tok)
             if len(tree) == start or depth == min(max_depth, max(shape_depths)):
                 break
             new_rows = draft.extend_tree(tree, start)
@@ -180,7 +185,7 @@ class OptTree(TreeMethod):
 
     def begin(self, ctx: DecodeContext) -> None:
         super().begin(ctx)
-        room = ctx.target.model.config.max_position_embeddings - len(ctx.ids) - 1
+        room = ctx.room
         if self.nodes > room:
             self.notes.append(f"node budget {self.nodes} cut to {room}: context window")
             self.nodes = max(1, room)
@@ -199,8 +204,7 @@ class OptTree(TreeMethod):
         draft, cfg, n = ctx.draft, ctx.sampling, self.nodes
         tree = TokenTree()
         q = draft_probs(draft.forward_tree(ctx.ids, tree)[0], cfg)
-        top = torch.topk(q, min(n, int((q > 0).sum())))
-        candidates = [(float(v), tok, -1, float(v)) for v, tok in zip(top.values.tolist(), top.indices.tolist())]
+        candidates = [(v, tok, -1, v) for v, tok in top_tokens(q, n)]  # (p^, token, parent, q)
         best = 1.0
         for depth in range(1, min(max_depth, self.max_depth) + 1):
             start = len(tree)
@@ -209,16 +213,15 @@ class OptTree(TreeMethod):
             chosen = select_top_nodes(tree.p_hat, n)
             gain = expected_accept(tree.p_hat, chosen) - best
             best += gain
-            keep = [i for i in range(start, len(tree)) if i in set(chosen)]
+            chosen_set = set(chosen)
+            keep = [i for i in range(start, len(tree)) if i in chosen_set]
             tree = tree.subtree(list(range(start)) + keep)  # unchosen new nodes can never return
             if gain < self.delta or depth == min(max_depth, self.max_depth) or not keep:
                 break
             rows = draft.extend_tree(tree, start)
             candidates = []
             for k, node in enumerate(range(start, len(tree))):
-                qn = draft_probs(rows[k], cfg)
-                top = torch.topk(qn, min(n, int((qn > 0).sum())))
-                for v, tok in zip(top.values.tolist(), top.indices.tolist()):
+                for v, tok in top_tokens(draft_probs(rows[k], cfg), n):
                     candidates.append((tree.p_hat[node] * v, tok, node, v))
         chosen = select_top_nodes(tree.p_hat, n)
         return DraftedTree(tree.subtree(chosen), tree, chosen, expected_accept(tree.p_hat, chosen))
