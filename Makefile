@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
 
-.PHONY: setup setup-test run cli test lint bench clean
+.PHONY: setup setup-test browser run cli test lint bench clean
 
 setup: $(VENV)/.runtime
 
@@ -19,7 +19,15 @@ $(VENV)/.runtime: requirements.txt
 
 $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 	$(PY) -m pip install -q -r requirements-test.txt
+	$(MAKE) browser
 	touch $@
+
+# Debian's Chromium + ChromeDriver for the browser tests (no browser download).
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium: present"; else \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; fi
 
 run: setup
 	$(PY) app.py $(ARGS)

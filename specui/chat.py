@@ -48,6 +48,34 @@ def build_prompt(
     return ids, dropped
 
 
+def fit_last_message(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], budget: int,
+) -> tuple[list[Message], str]:
+    """If the last message alone (with the system prompt) is longer than `budget` tokens, keep
+    its beginning, as much as fits. Returns (messages, a note for the user, or "")."""
+    messages = list(messages)
+    if not messages:
+        return messages, ""
+    system = [m for m in messages[:1] if m["role"] == "system" and len(messages) > 1]
+    last = messages[-1]
+    content = str(last.get("content", ""))
+
+    def fits(n_chars: int) -> bool:
+        return len(render_ids(tokenizer, system + [{**last, "content": content[:n_chars]}])) <= budget
+
+    if fits(len(content)):
+        return messages, ""
+    if not fits(0):
+        raise SpecUIError(f"the system prompt alone is longer than the {budget} tokens the context leaves")
+    lo, hi = 0, len(content)  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    note = (f"Your message was {len(content):,} characters, longer than the context window allows: "
+            f"kept the first {lo:,} characters ({budget} tokens with the chat template).")
+    return messages[:-1] + [{**last, "content": content[:lo]}], note
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config=None) -> list[int]:
     """EOS ids from the tokenizer and the model's generation config, plus end-of-turn tokens."""
     ids: set[int] = set()

@@ -110,7 +110,9 @@ def run_cli(args: argparse.Namespace) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": args.prompt})
     cancel = threading.Event()
-    generation, _ = service.start(messages, settings, cancel)
+    generation, notes = service.start(messages, settings, cancel)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     try:
         for step in service.stream(generation):
             if not args.json and step.new_text and settings.method != "beam":

@@ -64,10 +64,12 @@ class ModelPair:
         )
 
 
-def load_pair(target: ModelSpec, draft: ModelSpec | None) -> ModelPair:
+def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None) -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
     target's tokenizer. Raises SpecUIError (and loads nothing) on any problem."""
     loaded_target = load_model(target)
+    if on_target_loaded is not None:
+        on_target_loaded()
     loaded_draft = None
     if draft is not None:
         if is_specui_draft(draft.source):  # uses the target's tokenizer; checked by its vocabulary fingerprint

@@ -10,11 +10,12 @@ from dataclasses import asdict
 
 import torch
 
-from specui.chat import Message, build_prompt
+from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
-from specui.pair import ModelPair
-from specui.settings import ChatSettings
+from specui.loading import QUANTIZATIONS, ModelSpec
+from specui.pair import ModelPair, default_draft_source, load_pair, load_presets
+from specui.settings import ChatSettings, PairChoice
 
 
 def method_params(settings: ChatSettings) -> dict:
@@ -37,10 +38,77 @@ def validate_settings(settings: ChatSettings) -> None:
         raise SpecUIError(f"max new tokens must be >= 1, got {settings.max_new_tokens}")
 
 
+def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
+    if not choice.target.strip():
+        raise SpecUIError("choose a target model (a preset, a hub id, a folder or a .gguf file)")
+    if choice.quantization not in QUANTIZATIONS:
+        raise SpecUIError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+    target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization)
+    draft = choice.draft.strip() or "none"
+    if draft == "none":
+        return target, None
+    source = default_draft_source() if draft == "default" else draft
+    return target, ModelSpec(source, choice.dtype, choice.device)
+
+
+def _rss_bytes() -> int | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class ChatService:
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
         self.engine = pair.engine()
+
+    def load(self, choice: PairChoice, progress=None) -> str:
+        """Load a new pair and swap it in once no generation runs. On any failure the
+        previous pair stays loaded and a SpecUIError says why."""
+        target, draft = pair_specs(choice)
+        if progress:
+            progress(0.1, desc=f"loading target {target.source}")
+        pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, desc="loading draft"))
+                         if progress else None)
+        engine = pair.engine()
+        if progress:
+            progress(0.95, desc="waiting for the running generation")
+        with self.engine.lock:
+            old = self.engine
+            self.pair, self.engine = pair, engine
+        old.target.reset()
+        if old.draft is not None:
+            old.draft.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return f"loaded target `{self.target_label}` with draft `{self.draft_label}`"
+
+    def memory_report(self) -> str:
+        """Weights of the loaded pair, process memory, GPU memory (if any)."""
+        mb = 1 << 20
+        parts = [f"target weights {self.pair.target.memory_bytes / mb:,.0f} MB"]
+        if self.pair.draft is not None:
+            parts.append(f"draft weights {self.pair.draft.memory_bytes / mb:,.0f} MB")
+        rss = _rss_bytes()
+        if rss:
+            parts.append(f"process RSS {rss / mb:,.0f} MB")
+        if torch.cuda.is_available():
+            parts.append(f"GPU allocated {torch.cuda.memory_allocated() / mb:,.0f} MB "
+                         f"(peak {torch.cuda.max_memory_allocated() / mb:,.0f} MB)")
+        return " · ".join(parts)
+
+    @property
+    def presets(self) -> dict[str, dict]:
+        return {name: {"description": p.description, "target": p.target, "draft": p.draft,
+                       "quantization": p.quantization} for name, p in load_presets().items()}
+
+    @property
+    def device_label(self) -> str:
+        return str(self.pair.target.device)
 
     @property
     def target_label(self) -> str:
@@ -56,6 +124,11 @@ class ChatService:
 
         return list(STATIC_TREES)
 
+    @staticmethod
+    def method_fields(method: str) -> set[str]:
+        """The ChatSettings fields a method's constructor takes (what its settings panel shows)."""
+        return set(method_params(ChatSettings(method=method)))
+
     @property
     def methods(self) -> list[str]:
         names = sorted(METHODS)
@@ -65,17 +138,27 @@ class ChatService:
 
     def start(
         self, messages: Sequence[Message], settings: ChatSettings, cancel: threading.Event | None = None,
-    ) -> tuple[Generation, int]:
-        """Build the prompt (dropping the oldest turns if it must) and a ready Generation.
-        Returns (generation, number of turns dropped to fit the context)."""
+        truncate: bool = False,
+    ) -> tuple[Generation, list[str]]:
+        """Build the prompt and a ready Generation. The oldest turns are dropped to fit the
+        context; with `truncate` an over-long last message is cut (else it is an error).
+        Returns (generation, notes for the user about what was dropped or cut)."""
         method = make_method(settings.method, **method_params(settings))
-        budget = self.engine.context_len - 1
-        prompt, dropped = build_prompt(self.pair.target.tokenizer, messages, budget)
+        context = self.engine.context_len
+        budget = context - max(1, min(settings.max_new_tokens, context // 4))  # room for the answer
+        tokenizer = self.pair.target.tokenizer
+        notes = []
+        if truncate:
+            messages, note = fit_last_message(tokenizer, messages, budget)
+            notes += [note] if note else []
+        prompt, dropped = build_prompt(tokenizer, messages, budget)
+        if dropped:
+            notes.append(f"Dropped the {dropped} oldest messages to fit the {context}-token context window.")
         request = GenerationRequest(
             prompt_ids=prompt, max_new_tokens=settings.max_new_tokens,
             sampling=sampling_config(settings), stop_strings=tuple(settings.stop_strings),
         )
-        return self.engine.generate(request, method, cancel), dropped
+        return self.engine.generate(request, method, cancel), notes
 
     def stream(self, generation: Generation) -> Iterator[StepTrace]:
         """Run a generation under the engine lock; out-of-memory becomes a SpecUIError."""

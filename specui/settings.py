@@ -21,3 +21,15 @@ class ChatSettings:
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
     stop_strings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PairChoice:
+    """What the model panel asks for: target and draft sources (hub id, folder, .gguf,
+    'bundled:smollm2'; the draft also 'default' or 'none'), quantization, device."""
+
+    target: str
+    draft: str = "default"
+    quantization: str = "none"
+    device: str = "auto"
+    dtype: str = "auto"

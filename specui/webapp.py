@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specui.cli import load_from_args
+from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
 from specui.service import ChatService
 
@@ -31,7 +31,7 @@ def launch(args: argparse.Namespace) -> int:
         print("warning: --share without --auth makes your model public to anyone with the link", file=sys.stderr)
     print("loading models…", file=sys.stderr)
     service = ChatService(load_from_args(args))
-    demo = build_ui(service).queue(max_size=args.queue, default_concurrency_limit=1)
+    demo = build_ui(service, settings_from_args(args)).queue(max_size=args.queue, default_concurrency_limit=1)
     kwargs = dict(server_name=args.host, server_port=args.port, auth=auth)
     if args.share:
         try:

@@ -117,6 +117,7 @@ class Generation:
         previous = "" if result.replace else self.text
         new_text = text[len(previous):] if text.startswith(previous) else text
         self.text = text
+        draft_chars = self._draft_chars(base, tokens, from_draft, previous, new_text)
 
         stats.target_forwards += 1
         stats.drafted += result.drafted
@@ -124,7 +125,8 @@ class Generation:
         stats.new_tokens = len(self.output_ids)
         stats.finish_reason = reason
         for node in result.nodes:
-            node.text = self.decode([node.token_id])
+            node.text = self.decode([node.token_id]) or ("<eos>" if node.token_id in ctx.eos_ids
+                                                          else f"<{node.token_id}>")
         ms = ctx.timer.ms
         trace = StepTrace(
             index=len(self.steps),
@@ -135,6 +137,7 @@ class Generation:
             new_token_ids=tokens,
             new_from_draft=from_draft,
             new_text=new_text,
+            new_draft_chars=draft_chars,
             text=text,
             gamma=result.gamma,
             beam_width=result.beam_width,
@@ -148,6 +151,18 @@ class Generation:
         )
         self.steps.append(trace)
         return trace
+
+    def _draft_chars(self, base: list[int], tokens: list[int], from_draft: list[bool], previous: str,
+                     new_text: str) -> int:
+        """Characters of this step's new text that came from accepted draft tokens (they lead
+        the step's tokens; the target's own token follows)."""
+        n = next((i for i, d in enumerate(from_draft) if not d), len(from_draft))
+        if n == 0:
+            return 0
+        if n == len(tokens):
+            return len(new_text)
+        drafted = self.decode(base + tokens[:n]).rstrip("\ufffd")
+        return max(0, min(len(new_text), len(drafted) - len(previous)))
 
 
 

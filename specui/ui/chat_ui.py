@@ -1,18 +1,33 @@
-"""The chat page: streaming chat, method switch, settings, live speculation panels.
+"""The chat page: streaming chat, method switch, per-method settings, model panel, live
+speculation panels, step inspector and trace export.
 
-The service is injected (specui.service.ChatService); this module reads only settings and
-step traces (plain data)."""
+The service (specui.service.ChatService) is injected; this module reads settings and step
+traces (plain data) only and never imports torch."""
 
 from __future__ import annotations
 
+import json
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
+from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
-from specui.settings import ChatSettings
-from specui.ui.figures import acceptance_figure, choices_figure, tree_figure
+from specui.settings import ChatSettings, PairChoice
+from specui.ui.figures import (
+    acceptance_figure,
+    choices_figure,
+    provenance_html,
+    step_markdown,
+    timing_figure,
+    tree_figure,
+)
 
 DESCRIPTIONS = {
     "autoregressive": "plain decoding: one target forward per token",
@@ -21,6 +36,7 @@ DESCRIPTIONS = {
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
 }
+FIGURE_INTERVAL_S = 0.5  # redraw the live panels at most this often (the text streams every step)
 
 
 def _text(content: Any) -> str:
@@ -34,7 +50,7 @@ def _text(content: Any) -> str:
     return str(content)
 
 
-def _stats_line(stats: dict, notes: list[str] = ()) -> str:
+def stats_line(stats: dict, notes: list[str] = ()) -> str:
     extra = "".join(f"\n\nℹ️ {n}" for n in dict.fromkeys(notes))
     return extra.lstrip() + "\n\n" + (
         f"**{stats['method']}** · {stats['new_tokens']} tokens · {stats['target_forwards']} target forwards · "
@@ -43,79 +59,283 @@ def _stats_line(stats: dict, notes: list[str] = ()) -> str:
     )
 
 
-def build_ui(service, title: str = "SpecUI") -> gr.Blocks:
-    methods = service.methods
-    tree_presets = service.tree_presets
-    default = "speculative" if "speculative" in methods else methods[0]
+# The settings controls, in the order the handlers receive them: (ChatSettings field, factory).
+SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
+                  "nodes", "delta")
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed"}
 
-    def user(message: str, history: list) -> tuple[str, list]:
+
+def settings_from_values(method: str, values: dict[str, Any]) -> ChatSettings:
+    """ChatSettings from the controls' values (Gradio hands numbers back as floats or None)."""
+    seed = values.get("seed")
+    delta = values.get("delta")
+    return ChatSettings(
+        method=method, max_new_tokens=int(values["max_new_tokens"]), temperature=float(values["temperature"]),
+        top_k=int(values["top_k"]), top_p=float(values["top_p"]),
+        seed=None if seed in (None, "") or int(seed) < 0 else int(seed),
+        gamma=int(values["gamma"]), width=int(values["width"]), preset=values["preset"],
+        nodes=int(values["nodes"]), delta=float(delta) if delta not in (None, "", 0) else None,
+    )
+
+
+@dataclass
+class Outputs:
+    """What one update of the page carries (in the order of ChatPage.outputs)."""
+
+    history: list
+    tree: Any = None
+    accept: Any = None
+    choices: Any = None
+    timing: Any = None
+    stats: Any = None
+    provenance: Any = None
+    steps: Any = None
+    slider: Any = None
+    export: Any = None
+
+    def as_tuple(self) -> tuple:
+        return tuple(gr.skip() if getattr(self, f.name) is None else getattr(self, f.name) for f in fields(self))
+
+
+class ChatPage:
+    """Handlers of the page. Per-browser-session state (history, traces) lives in Gradio
+    components; the only shared state is the cancel flag of each session's running reply."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self._cancels: dict[str, threading.Event] = {}
+        self._trace_dir = Path(tempfile.gettempdir()) / "specui-traces"
+
+    # --- chat -------------------------------------------------------------------------------
+    def respond(self, request: gr.Request, message: str, history: list, method: str, *values) -> Iterator:
+        """Append the user's message and stream the reply (first yield clears the box).
+        (Gradio injects `request` only among the positional parameters before *values.)"""
         if not message or not message.strip():
             gr.Warning("The message is empty: type something to send.")
-            return message, history
-        return "", history + [{"role": "user", "content": message}]
-
-    def bot(history: list, method, max_new, temperature, top_k, top_p, seed, gamma, width, preset, nodes,
-            delta) -> Iterator:
-        if not history or history[-1]["role"] != "user":
+            yield (message, *Outputs(history).as_tuple())
             return
+        history = list(history or []) + [{"role": "user", "content": message}]
+        yield ("", *Outputs(history).as_tuple())
+        for out in self._reply(history, method, values, request):
+            yield ("", *out.as_tuple())
+
+    def retry(self, request: gr.Request, history: list, method: str, *values) -> Iterator:
+        """Answer the last user message again (with the current method and settings)."""
+        history = list(history or [])
+        while history and history[-1]["role"] != "user":
+            history.pop()
+        if not history:
+            gr.Warning("Nothing to retry yet: send a message first.")
+            return
+        for out in self._reply(history, method, values, request):
+            yield out.as_tuple()
+
+    def stop(self, request: gr.Request = None) -> None:
+        event = self._cancels.get(_session(request))
+        if event is not None:
+            event.set()
+
+    def _reply(self, history: list, method: str, values: tuple, request) -> Iterator[Outputs]:
         messages = [{"role": m["role"], "content": _text(m["content"])} for m in history]
-        settings = ChatSettings(
-            method=method, max_new_tokens=int(max_new), temperature=float(temperature), top_k=int(top_k),
-            top_p=float(top_p), seed=int(seed) if seed not in (None, "", -1) else None,
-            gamma=int(gamma), width=int(width), preset=preset, nodes=int(nodes),
-            delta=float(delta) if delta else None,
-        )
         history = history + [{"role": "assistant", "content": ""}]
+        cancel = self._cancels[_session(request)] = threading.Event()
         try:
-            generation, dropped = service.start(messages, settings)
-            if dropped:
-                gr.Info(f"Dropped the {dropped} oldest messages to fit the context window.")
-            for step in service.stream(generation):
+            settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)))
+            generation, notes = self.service.start(messages, settings, cancel, truncate=True)
+            for note in notes:
+                gr.Info(note)
+            last_draw = 0.0
+            for step in self.service.stream(generation):
                 history[-1]["content"] = step.text
-                yield (history, tree_figure(step), acceptance_figure(generation.steps),
-                       choices_figure(generation.steps), _stats_line(generation.stats.to_dict(), step.notes))
-            last = generation.steps[-1] if generation.steps else None
-            yield (history, tree_figure(last), acceptance_figure(generation.steps), choices_figure(generation.steps),
-                   _stats_line(generation.stats.to_dict(), [n for s in generation.steps for n in s.notes]))
+                if time.perf_counter() - last_draw >= FIGURE_INTERVAL_S:
+                    last_draw = time.perf_counter()
+                    yield self._live(history, generation, step, notes)
+                else:
+                    yield Outputs(history)
+            yield self._final(history, generation, notes)
         except SpecUIError as e:
             history[-1]["content"] = f"⚠️ {e}"
-            yield history, tree_figure(None), acceptance_figure([]), choices_figure([]), f"⚠️ {e}"
+            yield Outputs(history, stats=f"⚠️ {e}")
+
+    def _live(self, history, generation, step: StepTrace, notes: list[str]) -> Outputs:
+        steps = generation.steps
+        return Outputs(history, tree_figure(step), acceptance_figure(steps), choices_figure(steps),
+                       timing_figure(steps), stats_line(generation.stats.to_dict(), notes + step.notes),
+                       provenance_html(steps))
+
+    def _final(self, history, generation, notes: list[str]) -> Outputs:
+        steps = generation.steps
+        if generation.stats.finish_reason == "cancelled":
+            history[-1]["content"] = (history[-1]["content"] or "") + " ⏹"
+        all_notes = notes + [n for s in steps for n in s.notes]
+        last = len(steps) - 1
+        return Outputs(
+            history, tree_figure(steps[-1] if steps else None), acceptance_figure(steps), choices_figure(steps),
+            timing_figure(steps), stats_line(generation.stats.to_dict(), all_notes), provenance_html(steps),
+            [s.to_dict() for s in steps],
+            gr.update(minimum=0, maximum=max(last, 1), value=max(last, 0), step=1, interactive=last > 0),
+            self._export(generation),
+        )
+
+    def _export(self, generation) -> str:
+        self._trace_dir.mkdir(parents=True, exist_ok=True)
+        path = self._trace_dir / f"specui-trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(generation):x}.json"
+        path.write_text(json.dumps({"stats": generation.stats.to_dict(),
+                                    "steps": [s.to_dict() for s in generation.steps]}, ensure_ascii=False))
+        return str(path)
+
+    def clear(self) -> tuple:
+        return Outputs([], tree_figure(None), acceptance_figure([]), choices_figure([]), timing_figure([]), "",
+                       provenance_html([]), [], gr.update(value=0, maximum=1, interactive=False), None).as_tuple()
+
+    # --- step inspector ---------------------------------------------------------------------
+    @staticmethod
+    def inspect(index, steps: list[dict]) -> tuple:
+        """Re-open a recorded step: its tree and numbers, from the stored trace."""
+        if not steps:
+            return tree_figure(None), step_markdown(None)
+        i = min(max(int(index or 0), 0), len(steps) - 1)
+        step = StepTrace.from_dict(steps[i])
+        return tree_figure(step), step_markdown(step)
+
+    # --- settings and models ----------------------------------------------------------------
+    def method_changed(self, method: str) -> tuple:
+        wanted = self.service.method_fields(method)
+        return (gr.update(info=DESCRIPTIONS.get(method, "")),
+                *(gr.update(visible=name in SAMPLING_FIELDS or name in wanted) for name in SETTING_FIELDS))
+
+    def preset_chosen(self, name: str) -> tuple:
+        preset = self.service.presets.get(name)
+        if preset is None:
+            return gr.skip(), gr.skip(), gr.skip(), ""
+        return preset["target"], preset["draft"], preset["quantization"], preset["description"]
+
+    def load_models(self, target: str, draft: str, quantization: str, device: str, method: str,
+                    progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
+        try:
+            message = self.service.load(PairChoice(target, draft or "none", quantization, device), progress)
+            gr.Info(message)
+            status = f"✅ {message}"
+        except SpecUIError as e:
+            gr.Warning(f"Could not load: {e}")
+            status = f"⚠️ could not load: {e}. The previous pair stays loaded."
+        except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
+            gr.Warning(f"Could not load: {type(e).__name__}: {e}")
+            status = f"⚠️ could not load ({type(e).__name__}: {e}). The previous pair stays loaded."
+        methods = self.service.methods
+        return (status, self.service.memory_report(), self.header(),
+                gr.update(choices=methods, value=method if method in methods else methods[0]))
+
+    def header(self) -> str:
+        s = self.service
+        return f"Target: `{s.target_label}` · draft: `{s.draft_label}` · device: `{s.device_label}`"
+
+
+def _session(request) -> str:
+    return getattr(request, "session_hash", None) or "local"
+
+
+def _settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[str, gr.components.Component]:
+    controls = {
+        "max_new_tokens": gr.Slider(1, 2048, value=defaults.max_new_tokens, step=1, label="max new tokens",
+                                    info="longest reply; the context window caps it too"),
+        "temperature": gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="temperature",
+                                 info="0 = greedy (lossless methods then reproduce plain greedy decoding)"),
+        "top_k": gr.Slider(0, 200, value=defaults.top_k, step=1, label="top-k",
+                           info="sample only from the k most likely tokens; 0 = off"),
+        "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="top-p",
+                           info="nucleus sampling: the smallest set holding this much probability"),
+        "seed": gr.Number(value=-1 if defaults.seed is None else defaults.seed, precision=0, label="seed", info="same seed + settings = same reply; -1 = random"),
+        "gamma": gr.Slider(1, 16, value=defaults.gamma, step=1, label="gamma",
+                           info="speculative: draft tokens proposed per step (higher pays when the draft agrees)"),
+        "width": gr.Slider(1, 8, value=defaults.width, step=1, label="beam width W",
+                           info="beam: number of beams kept per step"),
+        "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
+                              info="tree: the static draft tree's shape (nodes per depth)"),
+        "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",
+                           info="opt-tree: most draft tokens verified per step"),
+        "delta": gr.Number(value=defaults.delta, label="delta",
+                           info="opt-tree: stop growing when E(A) gains less; empty = measured draft/target cost"),
+    }
+    for name, control in controls.items():
+        control.elem_id = f"set-{name}"
+    return controls
+
+
+def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI") -> gr.Blocks:
+    """The page; `defaults` (from the command-line flags) fill the method and settings."""
+    page = ChatPage(service)
+    defaults = defaults or ChatSettings()
+    methods = service.methods
+    default = defaults.method if defaults.method in methods else (
+        "speculative" if "speculative" in methods else methods[0])
+    presets = service.presets
 
     with gr.Blocks(title=title) as demo:
-        gr.Markdown(f"# {title}\nTarget: `{service.target_label}` · draft: `{service.draft_label}`")
+        gr.Markdown(f"# {title}")
+        header = gr.Markdown(page.header(), elem_id="header")
+        steps_state = gr.State([])
         with gr.Row():
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(height=480, label="chat")
+                chatbot = gr.Chatbot(height=440, label="chat", elem_id="chatbot")
                 box = gr.Textbox(placeholder="Message… (Enter to send)", show_label=False, elem_id="msg")
                 with gr.Row():
                     send = gr.Button("Send", variant="primary", elem_id="send")
-                    stop = gr.Button("Stop", elem_id="stop")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    retry = gr.Button("Retry", elem_id="retry")
                     clear = gr.Button("Clear", elem_id="clear")
                 stats = gr.Markdown(elem_id="stats")
+                show_prov = gr.Checkbox(True, label="colour the last reply by provenance "
+                                        "(green: accepted draft tokens, purple: the target's own tokens)",
+                                        elem_id="prov-toggle")
+                prov = gr.HTML(provenance_html([]), elem_id="provenance")
             with gr.Column(scale=2):
-                method = gr.Dropdown(methods, value=default, label="decoding method",
-                                     info=DESCRIPTIONS.get(default, ""), elem_id="method")
-                with gr.Accordion("settings", open=False):
-                    max_new = gr.Slider(1, 2048, value=256, step=1, label="max new tokens")
-                    temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature", info="0 = greedy")
-                    top_k = gr.Slider(0, 200, value=0, step=1, label="top-k", info="0 = off")
-                    top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
-                    seed = gr.Number(value=-1, precision=0, label="seed", info="-1 = random")
-                    gamma = gr.Slider(1, 16, value=5, step=1, label="gamma (speculative draft length)")
-                    width = gr.Slider(1, 8, value=4, step=1, label="beam width")
-                    preset = gr.Dropdown(list(tree_presets), value="eagle-25", label="tree preset (tree)")
-                    nodes = gr.Slider(1, 120, value=25, step=1, label="node budget n (opt-tree)")
-                    delta = gr.Number(value=None, label="delta (opt-tree)", info="empty = measured mu")
-                tree = gr.Plot(label="current step", elem_id="tree")
-                accept = gr.Plot(label="accepted vs rejected", elem_id="accept")
-                choices = gr.Plot(label="dynamic choices", elem_id="choices")
+                with gr.Tab("method"):
+                    method = gr.Dropdown(methods, value=default, label="decoding method",
+                                         info=DESCRIPTIONS.get(default, ""), elem_id="method")
+                    controls = _settings_controls(defaults, service.tree_presets)
+                with gr.Tab("model", elem_id="model-tab"):
+                    preset = gr.Dropdown(list(presets), value=None, label="preset", elem_id="preset",
+                                         info="fills the fields below; hub presets need internet")
+                    preset_info = gr.Markdown()
+                    target = gr.Textbox(label="target", value=service.pair.target.spec.source, elem_id="target",
+                                        info="hub id, local folder, .gguf file, or bundled:smollm2")
+                    draft = gr.Textbox(label="draft", value="default", elem_id="draft",
+                                       info="default (the shipped distilled draft), none, hub id, folder or .gguf")
+                    quant = gr.Radio(["none", "8bit", "4bit"], value=service.pair.target.spec.quantization,
+                                     label="quantization (target, bitsandbytes)")
+                    device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device")
+                    load = gr.Button("Load models", elem_id="load")
+                    load_status = gr.Markdown(elem_id="load-status")
+                    memory = gr.Markdown(service.memory_report(), elem_id="memory")
+        with gr.Row():
+            tree = gr.Plot(tree_figure(None), label="current step: draft tree", elem_id="tree")
+            accept = gr.Plot(acceptance_figure([]), label="accepted vs rejected", elem_id="accept")
+        with gr.Row():
+            choices = gr.Plot(choices_figure([]), label="dynamic choices", elem_id="choices")
+            timing = gr.Plot(timing_figure([]), label="time per step", elem_id="timing")
+        with gr.Accordion("step inspector", open=True):
+            with gr.Row():
+                slider = gr.Slider(0, 1, value=0, step=1, label="step", interactive=False, elem_id="step-slider")
+                export = gr.DownloadButton("Export trace (JSON)", value=None, elem_id="export")
+            with gr.Row():
+                step_tree = gr.Plot(tree_figure(None), label="selected step", elem_id="step-tree")
+                step_info = gr.Markdown(step_markdown(None), elem_id="step-info")
 
-        method.change(lambda m: gr.update(info=DESCRIPTIONS.get(m, "")), method, method)
-        inputs = [chatbot, method, max_new, temperature, top_k, top_p, seed, gamma, width, preset, nodes, delta]
-        outputs = [chatbot, tree, accept, choices, stats]
-        ev1 = box.submit(user, [box, chatbot], [box, chatbot], queue=False).then(bot, inputs, outputs)
-        ev2 = send.click(user, [box, chatbot], [box, chatbot], queue=False).then(bot, inputs, outputs)
-        stop.click(None, None, None, cancels=[ev1, ev2])
-        clear.click(lambda: ([], tree_figure(None), acceptance_figure([]), choices_figure([]), ""), None, outputs,
-                    queue=False)
+        settings_inputs = [controls[name] for name in SETTING_FIELDS]
+        outputs = [chatbot, tree, accept, choices, timing, stats, prov, steps_state, slider, export]
+        gr.on([box.submit, send.click], page.respond, [box, chatbot, method, *settings_inputs], [box, *outputs],
+              trigger_mode="once", concurrency_id="engine")
+        retry.click(page.retry, [chatbot, method, *settings_inputs], outputs, trigger_mode="once",
+                    concurrency_id="engine")
+        stop.click(page.stop, None, None, queue=False)
+        clear.click(page.clear, None, outputs, queue=False)
+        slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False)
+        steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False)
+        method.change(page.method_changed, method, [method, *settings_inputs], queue=False)
+        show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False)
+        preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False)
+        load.click(page.load_models, [target, draft, quant, device, method],
+                   [load_status, memory, header, method], concurrency_id="engine")
+        demo.load(page.method_changed, method, [method, *settings_inputs], queue=False)
     return demo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -69,7 +70,7 @@ def tree_figure(step: StepTrace | None) -> go.Figure:
     fig.add_trace(go.Scatter(x=edge_x, y=edge_y, mode="lines", line=dict(color="#999", width=1),
                              hoverinfo="skip", showlegend=False))
     fig.add_trace(go.Scatter(x=[0.0], y=[root_y], mode="markers+text", text=["context"],
-                             textposition="middle left", marker=dict(size=14, color="#444"),
+                             textposition="top center", marker=dict(size=14, color="#444"),
                              hoverinfo="skip", showlegend=False))
     for status, color in STATUS_COLORS.items():
         idx = [i for i, n in enumerate(step.nodes) if n.status == status]
@@ -133,3 +134,102 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
     fig.update_layout(height=260, margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title="step"),
                       legend=dict(orientation="h", y=1.2), title="dynamic choices" if steps else "no steps yet")
     return fig
+
+
+def timing_figure(steps: Sequence[StepTrace]) -> go.Figure:
+    """Draft vs verify time per step (stacked bars) and the running tokens/s."""
+    xs = [s.index for s in steps]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=xs, y=[s.draft_ms for s in steps], name="draft ms", marker_color="#9ecae1"))
+    fig.add_trace(go.Bar(x=xs, y=[s.verify_ms for s in steps], name="verify ms", marker_color="#6f42c1"))
+    other = [max(0.0, s.step_ms - s.draft_ms - s.verify_ms) for s in steps]
+    fig.add_trace(go.Bar(x=xs, y=other, name="other ms", marker_color="#dddddd"))
+    running, tokens, ms = [], 0, 0.0
+    for s in steps:
+        tokens += len(s.new_token_ids)
+        ms += s.step_ms
+        running.append(1000.0 * tokens / ms if ms > 0 else 0.0)
+    fig.add_trace(go.Scatter(x=xs, y=running, name="tokens/s (running)", mode="lines", yaxis="y2",
+                             line=dict(color="#2e9e44")))
+    fig.update_layout(
+        barmode="stack", height=260, margin=dict(l=20, r=20, t=30, b=20),
+        xaxis=dict(title="step"), yaxis=dict(title="ms per step"),
+        yaxis2=dict(overlaying="y", side="right", title="tokens/s", rangemode="tozero"),
+        legend=dict(orientation="h", y=1.2), title="time per step" if steps else "no steps yet",
+    )
+    return fig
+
+
+PROVENANCE_COLORS = {"draft": "#c8efd0", "target": "#e6dcf7"}
+
+
+def provenance_segments(steps: Sequence[StepTrace]) -> list[tuple[str, str]]:
+    """The reply as (text, 'draft' | 'target') runs: characters from accepted draft tokens
+    vs characters the target produced itself. Empty if the steps do not add up to the
+    reply (beam search rewrites its text)."""
+    if not steps:
+        return []
+    segments: list[tuple[str, str]] = []
+    for s in steps:
+        for text, source in ((s.new_text[: s.new_draft_chars], "draft"), (s.new_text[s.new_draft_chars:], "target")):
+            if not text:
+                continue
+            if segments and segments[-1][1] == source:
+                segments[-1] = (segments[-1][0] + text, source)
+            else:
+                segments.append((text, source))
+    if "".join(t for t, _ in segments) != steps[-1].text:
+        return []
+    return segments
+
+
+def provenance_html(steps: Sequence[StepTrace]) -> str:
+    """The last reply coloured by where each character came from."""
+    if not steps:
+        return "<div class='specui-prov'><i>no reply yet</i></div>"
+    segments = provenance_segments(steps)
+    legend = " ".join(f"<span style='background:{c};padding:0 4px'>{name}</span>"
+                      for name, c in (("accepted draft", PROVENANCE_COLORS["draft"]),
+                                      ("target", PROVENANCE_COLORS["target"])))
+    if not segments:
+        body = html.escape(steps[-1].text)
+        legend = f"<i>{html.escape(steps[-1].method)}: the reply was rewritten during decoding, shown plain</i>"
+    else:
+        body = "".join(f"<span class='prov-{src}' style='background:{PROVENANCE_COLORS[src]}'>{html.escape(t)}</span>"
+                       for t, src in segments)
+    drafted = sum(len(t) for t, src in segments if src == "draft")
+    total = max(1, sum(len(t) for t, _ in segments))
+    share = f" · {drafted / total:.0%} of the characters came from accepted drafts" if segments else ""
+    return (f"<div class='specui-prov'><div style='font-size:0.85em'>{legend}{share}</div>"
+            f"<div style='white-space:pre-wrap;line-height:1.6'>{body}</div></div>")
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
+    """The numbers of one step, as recorded (nothing recomputed)."""
+    if step is None:
+        return "_no step selected_"
+    choices = [f"{name} {value}" for name, value in (
+        ("gamma", step.gamma), ("beam width", step.beam_width), ("tree nodes", step.tree_nodes),
+        ("tree depth", step.tree_depth),
+        ("E(A)", None if step.expected_accept is None else f"{step.expected_accept:.2f}")) if value is not None]
+    lines = [
+        f"**step {step.index}** · {step.method} · drafted {step.drafted} · accepted {step.accepted} · "
+        f"+{len(step.new_token_ids)} tokens {step.new_text!r}",
+        f"draft {step.draft_ms:.1f} ms · verify {step.verify_ms:.1f} ms · step {step.step_ms:.1f} ms"
+        + (" · " + " · ".join(choices) if choices else ""),
+    ]
+    lines += [f"ℹ️ {n}" for n in step.notes]
+    if step.nodes:
+        lines += ["", "| # | token | parent | depth | status | q | p | p^ | min(1,p/q) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for i, n in enumerate(step.nodes[:max_nodes]):
+            token = html.escape(n.text).replace("|", "\\|").replace("\n", "\\n")
+            lines.append(f"| {i} | `{token}` | {n.parent} | {n.depth} | {n.status} | {_fmt(n.q)} | {_fmt(n.p)} "
+                         f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} |")
+        if len(step.nodes) > max_nodes:
+            lines.append(f"\n… {len(step.nodes) - max_nodes} more nodes (see the JSON export)")
+    return "\n".join(lines)

@@ -1,0 +1,272 @@
+"""End-to-end: the real app (`python app.py`, bundled pair, offline) driven in headless Debian
+Chromium through Selenium. `make setup-test` installs chromium and chromium-driver."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+pytestmark = pytest.mark.skipif(
+    not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
+    reason="Debian chromium + chromium-driver not installed (make setup-test installs them)",
+)
+CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1500,1900")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    """`python app.py` on a free port with the default (bundled) pair."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("app") / "app.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(port), "--max-new-tokens", "32", "--gamma", "3"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the app exited:\n{log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    _wait_until(up, 240, "the app to listen", every=0.5)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROME_FLAGS:
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+class Page:
+    """A tab on the app, with the few gestures the tests need."""
+
+    def __init__(self, url: str) -> None:
+        self.driver = _browser()
+        self.driver.get(url)
+        _wait_until(lambda: self.driver.find_elements(By.CSS_SELECTOR, "#msg textarea"), 60, "the page")
+
+    def close(self) -> None:
+        self.driver.quit()
+
+    def find(self, css: str):
+        return self.driver.find_element(By.CSS_SELECTOR, css)
+
+    def texts(self, css: str) -> list[str]:
+        """innerText of the matching elements, read in one script call (cheap while the
+        page is busy rendering a streamed reply)."""
+        return self.driver.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText ?? e.textContent)", css)
+
+    def bot_texts(self) -> list[str]:
+        return [t.strip() for t in self.texts("#chatbot .message.bot")]
+
+    def user_texts(self) -> list[str]:
+        return [t.strip() for t in self.texts("#chatbot .message.user")]
+
+    def stats(self) -> str:
+        return "".join(self.texts("#stats"))
+
+    def send(self, message: str) -> None:
+        box = self.find("#msg textarea")
+        box.send_keys(message)
+        box.send_keys(Keys.ENTER)
+
+    def paste(self, message: str) -> None:
+        """Put a long text in the box at once (as a paste would) and send it."""
+        box = self.find("#msg textarea")
+        self.driver.execute_script(
+            "arguments[0].value = arguments[1];"
+            "arguments[0].dispatchEvent(new Event('input', {bubbles: true}));", box, message)
+        box.send_keys(Keys.END, Keys.ENTER)
+
+    def wait_done(self, n_replies: int, timeout: float = 120) -> str:
+        """Wait until reply number n_replies is finished (the stats line names why it stopped)."""
+        def done():
+            bots = self.bot_texts()
+            stats = self.stats()
+            finished = any(r in stats for r in ("· eos", "· length", "· stop", "· cancelled", "⚠️"))
+            return bots[n_replies - 1] if len(bots) >= n_replies and finished else None
+        return _wait_until(done, timeout, f"reply {n_replies} to finish")
+
+    def set_number(self, elem_id: str, value) -> None:
+        field = self.find(f"#{elem_id} input[type=number]")
+        field.send_keys(Keys.CONTROL, "a")
+        field.send_keys(str(value), Keys.TAB)
+
+    def choose(self, elem_id: str, option: str) -> None:
+        field = self.find(f"#{elem_id} input")
+        field.click()
+        option_el = _wait_until(
+            lambda: [li for li in self.driver.find_elements(By.CSS_SELECTOR, "ul.option-list li")
+                     if li.text.strip().lstrip("✓").strip() == option], 10, f"option {option}")
+        option_el[0].click()
+        _wait_until(lambda: field.get_property("value") == option, 10, f"{elem_id} = {option}")
+
+    def tree_points(self, elem_id: str = "tree") -> int:
+        return len(self.driver.find_elements(By.CSS_SELECTOR, f"#{elem_id} .js-plotly-plot .scatterlayer .point"))
+
+    def clear_chat(self) -> None:
+        self.find("#clear").click()
+        _wait_until(lambda: not self.bot_texts(), 10, "the chat to clear")
+
+
+@pytest.fixture(scope="module")
+def page(app_url):
+    p = Page(app_url)
+    yield p
+    p.close()
+
+
+def test_chat_streams_draws_the_tree_and_inspects_steps(page):
+    page.clear_chat()
+    page.set_number("set-max_new_tokens", 48)
+    page.send("Explain in two sentences why the sky is blue.")
+    seen = set()
+
+    def streaming():
+        bots = page.bot_texts()
+        if bots and bots[-1]:
+            seen.add(bots[-1])
+        return "· eos" in page.stats() or "· length" in page.stats()
+
+    _wait_until(streaming, 120, "the reply", every=0.05)
+    assert len(seen) >= 2, f"the reply did not stream: {seen}"  # several partial texts were shown
+    assert "speculative" in page.stats()
+    _wait_until(lambda: page.tree_points() >= 2, 20, "the plotly draft tree")
+    labels = page.texts("#tree .scatterlayer .textpoint")
+    assert any(label.strip() for label in labels)  # token labels on the nodes
+    assert page.texts("#provenance .prov-draft") and page.texts("#provenance .prov-target")
+
+    # step inspector: open step 0 again from the stored trace
+    page.set_number("step-slider", 0)
+    _wait_until(lambda: "step 0 ·" in page.find("#step-info").text, 20, "step 0 in the inspector")
+    assert page.tree_points("step-tree") >= 1
+    assert page.find("#export").get_attribute("href") or page.find("#export a, #export").tag_name
+
+
+def test_stop_mid_reply_then_send_and_switch_method(page):
+    page.clear_chat()
+    page.set_number("set-max_new_tokens", 600)
+    page.send("Write a long story about a dragon who learns to bake bread.")
+    _wait_until(lambda: len((page.bot_texts() or [""])[-1]) > 20, 120, "some streamed text")
+    page.find("#stop").click()
+    stopped = page.wait_done(1, timeout=30)
+    assert "cancelled" in page.stats()
+    assert stopped.rstrip().endswith("⏹")
+    n_tokens = int(page.stats().split(" tokens")[0].split("·")[-1])
+    assert n_tokens < 600
+    time.sleep(1.0)
+    assert page.bot_texts()[-1] == stopped  # nothing arrives after Stop
+
+    page.choose("method", "autoregressive")
+    page.set_number("set-max_new_tokens", 24)
+    page.send("What is the capital of France?")
+    reply = page.wait_done(2)
+    assert "autoregressive" in page.stats() and "cancelled" not in page.stats()
+    assert "Paris" in reply
+    assert page.user_texts()[-1] == "What is the capital of France?"
+    page.choose("method", "speculative")
+
+
+def test_bad_input_empty_double_submit_and_long_paste(page):
+    page.clear_chat()
+    page.send("   ")
+    _wait_until(lambda: any("empty" in t for t in page.texts(".toast-body")), 10, "the empty-message warning")
+    assert page.user_texts() == []
+
+    page.set_number("set-max_new_tokens", 16)
+    box = page.find("#msg textarea")
+    box.send_keys("Name a colour.")
+    box.send_keys(Keys.ENTER)
+    box.send_keys(Keys.ENTER)  # rapid double submit
+    page.wait_done(1)
+    time.sleep(1.5)
+    assert page.user_texts() == ["Name a colour."] and len(page.bot_texts()) == 1
+
+    page.clear_chat()
+    page.set_number("set-max_new_tokens", 8)
+    page.paste("Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 1200)  # ~55k characters
+    page.wait_done(1, timeout=240)
+    assert "kept the first" in page.stats()  # the visible truncation note
+    assert "⚠️" not in page.stats()
+
+
+def test_two_tabs_get_their_own_answers(app_url, page):
+    page.clear_chat()
+    other = Page(app_url)
+    try:
+        other.set_number("set-max_new_tokens", 24)
+        page.set_number("set-max_new_tokens", 24)
+        page.send("What is the capital of France?")
+        other.send("What is the capital of Italy?")
+        first, second = page.wait_done(1, timeout=180), other.wait_done(1, timeout=180)
+        assert "Paris" in first and "Italy" not in first  # each tab got the answer to its own question
+        assert "Italy" in second and "France" not in second
+        assert page.user_texts() == ["What is the capital of France?"]
+        assert other.user_texts() == ["What is the capital of Italy?"]
+    finally:
+        other.close()
+
+
+def test_model_panel_bad_path_keeps_the_pair(page):
+    page.find("#model-tab-button").click() if page.driver.find_elements(By.ID, "model-tab-button") else \
+        [b for b in page.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text == "model"][0].click()
+    before = page.find("#header").text
+    target = page.find("#target textarea, #target input")
+    target.send_keys(Keys.CONTROL, "a")
+    target.send_keys("/no/such/model")
+    page.find("#load").click()
+    status = _wait_until(lambda: "could not load" in page.find("#load-status").text and
+                         page.find("#load-status").text, 60, "the load error")
+    assert "/no/such/model" in status and "previous pair stays loaded" in status
+    assert page.find("#header").text == before
+    [b for b in page.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text == "method"][0].click()
+    page.clear_chat()
+    page.set_number("set-max_new_tokens", 16)
+    page.send("Say hello.")
+    assert page.wait_done(1) and "⚠️" not in page.stats()
