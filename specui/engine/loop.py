@@ -137,6 +137,7 @@ class Generation:
             new_token_ids=tokens,
             new_from_draft=from_draft,
             new_text=new_text,
+            replaces=bool(result.replace),
             new_draft_chars=draft_chars,
             text=text,
             gamma=result.gamma,

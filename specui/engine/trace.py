@@ -47,6 +47,7 @@ class StepTrace:
     new_token_ids: list[int] = field(default_factory=list)
     new_from_draft: list[bool] = field(default_factory=list)  # provenance of each new token
     new_text: str = ""
+    replaces: bool = False  # new_token_ids replace the reply so far (beam search's best beam)
     new_draft_chars: int = 0  # how many leading characters of new_text came from accepted drafts
     text: str = ""  # the reply so far (beam search may rewrite it)
     gamma: int | None = None  # candidate length used this step

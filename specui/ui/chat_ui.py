@@ -139,6 +139,7 @@ class ChatPage:
         messages = [{"role": m["role"], "content": _text(m["content"])} for m in history]
         history = history + [{"role": "assistant", "content": ""}]
         cancel = self._cancels[_session(request)] = threading.Event()
+        yield Outputs(history, stats="…")  # the previous reply's figures stay until this one's first step
         try:
             settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)))
             generation, notes = self.service.start(messages, settings, cancel, truncate=True)
@@ -245,7 +246,8 @@ def _settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[
                            info="sample only from the k most likely tokens; 0 = off"),
         "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="top-p",
                            info="nucleus sampling: the smallest set holding this much probability"),
-        "seed": gr.Number(value=-1 if defaults.seed is None else defaults.seed, precision=0, label="seed", info="same seed + settings = same reply; -1 = random"),
+        "seed": gr.Number(value=-1 if defaults.seed is None else defaults.seed, precision=0, label="seed",
+                          info="same seed + settings = same reply; -1 = random"),
         "gamma": gr.Slider(1, 16, value=defaults.gamma, step=1, label="gamma",
                            info="speculative: draft tokens proposed per step (higher pays when the draft agrees)"),
         "width": gr.Slider(1, 8, value=defaults.width, step=1, label="beam width W",

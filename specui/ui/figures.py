@@ -98,7 +98,7 @@ def acceptance_figure(steps: Sequence[StepTrace]) -> go.Figure:
     rejected = [s.drafted - s.accepted for s in steps]
     running, total = [], 0
     for i, s in enumerate(steps):
-        total += len(s.new_token_ids)
+        total = len(s.new_token_ids) + (0 if s.replaces else total)
         running.append(total / (i + 1))
     fig = go.Figure()
     fig.add_trace(go.Bar(x=xs, y=accepted, name="accepted", marker_color=STATUS_COLORS["accepted"]))
@@ -146,7 +146,7 @@ def timing_figure(steps: Sequence[StepTrace]) -> go.Figure:
     fig.add_trace(go.Bar(x=xs, y=other, name="other ms", marker_color="#dddddd"))
     running, tokens, ms = [], 0, 0.0
     for s in steps:
-        tokens += len(s.new_token_ids)
+        tokens = len(s.new_token_ids) + (0 if s.replaces else tokens)
         ms += s.step_ms
         running.append(1000.0 * tokens / ms if ms > 0 else 0.0)
     fig.add_trace(go.Scatter(x=xs, y=running, name="tokens/s (running)", mode="lines", yaxis="y2",

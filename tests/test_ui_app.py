@@ -1,0 +1,213 @@
+"""The chat page's logic without a browser: handlers on a tiny real pair, figure builders on
+JSON trace fixtures of every method, the service's model swap and message truncation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import word_tokenizer
+
+from specui.chat import fit_last_message, render_ids
+from specui.engine.trace import traces_from_json
+from specui.errors import SpecUIError
+from specui.loading import ModelSpec
+from specui.pair import load_pair
+from specui.service import ChatService
+from specui.settings import ChatSettings, PairChoice
+from specui.ui.chat_ui import SETTING_FIELDS, ChatPage
+from specui.ui.figures import (
+    STATUS_COLORS,
+    acceptance_figure,
+    choices_figure,
+    provenance_html,
+    provenance_segments,
+    step_markdown,
+    timing_figure,
+    tree_figure,
+)
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
+METHODS = ("autoregressive", "beam", "speculative", "speculative-sampled", "tree", "opt-tree")
+
+
+def fixture(name: str):
+    text = (FIXTURES / f"{name}.json").read_text()
+    return traces_from_json(text), json.loads(text)["stats"]
+
+
+# --- figures on recorded traces of every method ---------------------------------------------
+
+@pytest.mark.parametrize("name", METHODS)
+def test_tree_figure_every_step_of_every_method(name):
+    steps, stats = fixture(name)
+    committed = len(steps[-1].new_token_ids) if name == "beam" else sum(len(s.new_token_ids) for s in steps)
+    assert steps and stats["new_tokens"] == committed  # beam search re-sends its best beam each step
+    for step in steps:
+        fig = tree_figure(step)
+        node_traces = [t for t in fig.data if t.name in STATUS_COLORS]
+        assert sum(len(t.x) for t in node_traces) == len(step.nodes)  # every node drawn once
+        for t in node_traces:
+            assert t.marker.color == STATUS_COLORS[t.name]
+            members = [n for n in step.nodes if n.status == t.name]
+            assert list(t.text) == [n.text for n in members]  # token labels
+            assert all(label for label in t.text)  # no blank label (EOS and specials are named)
+            assert all("status: " + t.name in h for h in t.hovertext)
+        edges = fig.data[0]
+        assert len(edges.x) == 3 * len(step.nodes)  # one edge per node (to its parent or the context)
+        assert f"step {step.index}" in fig.layout.title.text
+
+
+def test_statuses_each_method_records():
+    seen = {name: {n.status for s in fixture(name)[0] for n in s.nodes} for name in METHODS}
+    assert seen["autoregressive"] == {"target"}
+    assert seen["speculative"] <= {"accepted", "rejected", "unverified", "resampled", "bonus"}
+    assert "accepted" in seen["speculative"] and seen["speculative"] & {"resampled", "bonus"}
+    assert "rejected" in seen["speculative-sampled"]
+    assert {"accepted", "unverified"} <= seen["tree"] and {"accepted", "unverified"} <= seen["opt-tree"]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_acceptance_timing_and_choices_figures(name):
+    steps, _ = fixture(name)
+    acc = acceptance_figure(steps)
+    assert list(acc.data[0].x) == [s.index for s in steps]
+    assert list(acc.data[0].y) == [s.accepted for s in steps]
+    assert list(acc.data[1].y) == [s.drafted - s.accepted for s in steps]
+    running = acc.data[2].y
+    committed = len(steps[-1].new_token_ids) if name == "beam" else sum(len(s.new_token_ids) for s in steps)
+    assert running[-1] == pytest.approx(committed / len(steps))
+    timing = timing_figure(steps)
+    assert [t.name for t in timing.data] == ["draft ms", "verify ms", "other ms", "tokens/s (running)"]
+    assert list(timing.data[1].y) == [s.verify_ms for s in steps]
+    names = {t.name for t in choices_figure(steps).data}
+    expected = {
+        "autoregressive": set(), "beam": {"beam width"}, "speculative": {"gamma (candidate length)"},
+        "speculative-sampled": {"gamma (candidate length)"},
+        "tree": {"tree nodes", "tree depth", "E(A) expected", "A achieved"},
+        "opt-tree": {"tree nodes", "tree depth", "E(A) expected", "A achieved"},
+    }[name]
+    assert names == expected
+
+
+def test_provenance_of_replies():
+    steps, _ = fixture("speculative")
+    segments = provenance_segments(steps)
+    assert "".join(t for t, _ in segments) == steps[-1].text
+    drafted = sum(len(t) for t, src in segments if src == "draft")
+    assert drafted == sum(s.new_draft_chars for s in steps) > 0
+    html = provenance_html(steps)
+    assert "prov-draft" in html and "prov-target" in html
+    ar, _ = fixture("autoregressive")
+    assert {src for _, src in provenance_segments(ar)} == {"target"}
+    beam, _ = fixture("beam")  # beam search rewrites its text: shown plain, said so
+    assert provenance_segments(beam) == [] or "".join(t for t, _ in provenance_segments(beam)) == beam[-1].text
+    assert "no reply yet" in provenance_html([])
+
+
+def test_step_markdown_lists_the_recorded_numbers():
+    steps, _ = fixture("opt-tree")
+    md = step_markdown(steps[1])
+    assert md.startswith("**step 1**") and "E(A)" in md and "tree nodes" in md
+    assert md.count("\n| ") == len(steps[1].nodes) + 1  # header + one row per node
+    assert step_markdown(None) == "_no step selected_"
+
+
+# --- the page's handlers on a tiny real pair ------------------------------------------------
+
+@pytest.fixture
+def page(tiny_dirs):
+    target, draft, _ = tiny_dirs
+    spec = ModelSpec(str(target), dtype="float32", device="cpu")
+    return ChatPage(ChatService(load_pair(spec, spec.with_source(str(draft)))))
+
+
+def values(**overrides):
+    base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
+                preset="binary-14", nodes=8, delta=None)
+    base.update(overrides)
+    return [base[k] for k in SETTING_FIELDS]
+
+
+def test_respond_streams_and_ends_with_trace_slider_and_export(page):
+    outs = list(page.respond(None, "w1 w2 w3", [], "speculative", *values()))
+    assert outs[0][0] == "" and outs[0][1][-1] == {"role": "user", "content": "w1 w2 w3"}
+    box, history, *_rest, steps, slider, export = outs[-1]
+    assert history[-1]["role"] == "assistant" and history[-1]["content"]
+    assert steps and steps[-1]["text"] == history[-1]["content"]
+    assert slider["maximum"] >= len(steps) - 1 and slider["value"] == len(steps) - 1
+    saved = json.loads(Path(export).read_text())
+    assert saved["steps"] == steps and saved["stats"]["method"] == "speculative"
+    fig, md = page.inspect(0, steps)
+    assert "step 0" in fig.layout.title.text and md.startswith("**step 0**")
+
+
+def test_stop_cancels_the_running_reply_and_the_next_message_works(page):
+    replies = page.respond(None, "w1 w2", [], "autoregressive", *values(max_new_tokens=200))
+    next(replies), next(replies)
+    page.stop(None)
+    last = list(replies)[-1]
+    history = last[1]
+    assert history[-1]["content"].endswith(" ⏹") and "cancelled" in last[6]
+    assert len(last[8]) < 200
+    again = list(page.respond(None, "w4", history, "autoregressive", *values()))[-1]
+    assert "cancelled" not in again[6] and len(again[1]) == 4
+
+
+def test_empty_message_and_retry(page):
+    outs = list(page.respond(None, "   ", [], "speculative", *values()))
+    assert len(outs) == 1 and outs[0][1] == []
+    first = list(page.respond(None, "w5 w6", [], "speculative", *values(temperature=1.0, seed=1)))[-1][1]
+    again = list(page.retry(None, first, "autoregressive", *values()))[-1][0]
+    assert [m["role"] for m in again] == ["user", "assistant"] and again[0]["content"] == "w5 w6"
+    assert list(page.retry(None, [], "speculative", *values())) == []
+
+
+def test_method_switch_shows_that_methods_settings(page):
+    updates = dict(zip(SETTING_FIELDS, page.method_changed("opt-tree")[1:]))
+    assert updates["nodes"]["visible"] and updates["delta"]["visible"] and not updates["gamma"]["visible"]
+    assert updates["temperature"]["visible"]
+    updates = dict(zip(SETTING_FIELDS, page.method_changed("speculative")[1:]))
+    assert updates["gamma"]["visible"] and not updates["width"]["visible"]
+
+
+def test_model_panel_keeps_the_pair_on_bad_input_and_swaps_on_good(page, tiny_dirs):
+    target, draft, other = tiny_dirs
+    service = page.service
+    before = service.engine
+    for choice in (PairChoice("/no/such/model", "none"), PairChoice(str(target), str(other)),
+                   PairChoice(str(target), "none", quantization="2bit"), PairChoice("", "none")):
+        status, memory, header, _ = page.load_models(choice.target, choice.draft, choice.quantization, "cpu",
+                                                     "speculative", progress=None)
+        assert status.startswith("⚠️ could not load") and "previous pair stays loaded" in status
+        assert service.engine is before and "target weights" in memory
+    status, _, header, method = page.load_models(str(target), "none", "none", "cpu", "speculative", progress=None)
+    assert status.startswith("✅") and "draft: `none`" in header
+    assert service.engine is not before and service.engine.draft is None
+    assert method["value"] == "autoregressive" and "speculative" not in method["choices"]
+    reply = list(page.respond(None, "w1", [], "autoregressive", *values()))[-1][1]
+    assert reply[-1]["content"]
+
+
+def test_long_message_is_cut_to_fit_with_a_note(tiny_dirs):
+    tok = word_tokenizer([f"w{i}" for i in range(57)])
+    long = " ".join(f"w{i % 50}" for i in range(5000))
+    messages, note = fit_last_message(tok, [{"role": "system", "content": "w1"}, {"role": "user", "content": long}],
+                                      budget=300)
+    kept = messages[-1]["content"]
+    assert long.startswith(kept) and len(kept) < len(long) and "kept the first" in note
+    n = len(render_ids(tok, messages))
+    assert n <= 300 and len(render_ids(tok, messages[:-1] + [{"role": "user", "content": long[:len(kept) + 4]}])) > 300
+    short, note = fit_last_message(tok, [{"role": "user", "content": "w1 w2"}], budget=300)
+    assert note == "" and short[-1]["content"] == "w1 w2"
+
+
+def test_service_truncates_only_when_asked(page):
+    service = page.service
+    long = [{"role": "user", "content": " ".join(["w7"] * (service.engine.context_len + 50))}]
+    with pytest.raises(SpecUIError, match="shorten it"):
+        service.start(long, ChatSettings(method="autoregressive", max_new_tokens=4))
+    generation, notes = service.start(long, ChatSettings(method="autoregressive", max_new_tokens=4), truncate=True)
+    assert any("kept the first" in n for n in notes)
+    assert generation.request.max_new_tokens == 4
