@@ -33,12 +33,18 @@ def launch(args: argparse.Namespace) -> int:
     service = ChatService(load_from_args(args))
     demo = build_ui(service, settings_from_args(args)).queue(max_size=args.queue, default_concurrency_limit=1)
     kwargs = dict(server_name=args.host, server_port=args.port, auth=auth)
-    if args.share:
-        try:
-            demo.launch(share=True, **kwargs)
-            return 0
-        except Exception as e:  # noqa: BLE001 - the share tunnel is optional
-            print(f"warning: could not open a public share link ({e}); serving locally only", file=sys.stderr)
-            demo.close()
-    demo.launch(**kwargs)
+    if not args.share:
+        demo.launch(**kwargs)
+        return 0
+    try:
+        demo.launch(share=True, prevent_thread_lock=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the share tunnel is optional; the local app must stay up
+        print(f"warning: could not open a public share link ({e}); serving locally only", file=sys.stderr)
+        demo.close()
+        demo.launch(prevent_thread_lock=True, **kwargs)
+    if not demo.share_url:
+        print(f"warning: could not open a public share link (see the reason above: usually no internet, or "
+              f"a firewall blocking Gradio's tunnel); the app is running locally at {demo.local_url}",
+              file=sys.stderr, flush=True)
+    demo.block_thread()
     return 0

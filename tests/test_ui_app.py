@@ -211,3 +211,59 @@ def test_service_truncates_only_when_asked(page):
     generation, notes = service.start(long, ChatSettings(method="autoregressive", max_new_tokens=4), truncate=True)
     assert any("kept the first" in n for n in notes)
     assert generation.request.max_new_tokens == 4
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
+    """Offline, --share cannot open Gradio's tunnel: the user is told why (and warned about
+    sharing without --auth), and the local app answers."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    target, draft, _ = tiny_dirs
+    port = _free_port()
+    log = tmp_path / "app.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+               HF_HOME=str(tmp_path / "hf"))  # no cached tunnel binary
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "app.py", "--target", str(target), "--draft", str(draft),
+                                 "--share", "--port", str(port)], cwd=Path(__file__).resolve().parent.parent,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 180
+        while "could not open a public share link" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < end, log.read_text()
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "--share without --auth" in text and f"127.0.0.1:{port}" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
+            assert r.status == 200
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_auth_from_a_pair_or_a_password_file(tmp_path):
+    from specui.webapp import parse_auth
+
+    assert parse_auth("ann:secret") == [("ann", "secret")]
+    assert parse_auth("ann:a:b") == [("ann", "a:b")]
+    file = tmp_path / "users.txt"
+    file.write_text("# users\nann:one\nbob : two\n\n")
+    assert parse_auth(str(file)) == [("ann", "one"), ("bob", "two")]
+    assert parse_auth(None) is None
+    for bad in ("ann", ":pw", "ann:"):
+        with pytest.raises(SpecUIError, match="user:pass"):
+            parse_auth(bad)
