@@ -71,12 +71,12 @@ class ChatService:
         previous pair stays loaded and a SpecUIError says why."""
         target, draft = pair_specs(choice)
         if progress:
-            progress(0.1, desc=f"loading target {target.source}")
-        pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, desc="loading draft"))
+            progress(0.1, f"loading target {target.source}")
+        pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))
                          if progress else None)
         engine = pair.engine()
         if progress:
-            progress(0.95, desc="waiting for the running generation")
+            progress(0.95, "waiting for the running generation")
         with self.engine.lock:
             old = self.engine
             self.pair, self.engine = pair, engine

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
+from specui.runner import MainThreadRunner
 from specui.service import ChatService
 
 
@@ -31,20 +32,27 @@ def launch(args: argparse.Namespace) -> int:
         print("warning: --share without --auth makes your model public to anyone with the link", file=sys.stderr)
     print("loading models…", file=sys.stderr)
     service = ChatService(load_from_args(args))
-    demo = build_ui(service, settings_from_args(args)).queue(max_size=args.queue, default_concurrency_limit=1)
-    kwargs = dict(server_name=args.host, server_port=args.port, auth=auth)
+    runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/runner.py
+    demo = build_ui(service, settings_from_args(args), submit=runner.submit).queue(
+        max_size=args.queue, default_concurrency_limit=1)
+    kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True)
     if not args.share:
         demo.launch(**kwargs)
-        return 0
+    else:
+        try:
+            demo.launch(share=True, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the share tunnel is optional; the local app must stay up
+            print(f"warning: could not open a public share link ({e}); serving locally only", file=sys.stderr)
+            demo.close()
+            demo.launch(**kwargs)
+        if not demo.share_url:
+            print(f"warning: could not open a public share link (see the reason above: usually no internet, "
+                  f"or a firewall blocking Gradio's tunnel); the app is running locally at {demo.local_url}",
+                  file=sys.stderr, flush=True)
     try:
-        demo.launch(share=True, prevent_thread_lock=True, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the share tunnel is optional; the local app must stay up
-        print(f"warning: could not open a public share link ({e}); serving locally only", file=sys.stderr)
+        runner.serve()
+    except KeyboardInterrupt:
+        print("\nstopping", file=sys.stderr)
+    finally:
         demo.close()
-        demo.launch(prevent_thread_lock=True, **kwargs)
-    if not demo.share_url:
-        print(f"warning: could not open a public share link (see the reason above: usually no internet, or "
-              f"a firewall blocking Gradio's tunnel); the app is running locally at {demo.local_url}",
-              file=sys.stderr, flush=True)
-    demo.block_thread()
     return 0

@@ -7,10 +7,13 @@ traces (plain data) only and never imports torch."""
 from __future__ import annotations
 
 import json
+import queue
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import gradio as gr
 
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
+from specui.runner import run_in_new_thread
 from specui.settings import ChatSettings, PairChoice
 from specui.ui.figures import (
     acceptance_figure,
@@ -36,7 +40,12 @@ DESCRIPTIONS = {
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
 }
-FIGURE_INTERVAL_S = 0.5  # redraw the live panels at most this often (the text streams every step)
+TEXT_INTERVAL_S = 0.2  # stream the reply text at most 5 times a second (smooth to read, cheap to send)
+FIGURE_INTERVAL_S = 1.0  # redraw the live panels at most once a second
+PANEL_SHARE = 40  # ... and at most 1/40 of the wall time goes to building them
+
+
+_DONE = object()
 
 
 def _text(content: Any) -> str:
@@ -101,8 +110,9 @@ class ChatPage:
     """Handlers of the page. Per-browser-session state (history, traces) lives in Gradio
     components; the only shared state is the cancel flag of each session's running reply."""
 
-    def __init__(self, service) -> None:
+    def __init__(self, service, submit: Callable[..., Future] = run_in_new_thread) -> None:
         self.service = service
+        self.submit = submit  # where model work runs (the app passes its main-thread runner)
         self._cancels: dict[str, threading.Event] = {}
         self._trace_dir = Path(tempfile.gettempdir()) / "specui-traces"
 
@@ -145,12 +155,15 @@ class ChatPage:
             generation, notes = self.service.start(messages, settings, cancel, truncate=True)
             for note in notes:
                 gr.Info(note)
-            last_draw = 0.0
-            for step in self.service.stream(generation):
+            next_draw = 0.0
+            for step in self._steps_in_background(generation):
                 history[-1]["content"] = step.text
-                if time.perf_counter() - last_draw >= FIGURE_INTERVAL_S:
-                    last_draw = time.perf_counter()
-                    yield self._live(history, generation, step, notes)
+                now = time.perf_counter()
+                if now >= next_draw:
+                    out = self._live(history, generation, step, notes)
+                    cost = time.perf_counter() - now  # panels take <= 1/PANEL_SHARE of the time
+                    next_draw = now + max(FIGURE_INTERVAL_S, cost * PANEL_SHARE)
+                    yield out
                 else:
                     yield Outputs(history)
             yield self._final(history, generation, notes)
@@ -158,8 +171,47 @@ class ChatPage:
             history[-1]["content"] = f"⚠️ {e}"
             yield Outputs(history, stats=f"⚠️ {e}")
 
+    def _steps_in_background(self, generation) -> Iterator[StepTrace]:
+        """Run the generation in its own thread and yield the newest step whenever the page is
+        ready for an update: decoding never waits for the page (steps that arrive while an
+        update is being sent are folded into the next one). Leaving early cancels it."""
+        updates: queue.Queue = queue.Queue()
+
+        def produce() -> None:
+            try:
+                for step in self.service.stream(generation):
+                    updates.put(step)
+                updates.put(_DONE)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                updates.put(e)
+
+        self.submit(produce)
+        last = 0.0
+        try:
+            while True:
+                items = [updates.get()]
+                while items[-1] is not _DONE and not isinstance(items[-1], BaseException):
+                    # gather steps until TEXT_INTERVAL_S has passed since the last update (each
+                    # update costs the server time); the end of the generation is sent at once
+                    try:
+                        wait = last + TEXT_INTERVAL_S - time.perf_counter()
+                        items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
+                    except queue.Empty:
+                        break
+                last = time.perf_counter()
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                steps = [i for i in items if isinstance(i, StepTrace)]
+                if steps:
+                    yield steps[-1]
+                if items[-1] is _DONE:
+                    return
+        finally:
+            generation.cancel.set()  # no-op when finished; stops the thread if the page went away
+
     def _live(self, history, generation, step: StepTrace, notes: list[str]) -> Outputs:
-        steps = generation.steps
+        steps = list(generation.steps)  # a snapshot: the generation thread keeps appending
         return Outputs(history, tree_figure(step), acceptance_figure(steps), choices_figure(steps),
                        timing_figure(steps), stats_line(generation.stats.to_dict(), notes + step.notes),
                        provenance_html(steps))
@@ -214,7 +266,7 @@ class ChatPage:
     def load_models(self, target: str, draft: str, quantization: str, device: str, method: str,
                     progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
         try:
-            message = self.service.load(PairChoice(target, draft or "none", quantization, device), progress)
+            message = self._load(PairChoice(target, draft or "none", quantization, device), progress)
             gr.Info(message)
             status = f"✅ {message}"
         except SpecUIError as e:
@@ -226,6 +278,18 @@ class ChatPage:
         methods = self.service.methods
         return (status, self.service.memory_report(), self.header(),
                 gr.update(choices=methods, value=method if method in methods else methods[0]))
+
+    def _load(self, choice: PairChoice, progress) -> str:
+        """Load on the model thread; relay its progress to the page from this one."""
+        latest: list[tuple[float, str]] = [(0.0, "starting")]
+        future = self.submit(self.service.load, choice, lambda f, desc="": latest.append((f, desc)))
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except FutureTimeout:
+                if progress is not None:
+                    fraction, desc = latest[-1]
+                    progress(fraction, desc=desc)
 
     def header(self) -> str:
         s = self.service
@@ -264,9 +328,11 @@ def _settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[
     return controls
 
 
-def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI") -> gr.Blocks:
-    """The page; `defaults` (from the command-line flags) fill the method and settings."""
-    page = ChatPage(service)
+def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI",
+             submit: Callable[..., Future] = run_in_new_thread) -> gr.Blocks:
+    """The page; `defaults` (from the command-line flags) fill the method and settings;
+    `submit` runs model work (generations, loads) where it should run."""
+    page = ChatPage(service, submit)
     defaults = defaults or ChatSettings()
     methods = service.methods
     default = defaults.method if defaults.method in methods else (
