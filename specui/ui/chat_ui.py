@@ -386,9 +386,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
             with gr.Row():
                 slider = gr.Slider(0, 1, value=0, step=1, label="step", interactive=False, elem_id="step-slider")
                 export = gr.DownloadButton("Export trace (JSON)", value=None, elem_id="export")
-            with gr.Row():
-                step_tree = gr.Plot(tree_figure(None), label="selected step", elem_id="step-tree")
-                step_info = gr.Markdown(step_markdown(None), elem_id="step-info")
+            step_tree = gr.Plot(tree_figure(None), label="selected step", elem_id="step-tree")
+            step_info = gr.Markdown(step_markdown(None), elem_id="step-info")
 
         settings_inputs = [controls[name] for name in SETTING_FIELDS]
         outputs = [chatbot, tree, accept, choices, timing, stats, prov, steps_state, slider, export]

@@ -65,6 +65,7 @@ def tree_figure(step: StepTrace | None) -> go.Figure:
         return _figure([], dict(title=dict(text="draft tree: no step yet"), height=320))
     parents = [n.parent for n in step.nodes]
     xy = tree_layout(parents)
+    leaves = len(parents) - len({p for p in parents if p >= 0})  # one row per leaf: room for the labels
     root_y = sum(y for (x, y), p in zip(xy, parents) if p == -1) / max(1, parents.count(-1))
     edge_x, edge_y = [], []
     for (x, y), p in zip(xy, parents):
@@ -90,7 +91,7 @@ def tree_figure(step: StepTrace | None) -> go.Figure:
     return _figure(data, dict(
         title=dict(text=f"step {step.index}: {step.accepted}/{step.drafted} drafts accepted, "
                         f"+{len(step.new_token_ids)} tokens"),
-        height=320, margin=dict(l=20, r=20, t=40, b=20),
+        height=max(320, 90 + 22 * leaves), margin=dict(l=20, r=20, t=40, b=20),
         xaxis=dict(title=dict(text="depth"), dtick=1, zeroline=False), yaxis=dict(visible=False),
     ))
 
@@ -206,7 +207,7 @@ def provenance_html(steps: Sequence[StepTrace]) -> str:
             f"<div style='white-space:pre-wrap;line-height:1.6'>{body}</div></div>")
 
 
-def _fmt(value, spec: str = ".4f") -> str:
+def _fmt(value, spec: str = ".3f") -> str:
     return "" if value is None else format(value, spec)
 
 
@@ -229,7 +230,7 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
         lines += ["", "| # | token | parent | depth | status | q | p | p^ | min(1,p/q) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for i, n in enumerate(step.nodes[:max_nodes]):
-            token = html.escape(n.text).replace("|", "\\|").replace("\n", "\\n")
+            token = n.text.replace("`", "'").replace("|", "\\|").replace("\n", "\\n")
             lines.append(f"| {i} | `{token}` | {n.parent} | {n.depth} | {n.status} | {_fmt(n.q)} | {_fmt(n.p)} "
                          f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} |")
         if len(step.nodes) > max_nodes:

@@ -1,0 +1,53 @@
+"""Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
+Chromium:  .venv/bin/python tests/screenshots.py"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import pytest  # noqa: E402
+import test_browser as tb  # noqa: E402
+
+OUT = HERE.parent / "assets" / "screenshots"
+
+
+def shoot(page: tb.Page, name: str, css: str | None = None) -> None:
+    target = page.find(css) if css else page.driver
+    target.save_screenshot(str(OUT / f"{name}.png")) if css is None else target.screenshot(str(OUT / f"{name}.png"))
+    print("wrote", OUT / f"{name}.png")
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    factory = pytest.TempPathFactory(None, 3, "all", trace=lambda *a: None, _ispytest=True)
+    gen = tb.app_url.__wrapped__(factory)  # the same server the browser tests start
+    url = next(gen)
+    page = tb.Page(url)
+    try:
+        page.choose("method", "opt-tree")
+        page.set_number("set-max_new_tokens", 80)
+        page.send("Explain in three sentences how a rainbow forms.")
+        page.wait_done(1, timeout=240)
+        time.sleep(2)
+        shoot(page, "chat-opt-tree")
+        page.set_number("step-slider", 3)
+        tb._wait_until(lambda: "step 3 ·" in page.find("#step-info").text, 30, "step 3")
+        time.sleep(1)
+        page.driver.execute_script("document.querySelector('#step-slider').scrollIntoView()")
+        time.sleep(1)
+        shoot(page, "step-inspector")
+        page.driver.execute_script("window.scrollTo(0, 0)")
+        [b for b in page.driver.find_elements(tb.By.CSS_SELECTOR, "button[role=tab]") if b.text == "model"][0].click()
+        time.sleep(1)
+        shoot(page, "model-panel")
+    finally:
+        page.close()
+        next(gen, None)
+
+
+if __name__ == "__main__":
+    main()
