@@ -4,12 +4,12 @@ Chromium:  .venv/bin/python tests/screenshots.py"""
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import pytest  # noqa: E402
 import test_browser as tb  # noqa: E402
 
 OUT = HERE.parent / "assets" / "screenshots"
@@ -23,9 +23,7 @@ def shoot(page: tb.Page, name: str, css: str | None = None) -> None:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    factory = pytest.TempPathFactory(None, 3, "all", trace=lambda *a: None, _ispytest=True)
-    gen = tb.app_url.__wrapped__(factory)  # the same server the browser tests start
-    url = next(gen)
+    proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
     page = tb.Page(url)
     try:
         page.choose("method", "opt-tree")
@@ -46,7 +44,7 @@ def main() -> None:
         shoot(page, "model-panel")
     finally:
         page.close()
-        next(gen, None)
+        tb.stop_app(proc)
 
 
 if __name__ == "__main__":

@@ -46,18 +46,15 @@ def _wait_until(check: Callable[[], object], timeout: float, what: str, every: f
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    """`python app.py` on a free port with the default (bundled) pair."""
+def start_app(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python app.py` on a free port with the default (bundled) pair; returns once it listens."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("app") / "app.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "app.py", "--port", str(port), "--max-new-tokens", "32", "--gamma", "3"],
+            [sys.executable, "app.py", "--port", str(port), "--max-new-tokens", "32", "--gamma", "3", *flags],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
-    url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
         if proc.poll() is not None:
@@ -66,12 +63,22 @@ def app_url(tmp_path_factory):
             return s.connect_ex(("127.0.0.1", port)) == 0
 
     _wait_until(up, 240, "the app to listen", every=0.5)
-    yield url
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_app(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    proc, url = start_app(tmp_path_factory.mktemp("app") / "app.log")
+    yield url
+    stop_app(proc)
 
 
 def _browser():
