@@ -267,3 +267,17 @@ def test_auth_from_a_pair_or_a_password_file(tmp_path):
     for bad in ("ann", ":pw", "ann:"):
         with pytest.raises(SpecUIError, match="user:pass"):
             parse_auth(bad)
+
+
+def test_an_engine_failure_becomes_a_message_and_the_next_reply_works(page, monkeypatch):
+    from specui.engine.methods.speculative import Speculative
+
+    def broken(self, ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Speculative, "step", broken)
+    last = list(page.respond(None, "w1", [], "speculative", *values()))[-1]
+    assert last[1][-1]["content"].startswith("⚠️ generation failed (RuntimeError: boom)")
+    monkeypatch.undo()
+    again = list(page.respond(None, "w2", [], "speculative", *values()))[-1]
+    assert again[1][-1]["content"] and "⚠️" not in again[6]

@@ -170,6 +170,10 @@ class ChatPage:
         except SpecUIError as e:
             history[-1]["content"] = f"⚠️ {e}"
             yield Outputs(history, stats=f"⚠️ {e}")
+        except Exception as e:  # noqa: BLE001 - an engine bug must not take the page down with it
+            message = f"generation failed ({type(e).__name__}: {e}); try again"
+            history[-1]["content"] = f"⚠️ {message}"
+            yield Outputs(history, stats=f"⚠️ {message}")
 
     def _steps_in_background(self, generation) -> Iterator[StepTrace]:
         """Run the generation in its own thread and yield the newest step whenever the page is
