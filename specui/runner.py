@@ -32,20 +32,34 @@ class MainThreadRunner:
         self._stopped.set()
 
     def serve(self, until: Callable[[], bool] | None = None, poll_s: float = 0.05) -> None:
-        """Execute jobs until `stop()` (or until `until()` is true)."""
-        while not self._stopped.is_set() and not (until and until()):
+        """Execute jobs until `stop()` (or until `until()` is true). Interrupted (Ctrl+C),
+        it fails the jobs still waiting, so no one waits for them forever."""
+        try:
+            while not self._stopped.is_set() and not (until and until()):
+                try:
+                    future, fn, args = self._jobs.get(timeout=poll_s)
+                except queue.Empty:
+                    continue
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(e)
+                    if isinstance(e, KeyboardInterrupt):
+                        raise
+        except BaseException:
+            self._fail_waiting()
+            raise
+
+    def _fail_waiting(self) -> None:
+        while True:
             try:
-                future, fn, args = self._jobs.get(timeout=poll_s)
+                future, _, _ = self._jobs.get_nowait()
             except queue.Empty:
-                continue
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
-                if isinstance(e, KeyboardInterrupt):
-                    raise
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the app is stopping"))
 
 
 def run_in_new_thread(fn: Callable[..., Any], *args: Any) -> Future:

@@ -3,11 +3,13 @@ Chromium through Selenium. `make setup-test` installs chromium and chromium-driv
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,11 +83,13 @@ def app_url(tmp_path_factory):
     stop_app(proc)
 
 
-def _browser():
+def _browser(downloads: Path):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in CHROME_FLAGS:
         options.add_argument(flag)
+    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                              "download.prompt_for_download": False})
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
@@ -93,7 +97,8 @@ class Page:
     """A tab on the app, with the few gestures the tests need."""
 
     def __init__(self, url: str) -> None:
-        self.driver = _browser()
+        self.downloads = Path(tempfile.mkdtemp(prefix="specui-downloads-"))
+        self.driver = _browser(self.downloads)
         self.driver.get(url)
         _wait_until(lambda: self.driver.find_elements(By.CSS_SELECTOR, "#msg textarea"), 60, "the page")
 
@@ -191,9 +196,12 @@ def test_chat_streams_draws_the_tree_and_inspects_steps(page):
 
     # step inspector: open step 0 again from the stored trace
     page.set_number("step-slider", 0)
-    _wait_until(lambda: "step 0 ·" in page.find("#step-info").text, 20, "step 0 in the inspector")
+    _wait_until(lambda: "step 0 ·" in "".join(page.texts("#step-info")), 20, "step 0 in the inspector")
     assert page.tree_points("step-tree") >= 1
-    assert page.find("#export").get_attribute("href") or page.find("#export a, #export").tag_name
+    page.find("#export").click()  # the JSON export of this generation downloads
+    saved = _wait_until(lambda: list(page.downloads.glob("specui-trace-*.json")), 30, "the trace download")
+    trace = json.loads(saved[0].read_text(encoding="utf-8"))
+    assert trace["stats"]["method"] == "speculative" and trace["steps"][0]["index"] == 0
 
 
 def test_stop_mid_reply_then_send_and_switch_method(page):
@@ -263,15 +271,15 @@ def test_two_tabs_get_their_own_answers(app_url, page):
 def test_model_panel_bad_path_keeps_the_pair(page):
     page.find("#model-tab-button").click() if page.driver.find_elements(By.ID, "model-tab-button") else \
         [b for b in page.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text == "model"][0].click()
-    before = page.find("#header").text
+    before = "".join(page.texts("#header"))
     target = page.find("#target textarea, #target input")
     target.send_keys(Keys.CONTROL, "a")
     target.send_keys("/no/such/model")
     page.find("#load").click()
-    status = _wait_until(lambda: "could not load" in page.find("#load-status").text and
-                         page.find("#load-status").text, 60, "the load error")
+    status = _wait_until(lambda: "could not load" in "".join(page.texts("#load-status")) and
+                         "".join(page.texts("#load-status")), 60, "the load error")
     assert "/no/such/model" in status and "previous pair stays loaded" in status
-    assert page.find("#header").text == before
+    assert "".join(page.texts("#header")) == before
     [b for b in page.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text == "method"][0].click()
     page.clear_chat()
     page.set_number("set-max_new_tokens", 16)

@@ -161,7 +161,8 @@ def test_empty_message_and_retry(page):
     first = list(page.respond(None, "w5 w6", [], "speculative", *values(temperature=1.0, seed=1)))[-1][1]
     again = list(page.retry(None, first, "autoregressive", *values()))[-1][0]
     assert [m["role"] for m in again] == ["user", "assistant"] and again[0]["content"] == "w5 w6"
-    assert list(page.retry(None, [], "speculative", *values())) == []
+    nothing = list(page.retry(None, [], "speculative", *values()))
+    assert len(nothing) == 1 and len(nothing[0]) == 10  # every output left as it was
 
 
 def test_method_switch_shows_that_methods_settings(page):
@@ -281,3 +282,26 @@ def test_an_engine_failure_becomes_a_message_and_the_next_reply_works(page, monk
     monkeypatch.undo()
     again = list(page.respond(None, "w2", [], "speculative", *values()))[-1]
     assert again[1][-1]["content"] and "⚠️" not in again[6]
+
+
+def test_runner_runs_jobs_on_the_serving_thread_and_fails_leftovers():
+    import threading
+
+    from specui.runner import MainThreadRunner
+
+    runner = MainThreadRunner()
+    done = runner.submit(threading.get_ident)
+    runner.serve(until=done.done)
+    assert done.result() == threading.get_ident()
+    failed = runner.submit(lambda: 1 / 0)
+    runner.serve(until=failed.done)
+    assert isinstance(failed.exception(), ZeroDivisionError)
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    runner.submit(interrupt)
+    waiting = runner.submit(lambda: "never")
+    with pytest.raises(KeyboardInterrupt):
+        runner.serve()
+    assert "stopping" in str(waiting.exception())

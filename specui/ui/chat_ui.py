@@ -11,6 +11,7 @@ import queue
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,6 +47,12 @@ PANEL_SHARE = 40  # ... and at most 1/40 of the wall time goes to building them
 
 
 _DONE = object()
+
+
+@dataclass
+class _Started:
+    generation: Any
+    notes: list[str]
 
 
 def _text(content: Any) -> str:
@@ -136,6 +143,7 @@ class ChatPage:
             history.pop()
         if not history:
             gr.Warning("Nothing to retry yet: send a message first.")
+            yield tuple(gr.skip() for _ in fields(Outputs))
             return
         for out in self._reply(history, method, values, request):
             yield out.as_tuple()
@@ -152,15 +160,17 @@ class ChatPage:
         yield Outputs(history, stats="…")  # the previous reply's figures stay until this one's first step
         try:
             settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)))
-            generation, notes = self.service.start(messages, settings, cancel, truncate=True)
-            for note in notes:
-                gr.Info(note)
-            next_draw = 0.0
-            for step in self._steps_in_background(generation):
-                history[-1]["content"] = step.text
+            generation, notes, next_draw = None, [], 0.0
+            for item in self._run_in_background(messages, settings, cancel):
+                if isinstance(item, _Started):
+                    generation, notes = item.generation, item.notes
+                    for note in notes:
+                        gr.Info(note)
+                    continue
+                history[-1]["content"] = item.text
                 now = time.perf_counter()
                 if now >= next_draw:
-                    out = self._live(history, generation, step, notes)
+                    out = self._live(history, generation, item, notes)
                     cost = time.perf_counter() - now  # panels take <= 1/PANEL_SHARE of the time
                     next_draw = now + max(FIGURE_INTERVAL_S, cost * PANEL_SHARE)
                     yield out
@@ -175,21 +185,29 @@ class ChatPage:
             history[-1]["content"] = f"⚠️ {message}"
             yield Outputs(history, stats=f"⚠️ {message}")
 
-    def _steps_in_background(self, generation) -> Iterator[StepTrace]:
-        """Run the generation in its own thread and yield the newest step whenever the page is
-        ready for an update: decoding never waits for the page (steps that arrive while an
-        update is being sent are folded into the next one). Leaving early cancels it."""
+    def _run_in_background(self, messages: list, settings: ChatSettings,
+                           cancel: threading.Event) -> Iterator[_Started | StepTrace]:
+        """Start and run the generation on the model thread (so a model swap cannot fall
+        between the two); yield a _Started, then the newest step whenever the page is ready for
+        an update: decoding never waits for the page (steps that arrive while an update is
+        being sent are folded into the next one). Leaving early cancels it."""
         updates: queue.Queue = queue.Queue()
 
         def produce() -> None:
             try:
+                generation, notes = self.service.start(messages, settings, cancel, truncate=True)
+                updates.put(_Started(generation, notes))
                 for step in self.service.stream(generation):
                     updates.put(step)
                 updates.put(_DONE)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
                 updates.put(e)
+            except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
+                updates.put(SpecUIError("the app is stopping"))
+                raise
 
-        self.submit(produce)
+        job = self.submit(produce)
+        job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
         last = 0.0
         try:
             while True:
@@ -206,13 +224,15 @@ class ChatPage:
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
+                    if isinstance(item, _Started):
+                        yield item
                 steps = [i for i in items if isinstance(i, StepTrace)]
                 if steps:
                     yield steps[-1]
                 if items[-1] is _DONE:
                     return
         finally:
-            generation.cancel.set()  # no-op when finished; stops the thread if the page went away
+            cancel.set()  # no-op when finished; stops the generation if the page went away
 
     def _live(self, history, generation, step: StepTrace, notes: list[str]) -> Outputs:
         steps = list(generation.steps)  # a snapshot: the generation thread keeps appending
@@ -236,14 +256,17 @@ class ChatPage:
 
     def _export(self, generation) -> str:
         self._trace_dir.mkdir(parents=True, exist_ok=True)
-        path = self._trace_dir / f"specui-trace-{time.strftime('%Y%m%d-%H%M%S')}-{id(generation):x}.json"
+        path = self._trace_dir / f"specui-trace-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.json"
         path.write_text(json.dumps({"stats": generation.stats.to_dict(),
-                                    "steps": [s.to_dict() for s in generation.steps]}, ensure_ascii=False))
+                                    "steps": [s.to_dict() for s in generation.steps]}, ensure_ascii=False),
+                        encoding="utf-8")
         return str(path)
 
-    def clear(self) -> tuple:
+    def clear(self, request: gr.Request = None) -> tuple:
+        self.stop(request)  # else the running reply's next update would bring the chat back
         return Outputs([], tree_figure(None), acceptance_figure([]), choices_figure([]), timing_figure([]), "",
-                       provenance_html([]), [], gr.update(value=0, maximum=1, interactive=False), None).as_tuple()
+                       provenance_html([]), [], gr.update(value=0, maximum=1, interactive=False),
+                       gr.update(value=None)).as_tuple()
 
     # --- step inspector ---------------------------------------------------------------------
     @staticmethod
