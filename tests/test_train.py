@@ -143,6 +143,10 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     assert "never trained on" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == shipped
 
+    (out / "README.md").write_text("how this draft was made")
+    assert train_main(argv) == 0  # a retrain replaces the weights and keeps the hand-written README
+    assert (out / "README.md").read_text() == "how this draft was made"
+
 
 def test_target_without_chat_template_is_refused(setup, tmp_path, capsys):
     _, folder, _, _, train_file, heldout_file = setup

@@ -140,6 +140,9 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
     report.update(measure(shipped, target, heldout))  # figures of the stored (int8) weights
     (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
+    for kept in ("README.md",):  # hand-written notes about the draft survive a retrain (update them)
+        if (args.out / kept).is_file() and not (tmp / kept).exists():
+            shutil.copy2(args.out / kept, tmp / kept)
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.replace(args.out)
