@@ -124,12 +124,14 @@ class Page:
         return "".join(self.texts("#stats"))
 
     def send(self, message: str) -> None:
+        self.stats_at_send = self.stats()
         box = self.find("#msg textarea")
         box.send_keys(message)
         box.send_keys(Keys.ENTER)
 
     def paste(self, message: str) -> None:
         """Put a long text in the box at once (as a paste would) and send it."""
+        self.stats_at_send = self.stats()
         box = self.find("#msg textarea")
         self.driver.execute_script(
             "arguments[0].value = arguments[1];"
@@ -139,10 +141,13 @@ class Page:
     def wait_done(self, n_replies: int, timeout: float = 120) -> str:
         """Wait until reply number n_replies is finished (the stats line names why it stopped)."""
         def done():
+            stats = self.stats()  # first: the final update brings the stats and the last text together
+            if not any(r in stats for r in ("· eos", "· length", "· stop", "· cancelled", "⚠️")):
+                return None
+            if stats == getattr(self, "stats_at_send", None):  # still the previous reply's line
+                return None
             bots = self.bot_texts()
-            stats = self.stats()
-            finished = any(r in stats for r in ("· eos", "· length", "· stop", "· cancelled", "⚠️"))
-            return bots[n_replies - 1] if len(bots) >= n_replies and finished else None
+            return bots[n_replies - 1] if len(bots) >= n_replies else None
         return _wait_until(done, timeout, f"reply {n_replies} to finish")
 
     def set_number(self, elem_id: str, value) -> None:
@@ -235,6 +240,7 @@ def test_bad_input_empty_double_submit_and_long_paste(page):
     assert page.user_texts() == []
 
     page.set_number("set-max_new_tokens", 16)
+    page.stats_at_send = page.stats()
     box = page.find("#msg textarea")
     box.send_keys("Name a colour.")
     box.send_keys(Keys.ENTER)

@@ -305,3 +305,13 @@ def test_runner_runs_jobs_on_the_serving_thread_and_fails_leftovers():
     with pytest.raises(KeyboardInterrupt):
         runner.serve()
     assert "stopping" in str(waiting.exception())
+
+
+def test_clear_during_a_reply_keeps_the_chat_empty(page):
+    replies = page.respond(None, "w1 w2", [], "autoregressive", *values(max_new_tokens=200))
+    next(replies), next(replies), next(replies)
+    page.clear(None)
+    rest = list(replies)
+    assert rest == []  # nothing more is sent: the chat stays cleared
+    again = list(page.respond(None, "w3", [], "autoregressive", *values()))[-1]
+    assert len(again[1]) == 2 and "cancelled" not in again[6]

@@ -121,6 +121,7 @@ class ChatPage:
         self.service = service
         self.submit = submit  # where model work runs (the app passes its main-thread runner)
         self._cancels: dict[str, threading.Event] = {}
+        self._cleared: dict[str, int] = {}  # per session: how many times Clear was pressed
         self._trace_dir = Path(tempfile.gettempdir()) / "specui-traces"
 
     # --- chat -------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class ChatPage:
             return
         history = list(history or []) + [{"role": "user", "content": message}]
         yield ("", *Outputs(history).as_tuple())
-        for out in self._reply(history, method, values, request):
+        for out in self._unless_cleared(self._reply(history, method, values, request), request):
             yield ("", *out.as_tuple())
 
     def retry(self, request: gr.Request, history: list, method: str, *values) -> Iterator:
@@ -145,8 +146,18 @@ class ChatPage:
             gr.Warning("Nothing to retry yet: send a message first.")
             yield tuple(gr.skip() for _ in fields(Outputs))
             return
-        for out in self._reply(history, method, values, request):
+        for out in self._unless_cleared(self._reply(history, method, values, request), request):
             yield out.as_tuple()
+
+    def _unless_cleared(self, outputs: Iterator[Outputs], request) -> Iterator[Outputs]:
+        """Pass a reply's updates on until the user presses Clear (then the chat stays empty)."""
+        session = _session(request)
+        cleared = self._cleared.get(session, 0)
+        for out in outputs:
+            if self._cleared.get(session, 0) != cleared:
+                outputs.close()  # runs the reply's cleanup: its generation is cancelled
+                return
+            yield out
 
     def stop(self, request: gr.Request = None) -> None:
         event = self._cancels.get(_session(request))
@@ -263,7 +274,9 @@ class ChatPage:
         return str(path)
 
     def clear(self, request: gr.Request = None) -> tuple:
-        self.stop(request)  # else the running reply's next update would bring the chat back
+        session = _session(request)
+        self._cleared[session] = self._cleared.get(session, 0) + 1  # a running reply sends nothing more
+        self.stop(request)
         return Outputs([], tree_figure(None), acceptance_figure([]), choices_figure([]), timing_figure([]), "",
                        provenance_html([]), [], gr.update(value=0, maximum=1, interactive=False),
                        gr.update(value=None)).as_tuple()
