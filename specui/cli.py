@@ -15,9 +15,9 @@ from specui.engine.methods import METHODS
 from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
 from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
-from specui.pair import DEFAULT_TARGET, ModelPair, default_draft_source, get_preset, load_pair
+from specui.pair import DEFAULT_TARGET, ModelPair, get_preset, load_pair, pair_specs
 from specui.service import ChatService, validate_settings
-from specui.settings import ChatSettings
+from specui.settings import ChatSettings, PairChoice
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,11 +73,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | No
     target_src = args.target or (preset.target if preset else DEFAULT_TARGET)
     draft_src = args.draft or (preset.draft if preset else "default")
     quant = args.quantization or (preset.quantization if preset else "none")
-    target = ModelSpec(target_src, args.dtype, args.device, quant, args.trust_remote_code)
-    if draft_src == "none":
-        return target, None
-    source = default_draft_source() if draft_src == "default" else draft_src
-    return target, ModelSpec(source, args.dtype, args.device, args.draft_quantization, args.trust_remote_code)
+    return pair_specs(PairChoice(target_src, draft_src, quant, args.device, args.dtype, args.draft_quantization,
+                                 args.trust_remote_code))
 
 
 def settings_from_args(args: argparse.Namespace) -> ChatSettings:

@@ -10,7 +10,8 @@ from specui.chat import stop_token_ids
 from specui.draft_model import is_specui_draft, load_draft
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.loading import BUNDLED, LoadedModel, ModelSpec, check_same_tokenizer, load_model
+from specui.loading import BUNDLED, QUANTIZATIONS, LoadedModel, ModelSpec, check_same_tokenizer, load_model
+from specui.settings import PairChoice
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
@@ -49,6 +50,24 @@ def default_draft_source() -> str:
             "'python -m specui.train draft --out models/smollm2-135m-draft', or pass --draft none"
         )
     return str(SHIPPED_DRAFT)
+
+
+def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
+    """Model specs for a target / draft choice; the draft 'default' is the shipped one,
+    'none' (or empty) means no draft. The CLI flags and the model panel both come here."""
+    if not choice.target.strip():
+        raise SpecUIError("choose a target model (a preset, a hub id, a folder or a .gguf file)")
+    for quantization in (choice.quantization, choice.draft_quantization):
+        if quantization not in QUANTIZATIONS:
+            raise SpecUIError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+    target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization,
+                       choice.trust_remote_code)
+    draft = choice.draft.strip() or "none"
+    if draft == "none":
+        return target, None
+    source = default_draft_source() if draft == "default" else draft
+    return target, ModelSpec(source, choice.dtype, choice.device, choice.draft_quantization,
+                             choice.trust_remote_code)
 
 
 @dataclass

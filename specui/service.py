@@ -13,8 +13,8 @@ import torch
 from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
-from specui.loading import QUANTIZATIONS, ModelSpec
-from specui.pair import ModelPair, default_draft_source, load_pair, load_presets
+from specui.loading import QUANTIZATIONS
+from specui.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.settings import ChatSettings, PairChoice
 
 
@@ -38,27 +38,14 @@ def validate_settings(settings: ChatSettings) -> None:
         raise SpecUIError(f"max new tokens must be >= 1, got {settings.max_new_tokens}")
 
 
-def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
-    if not choice.target.strip():
-        raise SpecUIError("choose a target model (a preset, a hub id, a folder or a .gguf file)")
-    if choice.quantization not in QUANTIZATIONS:
-        raise SpecUIError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
-    target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization)
-    draft = choice.draft.strip() or "none"
-    if draft == "none":
-        return target, None
-    source = default_draft_source() if draft == "default" else draft
-    return target, ModelSpec(source, choice.dtype, choice.device)
-
-
 def _rss_bytes() -> int | None:
+    """Resident memory of this process (Linux), or None where /proc is not there."""
     try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/self/status") as status:
+            lines = status.readlines()
     except OSError:
-        pass
-    return None
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), None)
 
 
 class ChatService:
@@ -105,6 +92,10 @@ class ChatService:
     def presets(self) -> dict[str, dict]:
         return {name: {"description": p.description, "target": p.target, "draft": p.draft,
                        "quantization": p.quantization} for name, p in load_presets().items()}
+
+    @property
+    def quantizations(self) -> tuple[str, ...]:
+        return QUANTIZATIONS
 
     @property
     def device_label(self) -> str:

@@ -33,3 +33,5 @@ class PairChoice:
     quantization: str = "none"
     device: str = "auto"
     dtype: str = "auto"
+    draft_quantization: str = "none"
+    trust_remote_code: bool = False

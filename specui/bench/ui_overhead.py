@@ -15,6 +15,7 @@ import statistics
 import time
 
 from specui.bench.prompts import HELDOUT, load_prompts
+from specui.bench.run import parse_method
 from specui.loading import BUNDLED, ModelSpec
 from specui.pair import default_draft_source, load_pair
 from specui.runner import MainThreadRunner
@@ -22,16 +23,11 @@ from specui.service import ChatService
 from specui.settings import ChatSettings
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui
 
-PARAM = {"speculative": "gamma", "beam": "width", "tree": "preset", "opt-tree": "nodes"}
-
 
 def settings_for(spec: str, max_new_tokens: int) -> ChatSettings:
-    name, _, value = spec.partition(":")
-    settings = ChatSettings(method=name, max_new_tokens=max_new_tokens)
-    if value and name in PARAM:
-        field = PARAM[name]
-        setattr(settings, field, value if field == "preset" else int(value))
-    return settings
+    """A method spec as the side-by-side benchmark takes it (name[:value])."""
+    name, params = parse_method(spec)
+    return ChatSettings(method=name, max_new_tokens=max_new_tokens, **params)
 
 
 def ui_values(settings: ChatSettings) -> list:

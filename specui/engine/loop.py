@@ -166,7 +166,6 @@ class Generation:
         return max(0, min(len(new_text), len(drafted) - len(previous)))
 
 
-
 def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that could begin a stop string: held back from
     streaming until the next step shows whether the stop string completes."""

@@ -6,7 +6,6 @@ traces (plain data) only and never imports torch."""
 
 from __future__ import annotations
 
-import json
 import queue
 import tempfile
 import threading
@@ -21,7 +20,7 @@ from typing import Any
 
 import gradio as gr
 
-from specui.engine.trace import StepTrace
+from specui.engine.trace import StepTrace, traces_to_json
 from specui.errors import SpecUIError
 from specui.runner import run_in_new_thread
 from specui.settings import ChatSettings, PairChoice
@@ -75,7 +74,7 @@ def stats_line(stats: dict, notes: list[str] = ()) -> str:
     )
 
 
-# The settings controls, in the order the handlers receive them: (ChatSettings field, factory).
+# The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
                   "nodes", "delta")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed"}
@@ -96,7 +95,7 @@ def settings_from_values(method: str, values: dict[str, Any]) -> ChatSettings:
 
 @dataclass
 class Outputs:
-    """What one update of the page carries (in the order of ChatPage.outputs)."""
+    """What one update of the page carries, in the order of build_ui's `outputs`; None = unchanged."""
 
     history: list
     tree: Any = None
@@ -115,7 +114,8 @@ class Outputs:
 
 class ChatPage:
     """Handlers of the page. Per-browser-session state (history, traces) lives in Gradio
-    components; the only shared state is the cancel flag of each session's running reply."""
+    components; the only shared state, keyed by session, is the cancel flag of the running
+    reply and how often Clear was pressed."""
 
     def __init__(self, service, submit: Callable[..., Future] = run_in_new_thread) -> None:
         self.service = service
@@ -245,32 +245,32 @@ class ChatPage:
         finally:
             cancel.set()  # no-op when finished; stops the generation if the page went away
 
+    @staticmethod
+    def _panels(history, generation, steps: list[StepTrace], step: StepTrace | None, notes: list[str]) -> Outputs:
+        return Outputs(history, tree_figure(step), acceptance_figure(steps), choices_figure(steps),
+                       timing_figure(steps), stats_line(generation.stats.to_dict(), notes), provenance_html(steps))
+
     def _live(self, history, generation, step: StepTrace, notes: list[str]) -> Outputs:
         steps = list(generation.steps)  # a snapshot: the generation thread keeps appending
-        return Outputs(history, tree_figure(step), acceptance_figure(steps), choices_figure(steps),
-                       timing_figure(steps), stats_line(generation.stats.to_dict(), notes + step.notes),
-                       provenance_html(steps))
+        return self._panels(history, generation, steps, step, notes + step.notes)
 
     def _final(self, history, generation, notes: list[str]) -> Outputs:
         steps = generation.steps
         if generation.stats.finish_reason == "cancelled":
             history[-1]["content"] = (history[-1]["content"] or "") + " ⏹"
-        all_notes = notes + [n for s in steps for n in s.notes]
+        out = self._panels(history, generation, steps, steps[-1] if steps else None,
+                           notes + [n for s in steps for n in s.notes])
+        out.steps = [s.to_dict() for s in steps]
         last = len(steps) - 1
-        return Outputs(
-            history, tree_figure(steps[-1] if steps else None), acceptance_figure(steps), choices_figure(steps),
-            timing_figure(steps), stats_line(generation.stats.to_dict(), all_notes), provenance_html(steps),
-            [s.to_dict() for s in steps],
-            gr.update(minimum=0, maximum=max(last, 1), value=max(last, 0), step=1, interactive=last > 0),
-            self._export(generation),
-        )
+        out.slider = gr.update(minimum=0, maximum=max(last, 1), value=max(last, 0), step=1, interactive=last > 0)
+        out.export = self._export(generation)
+        return out
 
     def _export(self, generation) -> str:
+        """The generation's trace as a JSON file to download (the CLI's --trace format)."""
         self._trace_dir.mkdir(parents=True, exist_ok=True)
         path = self._trace_dir / f"specui-trace-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.json"
-        path.write_text(json.dumps({"stats": generation.stats.to_dict(),
-                                    "steps": [s.to_dict() for s in generation.steps]}, ensure_ascii=False),
-                        encoding="utf-8")
+        path.write_text(traces_to_json(generation.steps, generation.stats), encoding="utf-8")
         return str(path)
 
     def clear(self, request: gr.Request = None) -> tuple:
@@ -410,7 +410,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                         info="hub id, local folder, .gguf file, or bundled:smollm2")
                     draft = gr.Textbox(label="draft", value="default", elem_id="draft",
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")
-                    quant = gr.Radio(["none", "8bit", "4bit"], value=service.pair.target.spec.quantization,
+                    quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
                                      label="quantization (target, bitsandbytes)")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device")
                     load = gr.Button("Load models", elem_id="load")

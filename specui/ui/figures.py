@@ -96,15 +96,21 @@ def tree_figure(step: StepTrace | None) -> go.Figure:
     ))
 
 
+def _reply_lengths(steps: Sequence[StepTrace]) -> list[int]:
+    """Tokens in the reply after each step (a replacing step, beam search's, restarts it)."""
+    lengths, total = [], 0
+    for s in steps:
+        total = len(s.new_token_ids) + (0 if s.replaces else total)
+        lengths.append(total)
+    return lengths
+
+
 def acceptance_figure(steps: Sequence[StepTrace]) -> go.Figure:
     """Accepted vs rejected draft tokens per step, and the running mean accepted length."""
     xs = [s.index for s in steps]
     accepted = [s.accepted for s in steps]
     rejected = [s.drafted - s.accepted for s in steps]
-    running, total = [], 0
-    for i, s in enumerate(steps):
-        total = len(s.new_token_ids) + (0 if s.replaces else total)
-        running.append(total / (i + 1))
+    running = [n / (i + 1) for i, n in enumerate(_reply_lengths(steps))]
     return _figure([
         dict(type="bar", x=xs, y=accepted, name="accepted", marker=dict(color=STATUS_COLORS["accepted"])),
         dict(type="bar", x=xs, y=rejected, name="rejected / unverified", marker=dict(color=STATUS_COLORS["rejected"])),
@@ -144,9 +150,8 @@ def timing_figure(steps: Sequence[StepTrace]) -> go.Figure:
     """Draft vs verify time per step (stacked bars) and the running tokens/s."""
     xs = [s.index for s in steps]
     other = [max(0.0, s.step_ms - s.draft_ms - s.verify_ms) for s in steps]
-    running, tokens, ms = [], 0, 0.0
-    for s in steps:
-        tokens = len(s.new_token_ids) + (0 if s.replaces else tokens)
+    running, ms = [], 0.0
+    for s, tokens in zip(steps, _reply_lengths(steps)):
         ms += s.step_ms
         running.append(1000.0 * tokens / ms if ms > 0 else 0.0)
     return _figure([
