@@ -228,11 +228,18 @@ def test_stop_mid_reply_then_send_and_switch_method(page):
 
     page.choose("method", "autoregressive")
     page.set_number("set-max_new_tokens", 24)
-    page.send("What is the capital of France?")
+    page.send("What is the capital of France?")  # Stop, then send in the same conversation
     reply = page.wait_done(2)
     assert "autoregressive" in page.stats() and "cancelled" not in page.stats()
-    assert "Paris" in reply
+    assert reply and page.bot_texts()[0] == stopped  # answered; the stopped reply is kept as it was
     assert page.user_texts()[-1] == "What is the capital of France?"
+
+    # What the model says after a story cut at a timing-dependent point varies, so the switched
+    # method's answer is checked in a fresh conversation, where greedy decoding is deterministic.
+    page.clear_chat()
+    page.send("What is the capital of France?")
+    assert "Paris" in page.wait_done(1)
+    assert "autoregressive" in page.stats()
     page.choose("method", "speculative")
 
 
