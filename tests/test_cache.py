@@ -70,3 +70,93 @@ def test_next_turn_reuses_the_cached_conversation(tiny_target):
     follow_up = [1, 9, 4, 22] + first.output_ids + [5, 6]
     engine.generate(GenerationRequest(follow_up, 1), make_method("autoregressive")).run()
     assert counting.fed - fed_before <= 3  # only the new tokens are fed
+
+
+# -- GrowingCache: the in-place KV cache ModelSession uses ------------------------------
+
+
+def run_chunks(model, cache, chunks):
+    """Feed `chunks` of token ids one forward each; returns the logits of every forward."""
+    out = []
+    with torch.inference_mode():
+        for chunk in chunks:
+            ids = torch.tensor([chunk], dtype=torch.long)
+            out.append(model(input_ids=ids, past_key_values=cache, use_cache=True).logits)
+    return out
+
+
+def assert_same_cache(cache, reference):
+    assert cache.get_seq_length() == reference.get_seq_length()
+    for layer, ref in zip(cache.layers, reference.layers):
+        assert layer.keys.shape == ref.keys.shape
+        assert torch.allclose(layer.keys, ref.keys, atol=1e-12) and torch.allclose(layer.values, ref.values, atol=1e-12)
+
+
+@pytest.mark.parametrize("min_capacity", [4, 256])
+def test_growing_cache_matches_dynamic_cache_across_growth(tiny_target, monkeypatch, min_capacity):
+    from transformers import DynamicCache
+
+    from specui.engine import kvcache
+
+    monkeypatch.setattr(kvcache, "MIN_CAPACITY", min_capacity)
+    g = torch.Generator().manual_seed(0)
+    sizes = [3, 1, 1, 5, 1, 9, 1, 1, 17] if min_capacity == 4 else [250, 1, 3, 1, 2, 1]  # crosses 4..64 / 256
+    chunks = [torch.randint(3, 64, (n,), generator=g).tolist() for n in sizes]
+    cache, reference = kvcache.GrowingCache(config=tiny_target.config), DynamicCache(config=tiny_target.config)
+    capacities = []
+    for chunk in chunks:
+        (got,), (want,) = run_chunks(tiny_target, cache, [chunk]), run_chunks(tiny_target, reference, [chunk])
+        assert torch.allclose(got, want, atol=1e-10)
+        assert_same_cache(cache, reference)
+        capacities.append(cache.layers[0].capacity)
+    assert len(set(capacities)) > 1  # the buffer did grow, by doubling from min_capacity
+    assert all(c >= min_capacity and (c & (c - 1)) == 0 for c in capacities)
+
+
+def test_growing_cache_crop_then_extend(tiny_target):
+    from transformers import DynamicCache
+
+    from specui.engine.kvcache import GrowingCache
+
+    cache, reference = GrowingCache(config=tiny_target.config), DynamicCache(config=tiny_target.config)
+    for c in (cache, reference):
+        run_chunks(tiny_target, c, [[1, 9, 4, 22, 7, 7, 30, 31]])
+        c.crop(-3)  # transformers 5: drop 3 tokens
+    assert cache.get_seq_length() == 5
+    assert_same_cache(cache, reference)
+    got, want = run_chunks(tiny_target, cache, [[11, 12], [13]]), run_chunks(tiny_target, reference, [[11, 12], [13]])
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+    assert_same_cache(cache, reference)
+    with pytest.raises(ValueError):
+        cache.crop(2)  # positive (legacy absolute size) is refused, as DynamicLayer does
+    cache.crop(-100)
+    assert cache.get_seq_length() == 0 and cache.layers[0].keys.shape[-2] == 0
+
+
+def test_growing_cache_views_write_through(tiny_target):
+    from specui.engine.kvcache import GrowingCache, GrowingLayer
+
+    cache = GrowingCache(config=tiny_target.config)
+    assert all(type(layer) is GrowingLayer for layer in cache.layers) and not cache.is_compileable
+    run_chunks(tiny_target, cache, [[1, 9, 4, 22, 7]])
+    layer = cache.layers[0]
+    assert layer.keys.shape[-2] == 5 and layer.capacity >= 5
+    with torch.inference_mode():
+        src = torch.tensor([4, 3])
+        moved = layer.keys.index_select(-2, src)
+        layer.keys[..., 1:3, :] = moved  # what ModelSession.commit_path does
+        layer.values[..., 0, :] = 0.0
+    assert torch.equal(layer._kbuf[..., 1:3, :], moved)
+    assert torch.equal(layer._vbuf[..., 0, :], torch.zeros_like(layer._vbuf[..., 0, :]))
+
+
+def test_growing_cache_keeps_sliding_window_layers():
+    from transformers import LlamaConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from specui.engine.kvcache import GrowingCache, GrowingLayer
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    cfg.layer_types, cfg.sliding_window = ["full_attention", "sliding_attention"], 8
+    kinds = [type(layer) for layer in GrowingCache(config=cfg).layers]
+    assert kinds == [GrowingLayer, DynamicSlidingWindowLayer]

@@ -9,7 +9,7 @@ from conftest import save_tiny_model
 
 from specui.bench.prompts import load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import load_draft, save_draft
+from specui.draft_model import Int8Linear, load_draft, save_draft
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
 from specui.loading import ModelSpec, load_model
@@ -117,6 +117,35 @@ def test_save_load_round_trip_shares_embeddings(setup, tmp_path):
     wrong = load_model(ModelSpec(str(save_tiny_model(tmp_path / "wide", seed=3, layers=1, hidden=64))))
     with pytest.raises(SpecUIError, match="made for a target"):
         load_draft(tmp_path / "d", wrong.model)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 200])
+def test_int8_linear_matches_the_dequantized_product(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randint(-127, 128, (96, 64), dtype=torch.int8, generator=g)
+    scale = torch.rand(96, 1, generator=g) / 100
+    module = Int8Linear(weight, scale)
+    x = torch.randn(2, rows, 64, generator=g)
+    want = x @ (weight.float() * scale.to(torch.bfloat16).float()).T
+    got = module(x)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bfloat16 activations
+
+
+def test_cpu_float32_draft_computes_with_int8_kernels(setup, tmp_path):
+    _, _, target, data, _, _ = setup
+    draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 32, always=[2]))
+    save_draft(draft, tmp_path / "q", target.tokenizer)
+    fast = load_draft(tmp_path / "q", target.model, target.tokenizer)
+    plain = load_draft(tmp_path / "q", target.model, target.tokenizer, int8_kernels=False)
+    swapped = [n for n, m in fast.named_modules() if isinstance(m, Int8Linear)]
+    assert "lm_head" in swapped and len(swapped) == 2 * 7 + 1  # every matrix of both layers + the head
+    assert not any(isinstance(m, Int8Linear) for m in plain.modules())
+    ids = torch.tensor([[1, 7, 8, 9, 10, 11]])
+    a, b = fast(input_ids=ids).logits, plain(input_ids=ids).logits
+    finite = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), finite)
+    assert (a[finite] - b[finite]).abs().max() <= 0.05 * b[finite].abs().max()
 
 
 def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_path, capsys):

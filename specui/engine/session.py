@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specui.engine.kvcache import GrowingCache
 from specui.engine.tree import TokenTree
 
 
@@ -28,7 +29,7 @@ class ModelSession:
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
+        self.cache = GrowingCache(config=model.config)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache
         self._tree_pending = False  # tree entries in the cache that commit_path has not settled
@@ -39,7 +40,7 @@ class ModelSession:
         return len(self.cached_ids)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = GrowingCache(config=self.model.config)
         self.cached_ids = []
         self._tree_pending = False
 

@@ -1,0 +1,107 @@
+"""A KV cache that appends in place: one preallocated buffer per layer and a length.
+
+transformers' DynamicLayer re-concatenates the whole past on every forward (`torch.cat`,
+a growing share of a CPU decode step) and crops by slicing. GrowingLayer writes the new
+keys/values at the current length of a buffer whose capacity doubles when needed, returns
+views of the valid part, and crops by moving the length. `layer.keys` / `layer.values` are
+those views (writes through them reach the buffer); assigning a tensor to them adopts it
+as the new buffer, so DynamicLayer's own reorder/offload/batch methods keep working.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention DynamicLayer backed by a buffer of shape (B, H, capacity, D)."""
+
+    def __init__(self, **kwargs) -> None:
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self._len = 0
+        super().__init__(**kwargs)
+
+    # keys / values: views of the valid length; assigning adopts the tensor as the buffer
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._kbuf is None else self._kbuf[..., : self._len, :]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._kbuf = tensor
+        self._len = 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._vbuf is None else self._vbuf[..., : self._len, :]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._vbuf = tensor
+        self._len = 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._kbuf is None else self._kbuf.shape[-2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # capacity 0: the first update allocates
+        self.keys = torch.empty((*key_states.shape[:-2], 0, key_states.shape[-1]), dtype=self.dtype, device=self.device)
+        self.values = torch.empty(
+            (*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=value_states.dtype, device=self.device
+        )
+        self.is_initialized = True
+
+    @staticmethod
+    def _grown(buf: torch.Tensor, like: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+        new = torch.empty((*like.shape[:-2], capacity, like.shape[-1]), dtype=buf.dtype, device=buf.device)
+        new[..., :length, :] = buf[..., :length, :]
+        return new
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self._len
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            capacity = max(MIN_CAPACITY, self.capacity)
+            while capacity < end:
+                capacity *= 2
+            self._kbuf = self._grown(self._kbuf, key_states, start, capacity)
+            self._vbuf = self._grown(self._vbuf, value_states, start, capacity)
+        self._kbuf[..., start:end, :] = key_states
+        self._vbuf[..., start:end, :] = value_states
+        self._len = end
+        return self._kbuf[..., :end, :], self._vbuf[..., :end, :]
+
+    def get_seq_length(self) -> int:
+        return self._len if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers-5 semantics: a negative value is the number of tokens to drop."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        if self.is_initialized:
+            self._len = max(0, self._len + tokens_to_remove)
+
+
+class GrowingCache(DynamicCache):
+    """DynamicCache whose full-attention layers are GrowingLayers; other layer kinds (sliding
+    window, linear attention, ...) keep DynamicCache's own layers."""
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config=config)
+        if self.layer_class_to_replicate is DynamicLayer:
+            self.layer_class_to_replicate = GrowingLayer
+        self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
