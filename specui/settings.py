@@ -15,7 +15,7 @@ class ChatSettings:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
-    gamma: int = 5  # speculative: draft tokens per step
+    gamma: int = 2  # speculative: draft tokens per step (fastest measured on CPU)
     width: int = 4  # beam: number of beams
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n

@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--methods", default="autoregressive,speculative")
-    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--gamma", type=int, default=2)
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--json", help="also write the table to this JSON file")
     args = ap.parse_args()

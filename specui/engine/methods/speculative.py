@@ -85,7 +85,7 @@ class Speculative(Method):
     name = "speculative"
     uses_draft = True
 
-    def __init__(self, gamma: int = 5) -> None:
+    def __init__(self, gamma: int = 2) -> None:
         if gamma < 1:
             raise SpecUIError(f"gamma (draft length) must be >= 1, got {gamma}")
         self.gamma = gamma
