@@ -70,21 +70,21 @@ class Int8Linear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         return torch._weight_int8pack_mm(flat, self.weight, self.scale).reshape(*x.shape[:-1], -1).to(x.dtype)
 
-    @staticmethod
-    def usable(weight: torch.Tensor, device: torch.device) -> bool:
-        """CPU only, shapes the kernel handles (in_features a multiple of 32), and a numerical
-        self-check against the dequantized product on this machine."""
+    @classmethod
+    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, device: torch.device) -> Int8Linear | None:
+        """The module over stored int8 rows, or None where the kernel cannot serve them: not
+        CPU, a shape it gets wrong (in_features not a multiple of 32), or a product that fails
+        the numerical self-check against the dequantized one on this machine."""
         if device.type != "cpu" or weight.shape[1] % 32 or not hasattr(torch, "_weight_int8pack_mm"):
-            return False
+            return None
+        module = cls(weight, scale)
+        x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
         try:
-            weight = weight.clone()  # as the module will hold it: an aligned allocation
-            scale = torch.full((weight.shape[0],), 0.01, dtype=torch.bfloat16)
-            x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
-            got = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, scale).float()
-            want = x @ (weight.float() * 0.01).T
-            return bool(((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6).item())
-        except (RuntimeError, NotImplementedError):
-            return False
+            got = module(x)
+        except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape: keep float32
+            return None
+        want = x @ (module.weight.float() * module.scale.float()[:, None]).T
+        return module if bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6) else None
 
 
 def use_int8_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
@@ -97,10 +97,11 @@ def use_int8_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
         weight, scale = state.get(name + ".weight"), state.get(name + ".weight" + SCALE)
         if weight is None or scale is None or weight.dtype != torch.int8:
             continue
-        if not Int8Linear.usable(weight, module.weight.device):
+        fast = Int8Linear.from_stored(weight, scale, module.weight.device)
+        if fast is None:
             continue
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, Int8Linear(weight, scale))
+        setattr(model.get_submodule(parent) if parent else model, child, fast)
         swapped += 1
     return swapped
 

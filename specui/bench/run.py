@@ -21,6 +21,7 @@ from specui.chat import build_prompt
 from specui.engine import GenerationRequest, make_method
 from specui.loading import BUNDLED, ModelSpec
 from specui.pair import ModelPair, default_draft_source, load_pair
+from specui.settings import ChatSettings
 
 
 @dataclass
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--methods", default="autoregressive,speculative")
-    ap.add_argument("--gamma", type=int, default=2)
+    ap.add_argument("--gamma", type=int, default=ChatSettings().gamma, help="gamma of a bare 'speculative'")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--json", help="also write the table to this JSON file")
     args = ap.parse_args()
