@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import word_tokenizer
 
-from specui.chat import fit_last_message, render_ids
 from specui.engine.trace import traces_from_json
 from specui.errors import SpecUIError
 from specui.loading import ModelSpec
@@ -189,19 +187,6 @@ def test_model_panel_keeps_the_pair_on_bad_input_and_swaps_on_good(page, tiny_di
     assert method["value"] == "autoregressive" and "speculative" not in method["choices"]
     reply = list(page.respond(None, "w1", [], "autoregressive", *values()))[-1][1]
     assert reply[-1]["content"]
-
-
-def test_long_message_is_cut_to_fit_with_a_note(tiny_dirs):
-    tok = word_tokenizer([f"w{i}" for i in range(57)])
-    long = " ".join(f"w{i % 50}" for i in range(5000))
-    messages, note = fit_last_message(tok, [{"role": "system", "content": "w1"}, {"role": "user", "content": long}],
-                                      budget=300)
-    kept = messages[-1]["content"]
-    assert long.startswith(kept) and len(kept) < len(long) and "kept the first" in note
-    n = len(render_ids(tok, messages))
-    assert n <= 300 and len(render_ids(tok, messages[:-1] + [{"role": "user", "content": long[:len(kept) + 4]}])) > 300
-    short, note = fit_last_message(tok, [{"role": "user", "content": "w1 w2"}], budget=300)
-    assert note == "" and short[-1]["content"] == "w1 w2"
 
 
 def test_service_truncates_only_when_asked(page):
