@@ -86,14 +86,14 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
         preset=args.tree_preset, nodes=args.nodes, delta=args.delta,
-        stop_strings=tuple(args.stop),
+        stop_strings=tuple(args.stop), system=args.system or "",
     )
 
 
 def load_from_args(args: argparse.Namespace) -> ModelPair:
     target, draft = specs_from_args(args)
     settings = settings_from_args(args)
-    validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
+    settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
     if draft is None and METHODS[settings.method].uses_draft:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     return load_pair(target, draft)
@@ -106,7 +106,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SpecUIError("the message is empty: type something to send")
     settings = settings_from_args(args)
     service = ChatService(load_from_args(args))
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages = ([{"role": "system", "content": settings.system}] if settings.system.strip() else [])
     messages.append({"role": "user", "content": args.prompt})
     cancel = threading.Event()
     generation, notes = service.start(messages, settings, cancel)

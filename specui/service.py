@@ -15,7 +15,7 @@ from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig
 from specui.errors import SpecUIError
 from specui.loading import QUANTIZATIONS
 from specui.pair import ModelPair, load_pair, load_presets, pair_specs
-from specui.settings import ChatSettings, PairChoice
+from specui.settings import ChatSettings, PairChoice, check_settings
 
 
 def method_params(settings: ChatSettings) -> dict:
@@ -30,12 +30,16 @@ def sampling_config(settings: ChatSettings) -> SamplingConfig:
     return SamplingConfig(settings.temperature, settings.top_k, settings.top_p, settings.seed)
 
 
-def validate_settings(settings: ChatSettings) -> None:
-    """Raise SpecUIError for settings no generation could run with."""
+def validate_settings(settings: ChatSettings, context_len: int | None = None) -> ChatSettings:
+    """The one validation of settings (UI, CLI and API): every field's type and range
+    (specui.settings.check_settings), then the method's own constructor. Returns the
+    normalised settings; raises SpecUIError naming the bad field."""
+    from specui.engine.methods.tree import STATIC_TREES
+
+    settings = check_settings(settings, METHODS, STATIC_TREES, context_len)
     make_method(settings.method, **method_params(settings))
     sampling_config(settings).validate()
-    if settings.max_new_tokens < 1:
-        raise SpecUIError(f"max new tokens must be >= 1, got {settings.max_new_tokens}")
+    return settings
 
 
 def _rss_bytes() -> int | None:
@@ -134,8 +138,9 @@ class ChatService:
         """Build the prompt and a ready Generation. The oldest turns are dropped to fit the
         context; with `truncate` an over-long last message is cut (else it is an error).
         Returns (generation, notes for the user about what was dropped or cut)."""
-        method = make_method(settings.method, **method_params(settings))
         context = self.engine.context_len
+        settings = validate_settings(settings, context)
+        method = make_method(settings.method, **method_params(settings))
         budget = context - max(1, min(settings.max_new_tokens, context // 4))  # room for the answer
         tokenizer = self.pair.target.tokenizer
         notes = []

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from specui.errors import SpecUIError
 
 
 @dataclass
@@ -21,6 +26,7 @@ class ChatSettings:
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
     stop_strings: tuple[str, ...] = ()
+    system: str = ""  # system prompt; like every message, encoded as text (no special tokens)
 
 
 @dataclass(frozen=True)
@@ -35,3 +41,96 @@ class PairChoice:
     dtype: str = "auto"
     draft_quantization: str = "none"
     trust_remote_code: bool = False
+
+
+# --- validation: one layer for the UI handlers, the CLI and the API ---------------------------
+SEED_MAX = 2**63 - 1  # torch generators take a signed 64-bit seed
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+    integer: bool = False
+    optional: bool = False  # None allowed (means "random" / "measured")
+    lo_open: bool = False  # lo itself is not allowed
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        left = "(" if self.lo_open else "["
+        hi = f"{self.hi:,}" if self.integer else f"{self.hi:g}"
+        lo = f"{self.lo:,}" if self.integer else f"{self.lo:g}"
+        return f"{kind} in {left}{lo}, {hi}]" + (" or empty" if self.optional else "")
+
+
+RANGES: dict[str, Range] = {
+    "max_new_tokens": Range(1, 1_000_000, integer=True),
+    "temperature": Range(0.0, 10.0),
+    "top_k": Range(0, 1_000_000, integer=True),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "seed": Range(0, SEED_MAX, integer=True, optional=True),
+    "gamma": Range(1, 64, integer=True),
+    "width": Range(1, 16, integer=True),
+    "nodes": Range(1, 512, integer=True),
+    "delta": Range(0.0, 1.0, optional=True),
+}
+LABELS = {"max_new_tokens": "max new tokens", "top_k": "top-k", "top_p": "top-p", "width": "beam width",
+          "nodes": "node budget", "preset": "tree preset"}
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def coerce(name: str, value: Any) -> int | float | None:
+    """A raw value from a form, the API or the command line as the field's type; raises
+    SpecUIError naming the field and its allowed range."""
+    rule = RANGES[name]
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if rule.optional:
+            return None
+        raise SpecUIError(f"{label(name)} is missing: give {rule.describe()}")
+    if isinstance(value, bool):
+        raise SpecUIError(f"{label(name)} must be {rule.describe()}, got {value!r}")
+    try:
+        number = float(value) if not isinstance(value, int) else value
+    except (TypeError, ValueError):
+        raise SpecUIError(f"{label(name)} must be {rule.describe()}, got {value!r}") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise SpecUIError(f"{label(name)} must be {rule.describe()}, got {value!r}")
+    if rule.integer:
+        if isinstance(number, float) and not number.is_integer():
+            raise SpecUIError(f"{label(name)} must be {rule.describe()}, got {value!r}")
+        number = int(number)
+    else:
+        number = float(number)
+    if number < rule.lo or number > rule.hi or (rule.lo_open and number == rule.lo):
+        raise SpecUIError(f"{label(name)} must be {rule.describe()}, got {value!r}")
+    return number
+
+
+def check_settings(
+    settings: ChatSettings, methods: Iterable[str], tree_presets: Iterable[str], context_len: int | None = None,
+) -> ChatSettings:
+    """The settings with every number checked (type, finite, range) and normalised; raises
+    SpecUIError naming the first bad field and what it allows. `context_len` (when a model is
+    loaded) bounds the reply length too."""
+    methods, tree_presets = sorted(methods), list(tree_presets)
+    if settings.method not in methods:
+        raise SpecUIError(f"unknown decoding method {settings.method!r}; choose one of: {', '.join(methods)}")
+    values = {name: coerce(name, getattr(settings, name)) for name in RANGES}
+    if context_len is not None and values["max_new_tokens"] >= context_len:
+        raise SpecUIError(f"max new tokens must be below the model's context window of {context_len:,} tokens, "
+                          f"got {values['max_new_tokens']:,}")
+    if context_len is not None and values["nodes"] >= context_len:
+        raise SpecUIError(f"node budget must be below the model's context window of {context_len:,} tokens")
+    if settings.preset not in tree_presets:
+        raise SpecUIError(f"unknown tree preset {settings.preset!r}; choose one of: {', '.join(tree_presets)}")
+    if not isinstance(settings.system, str):
+        raise SpecUIError(f"the system prompt must be text, got {type(settings.system).__name__}")
+    stops = tuple(settings.stop_strings)
+    if len(stops) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS
+                                            for s in stops):
+        raise SpecUIError(f"stop strings: at most {MAX_STOP_STRINGS}, each 1 to {MAX_STOP_CHARS} characters")
+    return replace(settings, stop_strings=stops, **values)

@@ -123,7 +123,7 @@ def page(tiny_dirs):
 
 def values(**overrides):
     base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
-                preset="binary-14", nodes=8, delta=None)
+                preset="binary-14", nodes=8, delta=None, system="")
     base.update(overrides)
     return [base[k] for k in SETTING_FIELDS]
 

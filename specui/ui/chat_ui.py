@@ -6,7 +6,7 @@ traces (plain data) only and never imports torch."""
 
 from __future__ import annotations
 
-import queue
+import logging
 import tempfile
 import threading
 import time
@@ -24,6 +24,7 @@ from specui.engine.trace import StepTrace, traces_to_json
 from specui.errors import SpecUIError
 from specui.runner import run_in_new_thread
 from specui.settings import ChatSettings, PairChoice
+from specui.ui.api import ChatAPI
 from specui.ui.figures import (
     acceptance_figure,
     choices_figure,
@@ -32,6 +33,7 @@ from specui.ui.figures import (
     timing_figure,
     tree_figure,
 )
+from specui.ui.streaming import STOPPED_MARK, Started, is_note, run_in_background, settings_from_values, to_messages
 
 DESCRIPTIONS = {
     "autoregressive": "plain decoding: one target forward per token",
@@ -40,29 +42,10 @@ DESCRIPTIONS = {
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
 }
+log = logging.getLogger("specui.ui")
 TEXT_INTERVAL_S = 0.2  # stream the reply text at most 5 times a second (smooth to read, cheap to send)
 FIGURE_INTERVAL_S = 1.0  # redraw the live panels at most once a second
 PANEL_SHARE = 40  # ... and at most 1/40 of the wall time goes to building them
-
-
-_DONE = object()
-
-
-@dataclass
-class _Started:
-    generation: Any
-    notes: list[str]
-
-
-def _text(content: Any) -> str:
-    """Gradio may hand message content back as a list of parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    return str(content)
 
 
 def stats_line(stats: dict, notes: list[str] = ()) -> str:
@@ -76,21 +59,8 @@ def stats_line(stats: dict, notes: list[str] = ()) -> str:
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
-                  "nodes", "delta")
-SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed"}
-
-
-def settings_from_values(method: str, values: dict[str, Any]) -> ChatSettings:
-    """ChatSettings from the controls' values (Gradio hands numbers back as floats or None)."""
-    seed = values.get("seed")
-    delta = values.get("delta")
-    return ChatSettings(
-        method=method, max_new_tokens=int(values["max_new_tokens"]), temperature=float(values["temperature"]),
-        top_k=int(values["top_k"]), top_p=float(values["top_p"]),
-        seed=None if seed in (None, "") or int(seed) < 0 else int(seed),
-        gamma=int(values["gamma"]), width=int(values["width"]), preset=values["preset"],
-        nodes=int(values["nodes"]), delta=float(delta) if delta not in (None, "", 0) else None,
-    )
+                  "nodes", "delta", "system")
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
 @dataclass
@@ -117,8 +87,10 @@ class ChatPage:
     components; the only shared state, keyed by session, is the cancel flag of the running
     reply and how often Clear was pressed."""
 
-    def __init__(self, service, submit: Callable[..., Future] = run_in_new_thread) -> None:
+    def __init__(self, service, submit: Callable[..., Future] = run_in_new_thread,
+                 defaults: ChatSettings | None = None) -> None:
         self.service = service
+        self.defaults = defaults or ChatSettings()
         self.submit = submit  # where model work runs (the app passes its main-thread runner)
         self._cancels: dict[str, threading.Event] = {}
         self._cleared: dict[str, int] = {}  # per session: how many times Clear was pressed
@@ -165,85 +137,43 @@ class ChatPage:
             event.set()
 
     def _reply(self, history: list, method: str, values: tuple, request) -> Iterator[Outputs]:
-        messages = [{"role": m["role"], "content": _text(m["content"])} for m in history]
-        history = history + [{"role": "assistant", "content": ""}]
+        """Stream one reply. Stop is final: once the cancel flag is set nothing but the one
+        final update (the reply as the engine left it, marked ⏹) is published."""
+        history = [m for m in history if not is_note(m)]  # notices belong to the reply they came with
+        shown = history + [{"role": "assistant", "content": ""}]
         cancel = self._cancels[_session(request)] = threading.Event()
-        yield Outputs(history, stats="…")  # the previous reply's figures stay until this one's first step
+        log.info("reply: session %s, %d messages, method %s", _session(request), len(history), method)
+        yield Outputs(shown, stats="…")  # the previous reply's figures stay until this one's first step
         try:
-            settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)))
+            settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)), self.defaults)
+            messages = to_messages(history, settings.system)
             generation, notes, next_draw = None, [], 0.0
-            for item in self._run_in_background(messages, settings, cancel):
-                if isinstance(item, _Started):
+            for item in run_in_background(self.service, self.submit, messages, settings, cancel, TEXT_INTERVAL_S):
+                if isinstance(item, Started):
                     generation, notes = item.generation, item.notes
-                    for note in notes:
-                        gr.Info(note)
+                    shown = history + [{"role": "assistant", "content": n, "metadata": {"title": "ℹ️ note"}}
+                                       for n in notes] + [shown[-1]]
                     continue
-                history[-1]["content"] = item.text
+                if cancel.is_set():
+                    continue  # stopped: the final update below is the last one
+                shown[-1]["content"] = item.text
                 now = time.perf_counter()
                 if now >= next_draw:
-                    out = self._live(history, generation, item, notes)
+                    out = self._live(shown, generation, item, notes)
                     cost = time.perf_counter() - now  # panels take <= 1/PANEL_SHARE of the time
                     next_draw = now + max(FIGURE_INTERVAL_S, cost * PANEL_SHARE)
                     yield out
                 else:
-                    yield Outputs(history)
-            yield self._final(history, generation, notes)
+                    yield Outputs(shown)
+            yield self._final(shown, generation, notes)
         except SpecUIError as e:
-            history[-1]["content"] = f"⚠️ {e}"
-            yield Outputs(history, stats=f"⚠️ {e}")
+            shown[-1]["content"] = f"⚠️ {e}"
+            yield Outputs(shown, stats=f"⚠️ {e}")
         except Exception as e:  # noqa: BLE001 - an engine bug must not take the page down with it
+            log.exception("generation failed")
             message = f"generation failed ({type(e).__name__}: {e}); try again"
-            history[-1]["content"] = f"⚠️ {message}"
-            yield Outputs(history, stats=f"⚠️ {message}")
-
-    def _run_in_background(self, messages: list, settings: ChatSettings,
-                           cancel: threading.Event) -> Iterator[_Started | StepTrace]:
-        """Start and run the generation on the model thread (so a model swap cannot fall
-        between the two); yield a _Started, then the newest step whenever the page is ready for
-        an update: decoding never waits for the page (steps that arrive while an update is
-        being sent are folded into the next one). Leaving early cancels it."""
-        updates: queue.Queue = queue.Queue()
-
-        def produce() -> None:
-            try:
-                generation, notes = self.service.start(messages, settings, cancel, truncate=True)
-                updates.put(_Started(generation, notes))
-                for step in self.service.stream(generation):
-                    updates.put(step)
-                updates.put(_DONE)
-            except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
-                updates.put(e)
-            except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
-                updates.put(SpecUIError("the app is stopping"))
-                raise
-
-        job = self.submit(produce)
-        job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
-        last = 0.0
-        try:
-            while True:
-                items = [updates.get()]
-                while items[-1] is not _DONE and not isinstance(items[-1], BaseException):
-                    # gather steps until TEXT_INTERVAL_S has passed since the last update (each
-                    # update costs the server time); the end of the generation is sent at once
-                    try:
-                        wait = last + TEXT_INTERVAL_S - time.perf_counter()
-                        items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
-                    except queue.Empty:
-                        break
-                last = time.perf_counter()
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    if isinstance(item, _Started):
-                        yield item
-                steps = [i for i in items if isinstance(i, StepTrace)]
-                if steps:
-                    yield steps[-1]
-                if items[-1] is _DONE:
-                    return
-        finally:
-            cancel.set()  # no-op when finished; stops the generation if the page went away
+            shown[-1]["content"] = f"⚠️ {message}"
+            yield Outputs(shown, stats=f"⚠️ {message}")
 
     @staticmethod
     def _panels(history, generation, steps: list[StepTrace], step: StepTrace | None, notes: list[str]) -> Outputs:
@@ -256,8 +186,9 @@ class ChatPage:
 
     def _final(self, history, generation, notes: list[str]) -> Outputs:
         steps = generation.steps
+        history[-1]["content"] = generation.text
         if generation.stats.finish_reason == "cancelled":
-            history[-1]["content"] = (history[-1]["content"] or "") + " ⏹"
+            history[-1]["content"] += STOPPED_MARK
         out = self._panels(history, generation, steps, steps[-1] if steps else None,
                            notes + [n for s in steps for n in s.notes])
         out.steps = [s.to_dict() for s in steps]
@@ -362,6 +293,9 @@ def _settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[
                            info="opt-tree: most draft tokens verified per step"),
         "delta": gr.Number(value=defaults.delta, label="delta",
                            info="opt-tree: stop growing when E(A) gains less; empty = measured draft/target cost"),
+        "system": gr.Textbox(value=defaults.system, label="system prompt", lines=2,
+                             info="instructions for the whole chat; empty = the model's default. Sent as text: "
+                                  "special tokens typed here stay text"),
     }
     for name, control in controls.items():
         control.elem_id = f"set-{name}"
@@ -372,8 +306,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
              submit: Callable[..., Future] = run_in_new_thread) -> gr.Blocks:
     """The page; `defaults` (from the command-line flags) fill the method and settings;
     `submit` runs model work (generations, loads) where it should run."""
-    page = ChatPage(service, submit)
     defaults = defaults or ChatSettings()
+    page = ChatPage(service, submit, defaults)
     methods = service.methods
     default = defaults.method if defaults.method in methods else (
         "speculative" if "speculative" in methods else methods[0])
@@ -431,18 +365,24 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
 
         settings_inputs = [controls[name] for name in SETTING_FIELDS]
         outputs = [chatbot, tree, accept, choices, timing, stats, prov, steps_state, slider, export]
+        hidden = dict(api_visibility="private")  # the page's own events; scripts use the named API below
         gr.on([box.submit, send.click], page.respond, [box, chatbot, method, *settings_inputs], [box, *outputs],
-              trigger_mode="once", concurrency_id="engine")
+              trigger_mode="once", concurrency_id="engine", api_name="respond", api_visibility="undocumented")
         retry.click(page.retry, [chatbot, method, *settings_inputs], outputs, trigger_mode="once",
-                    concurrency_id="engine")
-        stop.click(page.stop, None, None, queue=False)
-        clear.click(page.clear, None, outputs, queue=False)
-        slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False)
-        steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False)
-        method.change(page.method_changed, method, [method, *settings_inputs], queue=False)
-        show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False)
-        preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False)
+                    concurrency_id="engine", **hidden)
+        stop.click(page.stop, None, None, queue=False, **hidden)
+        clear.click(page.clear, None, outputs, queue=False, **hidden)
+        slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
+        steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
+        method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
+        show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)
+        preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         load.click(page.load_models, [target, draft, quant, device, method],
-                   [load_status, memory, header, method], concurrency_id="engine")
-        demo.load(page.method_changed, method, [method, *settings_inputs], queue=False)
+                   [load_status, memory, header, method], concurrency_id="engine", api_name="page_load_models",
+                   **hidden)
+        demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
+        api = ChatAPI(page)
+        gr.api(api.chat, api_name="chat", concurrency_id="engine")
+        gr.api(api.load_models, api_name="load_models", concurrency_id="engine")
+        gr.api(api.info, api_name="info", queue=False)
     return demo

@@ -1,0 +1,109 @@
+"""The app's programmatic API: named endpoints with named, typed parameters and defaults.
+
+    from gradio_client import Client
+    client = Client("http://127.0.0.1:7860/")
+    out = client.predict("Write a haiku.", method="speculative", max_new_tokens=64, api_name="/chat")
+    print(out["reply"], out["stats"]["tokens_per_s"])
+
+Every setting goes through the same validation as the page and the CLI (specui.settings);
+bad input raises an error whose message names the field and its allowed range. `/chat`
+streams (client.submit(...) yields partial replies); cancelling the job stops the engine."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import gradio as gr
+
+from specui.errors import SpecUIError
+from specui.settings import RANGES, PairChoice
+from specui.ui.streaming import Started, run_in_background, settings_from_values, to_messages
+
+API_INTERVAL_S = 0.25  # streamed partial replies at most 4 times a second
+
+
+class ChatAPI:
+    """Endpoints over a ChatPage's service, model thread and default settings."""
+
+    def __init__(self, page) -> None:
+        self.page = page
+
+    def chat(
+        self,
+        message: str,
+        history: list[dict] | None = None,
+        method: str | None = None,
+        system: str | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        gamma: int | None = None,
+        beam_width: int | None = None,
+        tree_preset: str | None = None,
+        nodes: int | None = None,
+        delta: float | None = None,
+    ) -> Iterator[dict]:
+        """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
+        "content": "..."}]). Every setting left empty takes the app's default (its command-line
+        flags). Streams {"reply", "finish_reason" ("" while running), "stats", "notes"}."""
+        if not isinstance(message, str) or not message.strip():
+            raise gr.Error("the message is empty: send some text")
+        if history is not None and not isinstance(history, list):
+            raise gr.Error("history must be a list of {'role': ..., 'content': ...} messages")
+        given = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     seed=seed, gamma=gamma, width=beam_width, preset=tree_preset, nodes=nodes, delta=delta)
+        defaults = self.page.defaults
+        try:
+            settings = settings_from_values(method or defaults.method,
+                                            {k: v for k, v in given.items() if v is not None}, defaults)
+            messages = to_messages(list(history or []) + [{"role": "user", "content": message}], settings.system)
+            cancel = threading.Event()
+            generation, notes = None, []
+            for item in run_in_background(self.page.service, self.page.submit, messages, settings, cancel,
+                                          API_INTERVAL_S):
+                if isinstance(item, Started):
+                    generation, notes = item.generation, item.notes
+                else:
+                    yield _answer(generation, notes)
+            yield _answer(generation, notes)
+        except SpecUIError as e:
+            raise gr.Error(str(e)) from None
+
+    def load_models(self, target: str, draft: str = "default", quantization: str = "none",
+                    device: str = "auto") -> dict:
+        """Load a target (hub id, folder, .gguf or bundled:smollm2) and a draft ('default', 'none',
+        or a model); on failure the previous pair stays loaded and the error says why."""
+        try:
+            message = self.page._load(PairChoice(target, draft or "none", quantization, device), None)
+        except SpecUIError as e:
+            raise gr.Error(f"could not load: {e}; the previous pair stays loaded") from None
+        except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
+            raise gr.Error(f"could not load ({type(e).__name__}: {e}); the previous pair stays loaded") from None
+        return {"message": message, **self.info()}
+
+    def info(self) -> dict:
+        """The loaded pair, the methods it can run, the default settings and every setting's range."""
+        service = self.page.service
+        return {
+            "target": service.target_label, "draft": service.draft_label, "device": service.device_label,
+            "context_len": service.engine.context_len, "methods": service.methods,
+            "tree_presets": service.tree_presets, "defaults": _plain(asdict(self.page.defaults)),
+            "ranges": {name: r.describe() for name, r in RANGES.items()},
+        }
+
+
+def _answer(generation, notes: list[str]) -> dict[str, Any]:
+    if generation is None:
+        return {"reply": "", "finish_reason": "", "stats": {}, "notes": list(notes)}
+    stats = generation.stats.to_dict()
+    return {"reply": generation.text, "finish_reason": stats.get("finish_reason") or "", "stats": stats,
+            "notes": list(notes)}
+
+
+def _plain(values: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}

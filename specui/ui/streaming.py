@@ -1,0 +1,134 @@
+"""What the page and the API share: chat history -> model messages, form values -> settings,
+and a generation run on the model thread whose steps are handed over as the reader is ready.
+
+No torch here: the service is injected and steps are plain-data StepTraces."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from specui.engine.trace import StepTrace
+from specui.errors import SpecUIError
+from specui.settings import RANGES, ChatSettings, coerce
+
+STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short
+_DONE = object()
+
+
+@dataclass
+class Started:
+    """The generation was built (prompt fitted); `notes` say what was dropped or cut."""
+
+    generation: Any
+    notes: list[str]
+
+
+def content_text(content: Any) -> str:
+    """Gradio may hand message content back as a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    return str(content)
+
+
+def is_note(message: dict) -> bool:
+    """A notice shown in the chat (e.g. "your message was cut"), not part of the conversation."""
+    return bool((message.get("metadata") or {}).get("title"))
+
+
+def to_messages(history: list, system: str = "") -> list[dict[str, str]]:
+    """The conversation the model sees: the system prompt (if any), then every user and
+    assistant turn as plain text; notices and error messages are left out and a stopped
+    reply loses its ⏹ mark."""
+    messages = [{"role": "system", "content": system}] if system and system.strip() else []
+    for m in history or []:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant") or is_note(m):
+            continue
+        text = content_text(m.get("content", ""))
+        if m["role"] == "assistant":
+            if text.startswith("⚠️"):
+                continue
+            text = text.removesuffix(STOPPED_MARK)
+        messages.append({"role": m["role"], "content": text})
+    return messages
+
+
+def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings | None = None) -> ChatSettings:
+    """ChatSettings from form or API values (numbers may arrive as floats, strings or None):
+    each is checked by specui.settings.coerce, which names the field and its range. A
+    negative seed means random; a delta of 0 or empty means measured. Fields not in `values`
+    come from `base`."""
+    base = base or ChatSettings()
+    raw = dict(values)
+    seed = raw.get("seed")
+    if isinstance(seed, (int, float)) and not isinstance(seed, bool) and seed == seed and seed < 0:
+        raw["seed"] = None
+    if raw.get("delta") in (0, 0.0, ""):
+        raw["delta"] = None
+    fields = {name: coerce(name, raw[name]) for name in RANGES if name in raw}
+    for name in ("preset", "system"):
+        if name in raw and raw[name] is not None:
+            if not isinstance(raw[name], str):
+                raise SpecUIError(f"{name} must be text, got {raw[name]!r}")
+            fields[name] = raw[name]
+    return ChatSettings(**{**base.__dict__, "method": method, **fields})
+
+
+def run_in_background(
+    service, submit: Callable[..., Future], messages: list, settings: ChatSettings, cancel: threading.Event,
+    interval_s: float,
+) -> Iterator[Started | StepTrace]:
+    """Start and run the generation on the model thread (so a model swap cannot fall between
+    the two); yield a Started, then the newest step whenever the reader is ready for an update:
+    decoding never waits for the reader (steps that arrive while an update is being sent are
+    folded into the next one; updates are at least `interval_s` apart, the end is sent at
+    once). Leaving early cancels the generation."""
+    updates: queue.Queue = queue.Queue()
+
+    def produce() -> None:
+        try:
+            generation, notes = service.start(messages, settings, cancel, truncate=True)
+            updates.put(Started(generation, notes))
+            for step in service.stream(generation):
+                updates.put(step)
+            updates.put(_DONE)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
+            updates.put(e)
+        except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
+            updates.put(SpecUIError("the app is stopping"))
+            raise
+
+    job = submit(produce)
+    job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
+    last = 0.0
+    try:
+        while True:
+            items = [updates.get()]
+            while items[-1] is not _DONE and not isinstance(items[-1], BaseException):
+                try:
+                    wait = last + interval_s - time.perf_counter()
+                    items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
+                except queue.Empty:
+                    break
+            last = time.perf_counter()
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Started):
+                    yield item
+            steps = [i for i in items if isinstance(i, StepTrace)]
+            if steps:
+                yield steps[-1]
+            if items[-1] is _DONE:
+                return
+    finally:
+        cancel.set()  # no-op when finished; stops the generation if the reader went away
