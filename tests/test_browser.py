@@ -4,24 +4,20 @@ Chromium through Selenium. `make setup-test` installs chromium and chromium-driv
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from app_process import start_app, stop_app
+from app_process import wait_until as _wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = [
     pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
@@ -33,50 +29,6 @@ pytestmark = [
 CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage", "--window-size=1500,1900")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def start_app(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`python app.py` on a free port with the default (bundled) pair; returns once it listens."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "app.py", "--port", str(port), "--max-new-tokens", "32", "--gamma", "3", *flags],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"the app exited:\n{log.read_text()[-3000:]}")
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    _wait_until(up, 240, "the app to listen", every=0.5)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_app(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

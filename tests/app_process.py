@@ -1,0 +1,64 @@
+"""Start and stop `python app.py` on a free port (the browser, soak and screenshot scripts)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def start_app(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python app.py` on a free port with the default (bundled) pair; returns once it listens."""
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "app.py", "--port", str(port), "--method", "speculative", "--max-new-tokens", "32",
+             "--gamma", "3", *flags],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the app exited:\n{log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(up, 240, "the app to listen", every=0.5)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_app(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
