@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -24,9 +25,20 @@ def parse_auth(value: str | None) -> list[tuple[str, str]] | None:
     return [(u.strip(), p.strip()) for u, p in pairs]
 
 
+def _log_to_stderr() -> None:
+    """The app's own log lines (replies started, failures) on stderr; libraries stay quiet."""
+    logger = logging.getLogger("specui")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def launch(args: argparse.Namespace) -> int:
     from specui.ui.chat_ui import build_ui
 
+    _log_to_stderr()
     auth = parse_auth(args.auth)
     if args.share and not auth:
         print("warning: --share without --auth makes your model public to anyone with the link", file=sys.stderr)

@@ -4,7 +4,10 @@ Chromium through Selenium. `make setup-test` installs chromium and chromium-driv
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -195,6 +198,33 @@ def test_stop_mid_reply_then_send_and_switch_method(page):
     page.choose("method", "speculative")
 
 
+@pytest.fixture
+def cpu_hog():
+    """Every core kept busy by a spinning process for the length of one test (bounded: each
+    stops by itself after 300 s, and is killed when the test ends)."""
+    spin = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 2)]
+    yield
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
+def test_stop_is_final_on_a_busy_machine(page, cpu_hog):
+    page.clear_chat()
+    page.set_number("set-max_new_tokens", 400)
+    page.send("Write a long story about a dragon who learns to bake bread.")
+    _wait_until(lambda: len((page.bot_texts() or [""])[-1]) > 20, 180, "some streamed text")
+    page.find("#stop").click()
+    stopped = page.wait_done(1, timeout=120)
+    assert "cancelled" in page.stats() and stopped.endswith("⏹")
+    end = time.monotonic() + 4.0
+    while time.monotonic() < end:  # the stopped reply never changes, nothing else arrives
+        assert page.bot_texts() == [stopped]
+        assert page.user_texts() == ["Write a long story about a dragon who learns to bake bread."]
+        time.sleep(0.1)
+
+
 def test_bad_input_empty_double_submit_and_long_paste(page):
     page.clear_chat()
     page.send("   ")
@@ -232,6 +262,29 @@ def test_two_tabs_get_their_own_answers(app_url, page):
         assert "Italy" in second and "France" not in second
         assert page.user_texts() == ["What is the capital of France?"]
         assert other.user_texts() == ["What is the capital of Italy?"]
+    finally:
+        other.close()
+
+
+def test_stop_while_waiting_in_the_queue(app_url, page):
+    page.clear_chat()
+    other = Page(app_url)
+    try:
+        other.set_number("set-max_new_tokens", 160)
+        other.send("Write a long story about a lighthouse keeper.")  # holds the engine
+        _wait_until(lambda: len((other.bot_texts() or [""])[-1]) > 10, 120, "the other tab's reply")
+        page.set_number("set-max_new_tokens", 24)
+        page.send("What is the capital of France?")  # waits in the queue behind it
+        time.sleep(0.5)
+        page.find("#stop").click()
+        other.find("#stop").click()
+        assert other.wait_done(1, timeout=120).endswith("⏹")
+        _wait_until(lambda: "stopped before it started" in page.stats(), 60, "the queued reply to be stopped")
+        time.sleep(2.0)
+        assert page.bot_texts() == ["⏹"] and "Paris" not in "".join(page.bot_texts())  # it never ran
+        page.send("What is the capital of France?")  # the next message is answered as usual
+        second = page.wait_done(2)
+        assert "Paris" in second, (page.bot_texts(), page.user_texts(), page.stats())
     finally:
         other.close()
 

@@ -67,7 +67,8 @@ def test_history_to_messages_leaves_out_notes_errors_and_stop_marks():
     history = [{"role": "user", "content": "hi"},
                {"role": "assistant", "content": "your message was cut", "metadata": {"title": "ℹ️ note"}},
                {"role": "assistant", "content": "Hello ⏹"}, {"role": "user", "content": "again"},
-               {"role": "assistant", "content": "⚠️ generation failed"}, {"role": "user", "content": "x"}]
+               {"role": "assistant", "content": "⚠️ generation failed"}, {"role": "user", "content": "x"},
+               {"role": "assistant", "content": "⏹"}]
     assert to_messages(history, "sys") == [
         {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "again"},
@@ -181,3 +182,20 @@ def test_service_validates_before_any_work(service):
         service.start([{"role": "user", "content": "w1"}], ChatSettings(method="speculative", top_k=-1,
                                                                        max_new_tokens=4))
     assert validate_settings(ChatSettings(max_new_tokens=4.0)).max_new_tokens == 4
+
+
+def test_stop_or_clear_while_waiting_in_the_queue(service, monkeypatch):
+    page = ChatPage(service)
+    started = []
+    real_start = service.start
+    monkeypatch.setattr(service, "start", lambda *a, **k: started.append(1) or real_start(*a, **k))
+    page.stop(None, pressed_at=2000.0)  # Stop pressed (browser clock, ms) after the message was sent at 1000
+    outs = list(page.respond(None, "w1", [], "speculative", *values(), 1000.0))
+    history, stats = outs[-1][1], outs[-1][6]
+    assert history[-1]["content"] == "⏹" and "stopped before it started" in stats and started == []
+    later = list(page.respond(None, "w2", history, "speculative", *values(), 3000.0))[-1][1]  # sent after Stop
+    assert started == [1] and later[-1]["content"] and later[-1]["content"] != "⏹"
+    page.clear(None, pressed_at=5000.0)
+    assert list(page.respond(None, "w3", later, "speculative", *values(), 4000.0)) == []  # Clear came after it
+    retried = list(page.retry(None, later, "speculative", *values(), 4000.0))
+    assert len(retried) == 1 and started == [1]  # nothing ran, every output left as it was

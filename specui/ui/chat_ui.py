@@ -48,6 +48,14 @@ FIGURE_INTERVAL_S = 1.0  # redraw the live panels at most once a second
 PANEL_SHARE = 40  # ... and at most 1/40 of the wall time goes to building them
 
 
+def stamp_js(n_inputs: int) -> str:
+    """Runs in the browser before an event is sent (Gradio hands it the inputs' then the
+    outputs' values and sends what it returns as the inputs): the last input becomes the
+    browser's clock (ms), so a Stop or Clear pressed while a message waits in the queue is
+    known to come after it."""
+    return f"(...args) => {{ const a = args.slice(0, {n_inputs}); a[{n_inputs - 1}] = Date.now(); return a; }}"
+
+
 def stats_line(stats: dict, notes: list[str] = ()) -> str:
     extra = "".join(f"\n\nℹ️ {n}" for n in dict.fromkeys(notes))
     return extra.lstrip() + "\n\n" + (
@@ -94,31 +102,40 @@ class ChatPage:
         self.submit = submit  # where model work runs (the app passes its main-thread runner)
         self._cancels: dict[str, threading.Event] = {}
         self._cleared: dict[str, int] = {}  # per session: how many times Clear was pressed
+        self._stopped_at: dict[str, float] = {}  # per session: the browser's clock at the last Stop / Clear
+        self._cleared_at: dict[str, float] = {}
         self._trace_dir = Path(tempfile.gettempdir()) / "specui-traces"
 
     # --- chat -------------------------------------------------------------------------------
     def respond(self, request: gr.Request, message: str, history: list, method: str, *values) -> Iterator:
         """Append the user's message and stream the reply (first yield clears the box).
-        (Gradio injects `request` only among the positional parameters before *values.)"""
+        `values` are the SETTING_FIELDS, then (from the page) the browser's clock when the
+        message was sent. (Gradio injects `request` only among the positional parameters
+        before *values.)"""
+        values, sent_at = _split_sent_at(values)
+        if self._pressed_since(self._cleared_at, request, sent_at):
+            return  # Clear was pressed while this message waited in the queue: the chat stays empty
         if not message or not message.strip():
             gr.Warning("The message is empty: type something to send.")
             yield (message, *Outputs(history).as_tuple())
             return
         history = list(history or []) + [{"role": "user", "content": message}]
         yield ("", *Outputs(history).as_tuple())
-        for out in self._unless_cleared(self._reply(history, method, values, request), request):
+        for out in self._unless_cleared(self._reply(history, method, values, request, sent_at), request):
             yield ("", *out.as_tuple())
 
     def retry(self, request: gr.Request, history: list, method: str, *values) -> Iterator:
         """Answer the last user message again (with the current method and settings)."""
+        values, sent_at = _split_sent_at(values)
         history = list(history or [])
         while history and history[-1]["role"] != "user":
             history.pop()
-        if not history:
-            gr.Warning("Nothing to retry yet: send a message first.")
+        if not history or self._pressed_since(self._cleared_at, request, sent_at):
+            if not history:
+                gr.Warning("Nothing to retry yet: send a message first.")
             yield tuple(gr.skip() for _ in fields(Outputs))
             return
-        for out in self._unless_cleared(self._reply(history, method, values, request), request):
+        for out in self._unless_cleared(self._reply(history, method, values, request, sent_at), request):
             yield out.as_tuple()
 
     def _unless_cleared(self, outputs: Iterator[Outputs], request) -> Iterator[Outputs]:
@@ -131,18 +148,33 @@ class ChatPage:
                 return
             yield out
 
-    def stop(self, request: gr.Request = None) -> None:
-        event = self._cancels.get(_session(request))
+    def stop(self, request: gr.Request = None, pressed_at: float | None = None) -> None:
+        """Stop the running reply; pressed while the reply still waits in the queue (the page
+        sends the browser's clock), it stops that one before it starts."""
+        session = _session(request)
+        if pressed_at is not None:
+            self._stopped_at[session] = float(pressed_at)
+        event = self._cancels.get(session)
         if event is not None:
             event.set()
 
-    def _reply(self, history: list, method: str, values: tuple, request) -> Iterator[Outputs]:
+    @staticmethod
+    def _pressed_since(when: dict[str, float], request, sent_at: float | None) -> bool:
+        """Whether Stop / Clear (by the browser's clock in `when`) came after this message was sent."""
+        return sent_at is not None and when.get(_session(request), float("-inf")) > sent_at
+
+    def _reply(self, history: list, method: str, values: tuple, request,
+               sent_at: float | None = None) -> Iterator[Outputs]:
         """Stream one reply. Stop is final: once the cancel flag is set nothing but the one
         final update (the reply as the engine left it, marked ⏹) is published."""
         history = [m for m in history if not is_note(m)]  # notices belong to the reply they came with
         shown = history + [{"role": "assistant", "content": ""}]
         cancel = self._cancels[_session(request)] = threading.Event()
         log.info("reply: session %s, %d messages, method %s", _session(request), len(history), method)
+        if self._pressed_since(self._stopped_at, request, sent_at):
+            shown[-1]["content"] = STOPPED_MARK.strip()
+            yield Outputs(shown, stats="⏹ stopped before it started")
+            return
         yield Outputs(shown, stats="…")  # the previous reply's figures stay until this one's first step
         try:
             settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)), self.defaults)
@@ -204,8 +236,10 @@ class ChatPage:
         path.write_text(traces_to_json(generation.steps, generation.stats), encoding="utf-8")
         return str(path)
 
-    def clear(self, request: gr.Request = None) -> tuple:
+    def clear(self, request: gr.Request = None, pressed_at: float | None = None) -> tuple:
         session = _session(request)
+        if pressed_at is not None:
+            self._cleared_at[session] = float(pressed_at)
         self._cleared[session] = self._cleared.get(session, 0) + 1  # a running reply sends nothing more
         self.stop(request)
         return Outputs([], tree_figure(None), acceptance_figure([]), choices_figure([]), timing_figure([]), "",
@@ -265,6 +299,13 @@ class ChatPage:
     def header(self) -> str:
         s = self.service
         return f"Target: `{s.target_label}` · draft: `{s.draft_label}` · device: `{s.device_label}`"
+
+
+def _split_sent_at(values: tuple) -> tuple[tuple, float | None]:
+    """(the settings values, the browser's clock at sending, or None when not given)."""
+    if len(values) > len(SETTING_FIELDS) and values[len(SETTING_FIELDS)] is not None:
+        return values[: len(SETTING_FIELDS)], float(values[len(SETTING_FIELDS)])
+    return values[: len(SETTING_FIELDS)], None
 
 
 def _session(request) -> str:
@@ -366,12 +407,16 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         settings_inputs = [controls[name] for name in SETTING_FIELDS]
         outputs = [chatbot, tree, accept, choices, timing, stats, prov, steps_state, slider, export]
         hidden = dict(api_visibility="private")  # the page's own events; scripts use the named API below
-        gr.on([box.submit, send.click], page.respond, [box, chatbot, method, *settings_inputs], [box, *outputs],
-              trigger_mode="once", concurrency_id="engine", api_name="respond", api_visibility="undocumented")
-        retry.click(page.retry, [chatbot, method, *settings_inputs], outputs, trigger_mode="once",
-                    concurrency_id="engine", **hidden)
-        stop.click(page.stop, None, None, queue=False, **hidden)
-        clear.click(page.clear, None, outputs, queue=False, **hidden)
+        clock = gr.Number(visible=False)  # the browser's clock when Send / Retry / Stop / Clear was pressed
+        send_inputs, retry_inputs = [box, chatbot, method, *settings_inputs, clock], [chatbot, method,
+                                                                                     *settings_inputs, clock]
+        gr.on([box.submit, send.click], page.respond, send_inputs, [box, *outputs], trigger_mode="once",
+              concurrency_id="engine", js=stamp_js(len(send_inputs)), api_name="respond",
+              api_visibility="undocumented")
+        retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", concurrency_id="engine",
+                    js=stamp_js(len(retry_inputs)), **hidden)
+        stop.click(page.stop, clock, None, queue=False, js=stamp_js(1), **hidden)
+        clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden)
         slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
         steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)

@@ -55,9 +55,9 @@ def to_messages(history: list, system: str = "") -> list[dict[str, str]]:
             continue
         text = content_text(m.get("content", ""))
         if m["role"] == "assistant":
-            if text.startswith("⚠️"):
+            text = text.rstrip().removesuffix(STOPPED_MARK.strip()).rstrip()
+            if text.startswith("⚠️") or not text:  # an error, or a reply stopped before it began
                 continue
-            text = text.removesuffix(STOPPED_MARK)
         messages.append({"role": m["role"], "content": text})
     return messages
 
