@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--share", action="store_true", help="public Gradio link (use with --auth)")
     u.add_argument("--auth", help="user:pass, or a file holding user:pass lines")
     u.add_argument("--queue", type=int, default=16, help="max queued requests")
+    u.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: measured at start when the app serves a browser on this machine, "
+                        "torch's default otherwise)")
     return ap
 
 
@@ -100,6 +103,10 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.prompt is None:
         raise SpecUIError("--cli needs --prompt \"your message\"")
     if not args.prompt.strip():

@@ -71,6 +71,7 @@ class ChatService:
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
         self.engine = pair.engine()
+        self.threads_note = ""  # how many threads torch uses here, and why (set by the app)
 
     def load(self, choice: PairChoice, progress=None) -> str:
         """Load a new pair and swap it in once no generation runs. On any failure the
@@ -102,6 +103,8 @@ class ChatService:
         rss = _rss_bytes()
         if rss:
             parts.append(f"process RSS {rss / mb:,.0f} MB")
+        if self.threads_note:
+            parts.append(self.threads_note)
         if torch.cuda.is_available():
             parts.append(f"GPU allocated {torch.cuda.memory_allocated() / mb:,.0f} MB "
                          f"(peak {torch.cuda.max_memory_allocated() / mb:,.0f} MB)")

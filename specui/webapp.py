@@ -11,6 +11,7 @@ from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
 from specui.runner import MainThreadRunner
 from specui.service import ChatService
+from specui.threads import choose_threads
 
 
 def parse_auth(value: str | None) -> list[tuple[str, str]] | None:
@@ -44,6 +45,11 @@ def launch(args: argparse.Namespace) -> int:
         print("warning: --share without --auth makes your model public to anyone with the link", file=sys.stderr)
     print("loading models…", file=sys.stderr)
     service = ChatService(load_from_args(args))
+    if args.threads < 0:
+        raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
+    threads = choose_threads(service.pair.target.model, local_browser=not args.share, requested=args.threads)
+    service.threads_note = f"torch threads: {threads.reason}"
+    print(service.threads_note, file=sys.stderr)
     runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/runner.py
     demo = build_ui(service, settings_from_args(args), submit=runner.submit).queue(
         max_size=args.queue, default_concurrency_limit=1)

@@ -1,9 +1,10 @@
-"""What the web UI costs: the same prompts answered through the service directly (the CLI's
-path) and through the running Gradio app (a client streaming /respond, with the live panels
-built and sent), alternating, on one loaded pair. The client runs in its own process, as a
-browser would.
+"""What the web UI costs: the same prompts answered, interleaved, on one loaded pair,
+(1) through the service directly (the CLI's path), (2) through the running Gradio app by an API
+client streaming /respond (the live panels built and sent, not drawn), and with --browser
+(3) by the page itself in headless Chromium on the same machine (panels drawn), reading the
+tokens/s the page shows. Clients run in their own processes, as a browser would.
 
-    python -m specui.bench.ui_overhead --limit 4 --max-new-tokens 96 --methods speculative:2,opt-tree:25
+    python -m specui.bench.ui_overhead --limit 4 --max-new-tokens 96 --methods speculative:2,opt-tree:25 --browser
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from specui.pair import default_draft_source, load_pair
 from specui.runner import MainThreadRunner
 from specui.service import ChatService
 from specui.settings import ChatSettings
+from specui.threads import choose_threads
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui
 
 
@@ -53,7 +55,7 @@ def _client_worker(url: str, conn) -> None:
     while (job_args := conn.recv()) is not None:
         prompt, method, values = job_args
         t0 = time.perf_counter()
-        job = client.submit(prompt, [], method, *values, api_name="/respond")
+        job = client.submit(prompt, [], method, *values, None, api_name="/respond")  # None: no clock stamp
         updates = sum(1 for _ in job)
         seconds = time.perf_counter() - t0
         final = job.outputs()[-1]
@@ -63,9 +65,31 @@ def _client_worker(url: str, conn) -> None:
         conn.send((seconds, text, updates, engine_tps))
 
 
+def _browser_worker(url: str, conn, live_panels: bool) -> None:
+    """Child process: a headless Chromium on the page; answers (prompt, method, max new tokens)
+    with (wall seconds, reply text, 0, the engine tokens/s the page shows)."""
+    from specui.bench.browser_driver import PageDriver
+
+    page = PageDriver(url)
+    try:
+        page.set_checkbox("live-panels", live_panels)
+        while (job_args := conn.recv()) is not None:
+            prompt, method, max_new_tokens = job_args
+            seconds, text, tps = page.ask(prompt, method, max_new_tokens)
+            conn.send((seconds, text, 0, tps))
+    finally:
+        page.close()
+
+
 def through_ui(conn, runner: MainThreadRunner, prompt: str, settings: ChatSettings) -> tuple[float, str, int, float]:
     """The app's model work runs on this (the main) thread, as in `python app.py`."""
     conn.send((prompt, settings.method, ui_values(settings)))
+    runner.serve(until=conn.poll)
+    return conn.recv()
+
+
+def through_browser(conn, runner: MainThreadRunner, prompt: str, settings: ChatSettings) -> tuple:
+    conn.send((prompt, settings.method, settings.max_new_tokens))
     runner.serve(until=conn.poll)
     return conn.recv()
 
@@ -82,39 +106,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--methods", default="autoregressive,speculative:2,opt-tree:25")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--threads", default="0", help="torch CPU threads (0: torch default; auto: as the app measures)")
+    ap.add_argument("--browser", action="store_true", help="also drive the page in headless Chromium")
+    ap.add_argument("--no-live-panels", action="store_true", help="browser: panels drawn once at the end")
     args = ap.parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     spec = ModelSpec(BUNDLED, dtype="float32", device="auto")
     service = ChatService(load_pair(spec, spec.with_source(default_draft_source())))
+    if args.threads != "0":
+        requested = 0 if args.threads == "auto" else int(args.threads)
+        print(f"torch threads: {choose_threads(service.pair.target.model, True, requested).reason}")
     port = _free_port()
     runner = MainThreadRunner()
     demo = build_ui(service, submit=runner.submit).queue(default_concurrency_limit=1)
     demo.launch(server_port=port, prevent_thread_lock=True, quiet=True)
-    conn, child_conn = mp.get_context("spawn").Pipe()
-    client = mp.get_context("spawn").Process(target=_client_worker, args=(f"http://127.0.0.1:{port}", child_conn))
-    client.start()
+    url = f"http://127.0.0.1:{port}"
+    spawn = mp.get_context("spawn")
+    conn, child_conn = spawn.Pipe()
+    workers = [spawn.Process(target=_client_worker, args=(url, child_conn))]
+    if args.browser:
+        bconn, bchild = spawn.Pipe()
+        workers.append(spawn.Process(target=_browser_worker, args=(url, bchild, not args.no_live_panels)))
+    for worker in workers:
+        worker.start()
     prompts = [p.messages[-1]["content"] for p in load_prompts(HELDOUT)[: args.limit]]
-    print(f"{'method':<18}{'direct s':>10}{'UI s':>10}{'UI / direct':>13}{'updates':>9}  same text")
+    print(f"engine tok/s (median over {args.limit} prompts x {args.repeats}); ratio to the CLI path in brackets")
+    print(f"{'method':<18}{'CLI':>8}{'API client':>20}" + (f"{'browser':>20}" if args.browser else "") + "  same text")
     for method in args.methods.split(","):
         settings = settings_for(method, args.max_new_tokens)
         direct(service, prompts[0], settings)  # warm-up
-        ratios, d_total, u_total, n_updates, same = [], 0.0, 0.0, 0, True
+        tps: dict[str, list[float]] = {"cli": [], "api": [], "browser": []}
+        same = True
         for prompt in prompts:
             for _ in range(args.repeats):
-                d, d_text, d_tps = direct(service, prompt, settings)
-                u, u_text, updates, u_tps = through_ui(conn, runner, prompt, settings)
-                print(f"   engine tok/s direct {d_tps:.1f}  in the app {u_tps:.1f}")
-                ratios.append(u / d)
-                d_total, u_total, n_updates = d_total + d, u_total + u, n_updates + updates
+                _, d_text, d_tps = direct(service, prompt, settings)
+                _, u_text, _, u_tps = through_ui(conn, runner, prompt, settings)
+                tps["cli"].append(d_tps)
+                tps["api"].append(u_tps)
                 same &= d_text.strip() == u_text.strip()
-        print(f"{method:<18}{d_total:>10.2f}{u_total:>10.2f}{u_total / d_total:>12.3f}x{n_updates:>9}  {same}"
-              f"   (median per-prompt ratio {statistics.median(ratios):.3f})")
+                if args.browser:
+                    _, b_text, _, b_tps = through_browser(bconn, runner, prompt, settings)
+                    tps["browser"].append(b_tps)
+        cli = statistics.median(tps["cli"])
+        cols = [f"{cli:>8.1f}", f"{statistics.median(tps['api']):>12.1f} ({statistics.median(tps['api']) / cli:.2f}x)"]
+        if args.browser:
+            b = statistics.median(tps["browser"])
+            cols.append(f"{b:>12.1f} ({b / cli:.2f}x)")
+        print(f"{method:<18}{''.join(cols)}  {same}", flush=True)
     conn.send(None)
-    client.join(30)
+    if args.browser:
+        bconn.send(None)
+    for worker in workers:
+        worker.join(30)
     demo.close()
     return 0
 

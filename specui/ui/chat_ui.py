@@ -43,7 +43,8 @@ DESCRIPTIONS = {
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
 }
 log = logging.getLogger("specui.ui")
-TEXT_INTERVAL_S = 0.2  # stream the reply text at most 5 times a second (smooth to read, cheap to send)
+TEXT_INTERVAL_S = 0.5  # stream the reply text at most twice a second (measured: 5/s cost the engine ~10% in a
+# browser on the same 2-core machine, see README "What the web UI costs")
 FIGURE_INTERVAL_S = 1.0  # redraw the live panels at most once a second
 PANEL_SHARE = 40  # ... and at most 1/40 of the wall time goes to building them
 
@@ -104,6 +105,7 @@ class ChatPage:
         self._cleared: dict[str, int] = {}  # per session: how many times Clear was pressed
         self._stopped_at: dict[str, float] = {}  # per session: the browser's clock at the last Stop / Clear
         self._cleared_at: dict[str, float] = {}
+        self._paused: set[str] = set()  # sessions whose live panels are paused (drawn once at the end)
         self._trace_dir = Path(tempfile.gettempdir()) / "specui-traces"
 
     # --- chat -------------------------------------------------------------------------------
@@ -158,6 +160,11 @@ class ChatPage:
         if event is not None:
             event.set()
 
+    def set_live(self, on: bool, request: gr.Request = None) -> None:
+        """Live panels on or off for this tab (takes effect at once, also mid-reply); off, the
+        reply streams as text and the panels are drawn once at the end."""
+        (self._paused.discard if on else self._paused.add)(_session(request))
+
     @staticmethod
     def _pressed_since(when: dict[str, float], request, sent_at: float | None) -> bool:
         """Whether Stop / Clear (by the browser's clock in `when`) came after this message was sent."""
@@ -169,7 +176,8 @@ class ChatPage:
         final update (the reply as the engine left it, marked ⏹) is published."""
         history = [m for m in history if not is_note(m)]  # notices belong to the reply they came with
         shown = history + [{"role": "assistant", "content": ""}]
-        cancel = self._cancels[_session(request)] = threading.Event()
+        session = _session(request)
+        cancel = self._cancels[session] = threading.Event()
         log.info("reply: session %s, %d messages, method %s", _session(request), len(history), method)
         if self._pressed_since(self._stopped_at, request, sent_at):
             shown[-1]["content"] = STOPPED_MARK.strip()
@@ -190,7 +198,7 @@ class ChatPage:
                     continue  # stopped: the final update below is the last one
                 shown[-1]["content"] = item.text
                 now = time.perf_counter()
-                if now >= next_draw:
+                if now >= next_draw and session not in self._paused:
                     out = self._live(shown, generation, item, notes)
                     cost = time.perf_counter() - now  # panels take <= 1/PANEL_SHARE of the time
                     next_draw = now + max(FIGURE_INTERVAL_S, cost * PANEL_SHARE)
@@ -368,6 +376,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     retry = gr.Button("Retry", elem_id="retry")
                     clear = gr.Button("Clear", elem_id="clear")
                 stats = gr.Markdown(elem_id="stats")
+                live = gr.Checkbox(True, label="live panels (off: the reply streams as text, the panels are drawn "
+                                   "once at the end: fastest on a small machine)", elem_id="live-panels")
                 show_prov = gr.Checkbox(True, label="colour the last reply by provenance "
                                         "(green: accepted draft tokens, purple: the target's own tokens)",
                                         elem_id="prov-toggle")
@@ -421,6 +431,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)
+        live.change(page.set_live, live, None, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         load.click(page.load_models, [target, draft, quant, device, method],
                    [load_status, memory, header, method], concurrency_id="engine", api_name="page_load_models",

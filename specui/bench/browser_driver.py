@@ -1,0 +1,97 @@
+"""A headless Chromium on the app's page, as a person would use it: pick the method, set the
+reply length, send a message, wait for the reply, read the tokens/s the page shows.
+
+Needs selenium and Debian's chromium + chromium-driver (`make setup-test` installs them)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+
+from specui.errors import SpecUIError
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1500,1900")
+FINISHED = ("· eos", "· length", "· stop", "· cancelled", "⚠️")
+
+
+def wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class PageDriver:
+    def __init__(self, url: str) -> None:
+        try:
+            from selenium import webdriver
+            from selenium.webdriver.chrome.service import Service
+        except ImportError:
+            raise SpecUIError("the browser mode needs selenium: pip install -r requirements-test.txt") from None
+        if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+            raise SpecUIError("the browser mode needs Debian's chromium and chromium-driver (make browser)")
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in CHROME_FLAGS:
+            options.add_argument(flag)
+        self.driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        self.driver.get(url)
+        wait_until(lambda: self.driver.find_elements("css selector", "#msg textarea"), 60, "the page")
+
+    def close(self) -> None:
+        self.driver.quit()
+
+    def texts(self, css: str) -> list[str]:
+        return self.driver.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText ?? e.textContent)", css)
+
+    def stats(self) -> str:
+        return "".join(self.texts("#stats"))
+
+    def set_number(self, elem_id: str, value) -> None:
+        from selenium.webdriver.common.keys import Keys
+
+        field = self.driver.find_element("css selector", f"#{elem_id} input[type=number]")
+        field.send_keys(Keys.CONTROL, "a")
+        field.send_keys(str(value), Keys.TAB)
+
+    def set_checkbox(self, elem_id: str, on: bool) -> None:
+        box = self.driver.find_element("css selector", f"#{elem_id} input[type=checkbox]")
+        if box.is_selected() != on:
+            box.click()
+
+    def choose(self, elem_id: str, option: str) -> None:
+        field = self.driver.find_element("css selector", f"#{elem_id} input")
+        field.click()
+        items = wait_until(
+            lambda: [li for li in self.driver.find_elements("css selector", "ul.option-list li")
+                     if li.text.strip().lstrip("✓").strip() == option], 10, f"option {option}")
+        items[0].click()
+        wait_until(lambda: field.get_property("value") == option, 10, f"{elem_id} = {option}")
+
+    def ask(self, prompt: str, method: str, max_new_tokens: int, timeout: float = 600) -> tuple[float, str, float]:
+        """One reply in a fresh chat: (wall seconds from Enter to the final stats, reply text,
+        the engine's tokens/s as the page shows it)."""
+        from selenium.webdriver.common.keys import Keys
+
+        self.driver.find_element("css selector", "#clear").click()
+        wait_until(lambda: not self.texts("#chatbot .message.bot") and not self.stats().strip(), 20, "a clear chat")
+        self.choose("method", method)
+        self.set_number("set-max_new_tokens", max_new_tokens)
+        box = self.driver.find_element("css selector", "#msg textarea")
+        box.send_keys(prompt)
+        t0 = time.perf_counter()
+        box.send_keys(Keys.ENTER)
+        stats = wait_until(lambda: (s := self.stats()) and any(f in s for f in FINISHED) and s, timeout, "the reply")
+        seconds = time.perf_counter() - t0
+        text = (self.texts("#chatbot .message.bot") or [""])[-1]
+        if "⚠️" in stats:
+            raise RuntimeError(f"the page reported an error: {stats}")
+        return seconds, text, float(stats.split(" tok/s")[0].split("·")[-1])
