@@ -116,7 +116,8 @@ class ChatPage:
         before *values.)"""
         values, sent_at = _split_sent_at(values)
         if self._pressed_since(self._cleared_at, request, sent_at):
-            return  # Clear was pressed while this message waited in the queue: the chat stays empty
+            yield tuple(gr.skip() for _ in range(1 + len(fields(Outputs))))  # Cleared while queued: stays empty
+            return
         if not message or not message.strip():
             gr.Warning("The message is empty: type something to send.")
             yield (message, *Outputs(history).as_tuple())
