@@ -6,9 +6,9 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
+
+from specui.bench.browser_driver import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,16 +17,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def start_app(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:

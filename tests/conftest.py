@@ -107,3 +107,13 @@ def bundled_pair():
 
     spec = ModelSpec(BUNDLED, dtype="float32", device="cpu")
     return load_pair(spec, spec.with_source(default_draft_source()))
+
+
+def form_values(**overrides) -> list:
+    """The settings controls' values as the page hands them to its handlers (SETTING_FIELDS order)."""
+    from specui.ui.chat_ui import SETTING_FIELDS
+
+    base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
+                preset="binary-14", nodes=8, delta=None, system="")
+    base.update(overrides)
+    return [base[k] for k in SETTING_FIELDS]

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 from app_process import start_app, stop_app
-from app_process import wait_until as _wait_until
+
+from specui.bench.browser_driver import CHROMEDRIVER, CHROMIUM, PageDriver
+from specui.bench.browser_driver import wait_until as _wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = [
     pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
                        reason="Debian chromium + chromium-driver not installed (make setup-test installs them)"),
@@ -29,9 +29,6 @@ pytestmark = [
     # (a failure that repeats is reported as it is)
     pytest.mark.flaky(reruns=1, reruns_delay=2),
 ]
-CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1500,1900")
 
 
 @pytest.fixture(scope="module")
@@ -41,36 +38,12 @@ def app_url(tmp_path_factory):
     stop_app(proc)
 
 
-def _browser(downloads: Path):
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in CHROME_FLAGS:
-        options.add_argument(flag)
-    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
-                                              "download.prompt_for_download": False})
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
-class Page:
-    """A tab on the app, with the few gestures the tests need."""
+class Page(PageDriver):
+    """A tab on the app, with the few gestures the tests need beyond the bench's."""
 
     def __init__(self, url: str) -> None:
         self.downloads = Path(tempfile.mkdtemp(prefix="specui-downloads-"))
-        self.driver = _browser(self.downloads)
-        self.driver.get(url)
-        _wait_until(lambda: self.driver.find_elements(By.CSS_SELECTOR, "#msg textarea"), 60, "the page")
-
-    def close(self) -> None:
-        self.driver.quit()
-
-    def find(self, css: str):
-        return self.driver.find_element(By.CSS_SELECTOR, css)
-
-    def texts(self, css: str) -> list[str]:
-        """innerText of the matching elements, read in one script call (cheap while the
-        page is busy rendering a streamed reply)."""
-        return self.driver.execute_script(
-            "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText ?? e.textContent)", css)
+        super().__init__(url, self.downloads)
 
     def bot_texts(self) -> list[str]:
         return [t.strip() for t in self.texts("#chatbot .message.bot")]
@@ -107,20 +80,6 @@ class Page:
             bots = self.bot_texts()
             return bots[n_replies - 1] if len(bots) >= n_replies else None
         return _wait_until(done, timeout, f"reply {n_replies} to finish")
-
-    def set_number(self, elem_id: str, value) -> None:
-        field = self.find(f"#{elem_id} input[type=number]")
-        field.send_keys(Keys.CONTROL, "a")
-        field.send_keys(str(value), Keys.TAB)
-
-    def choose(self, elem_id: str, option: str) -> None:
-        field = self.find(f"#{elem_id} input")
-        field.click()
-        option_el = _wait_until(
-            lambda: [li for li in self.driver.find_elements(By.CSS_SELECTOR, "ul.option-list li")
-                     if li.text.strip().lstrip("✓").strip() == option], 10, f"option {option}")
-        option_el[0].click()
-        _wait_until(lambda: field.get_property("value") == option, 10, f"{elem_id} = {option}")
 
     def tree_points(self, elem_id: str = "tree") -> int:
         return len(self.driver.find_elements(By.CSS_SELECTOR, f"#{elem_id} .js-plotly-plot .scatterlayer .point"))

@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+from conftest import form_values
 
 import app
 from specui.errors import SpecUIError
@@ -15,7 +16,7 @@ from specui.loading import ModelSpec
 from specui.pair import load_pair
 from specui.service import ChatService, validate_settings
 from specui.settings import ChatSettings, check_settings
-from specui.ui.chat_ui import SETTING_FIELDS, ChatPage, build_ui
+from specui.ui.chat_ui import ChatPage, build_ui
 from specui.ui.streaming import settings_from_values, to_messages
 
 METHODS, PRESETS = ["autoregressive", "speculative", "tree"], ["eagle-25"]
@@ -94,11 +95,7 @@ def service(tiny_dirs):
     return ChatService(load_pair(spec, spec.with_source(str(draft))))
 
 
-def values(**overrides):
-    base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
-                preset="binary-14", nodes=8, delta=None, system="")
-    base.update(overrides)
-    return [base[k] for k in SETTING_FIELDS]
+values = form_values
 
 
 def test_page_shows_a_bad_seed_as_a_named_error(service):

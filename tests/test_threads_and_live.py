@@ -4,13 +4,13 @@ and still draws every panel, with the whole trace, at the end."""
 from __future__ import annotations
 
 import torch
-from conftest import tiny_llama
+from conftest import form_values, tiny_llama
 
 from specui.loading import ModelSpec
 from specui.pair import load_pair
 from specui.service import ChatService
 from specui.threads import choose_threads
-from specui.ui.chat_ui import SETTING_FIELDS, ChatPage
+from specui.ui.chat_ui import ChatPage
 
 
 def test_thread_choice_is_measured_or_given():
@@ -34,16 +34,14 @@ def test_paused_panels_stream_text_then_draw_everything_once(tiny_dirs):
     target, draft, _ = tiny_dirs
     spec = ModelSpec(str(target), dtype="float32", device="cpu")
     page = ChatPage(ChatService(load_pair(spec, spec.with_source(str(draft)))))
-    values = dict(max_new_tokens=60, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
-                  preset="binary-14", nodes=8, delta=None, system="")
     page.set_live(False, None)
-    outs = list(page.respond(None, "w1 w2", [], "speculative", *[values[k] for k in SETTING_FIELDS]))
+    outs = list(page.respond(None, "w1 w2", [], "speculative", *form_values(max_new_tokens=60)))
     *streamed, final = outs
     tree_index = 2  # (box, chatbot, tree, accept, ...)
     assert all(not _is_figure(o[tree_index]) for o in streamed)  # text only while streaming
     assert _is_figure(final[tree_index]) and final[8]  # every panel at the end, with the whole trace
     page.set_live(True, None)
-    outs = list(page.respond(None, "w3", [], "speculative", *[values[k] for k in SETTING_FIELDS]))
+    outs = list(page.respond(None, "w3", [], "speculative", *form_values(max_new_tokens=60)))
     assert _is_figure(outs[-1][tree_index])
 
 

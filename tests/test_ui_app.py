@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import form_values
 
 from specui.engine.trace import traces_from_json
 from specui.errors import SpecUIError
@@ -121,11 +122,7 @@ def page(tiny_dirs):
     return ChatPage(ChatService(load_pair(spec, spec.with_source(str(draft)))))
 
 
-def values(**overrides):
-    base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
-                preset="binary-14", nodes=8, delta=None, system="")
-    base.update(overrides)
-    return [base[k] for k in SETTING_FIELDS]
+values = form_values
 
 
 def test_respond_streams_and_ends_with_trace_slider_and_export(page):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from specui.errors import SpecUIError
 
@@ -29,7 +30,9 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, every: fl
 
 
 class PageDriver:
-    def __init__(self, url: str) -> None:
+    """The gestures a person makes on the page (the browser tests build on it too)."""
+
+    def __init__(self, url: str, downloads: Path | None = None) -> None:
         try:
             from selenium import webdriver
             from selenium.webdriver.chrome.service import Service
@@ -41,6 +44,9 @@ class PageDriver:
         options.binary_location = CHROMIUM
         for flag in CHROME_FLAGS:
             options.add_argument(flag)
+        if downloads is not None:
+            options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                                      "download.prompt_for_download": False})
         self.driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
         self.driver.get(url)
         wait_until(lambda: self.driver.find_elements("css selector", "#msg textarea"), 60, "the page")
@@ -48,7 +54,12 @@ class PageDriver:
     def close(self) -> None:
         self.driver.quit()
 
+    def find(self, css: str):
+        return self.driver.find_element("css selector", css)
+
     def texts(self, css: str) -> list[str]:
+        """innerText of the matching elements, read in one script call (cheap while the
+        page is busy rendering a streamed reply)."""
         return self.driver.execute_script(
             "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText ?? e.textContent)", css)
 
@@ -58,17 +69,17 @@ class PageDriver:
     def set_number(self, elem_id: str, value) -> None:
         from selenium.webdriver.common.keys import Keys
 
-        field = self.driver.find_element("css selector", f"#{elem_id} input[type=number]")
+        field = self.find(f"#{elem_id} input[type=number]")
         field.send_keys(Keys.CONTROL, "a")
         field.send_keys(str(value), Keys.TAB)
 
     def set_checkbox(self, elem_id: str, on: bool) -> None:
-        box = self.driver.find_element("css selector", f"#{elem_id} input[type=checkbox]")
+        box = self.find(f"#{elem_id} input[type=checkbox]")
         if box.is_selected() != on:
             box.click()
 
     def choose(self, elem_id: str, option: str) -> None:
-        field = self.driver.find_element("css selector", f"#{elem_id} input")
+        field = self.find(f"#{elem_id} input")
         field.click()
         items = wait_until(
             lambda: [li for li in self.driver.find_elements("css selector", "ul.option-list li")
@@ -81,11 +92,11 @@ class PageDriver:
         the engine's tokens/s as the page shows it)."""
         from selenium.webdriver.common.keys import Keys
 
-        self.driver.find_element("css selector", "#clear").click()
+        self.find("#clear").click()
         wait_until(lambda: not self.texts("#chatbot .message.bot") and not self.stats().strip(), 20, "a clear chat")
         self.choose("method", method)
         self.set_number("set-max_new_tokens", max_new_tokens)
-        box = self.driver.find_element("css selector", "#msg textarea")
+        box = self.find("#msg textarea")
         box.send_keys(prompt)
         t0 = time.perf_counter()
         box.send_keys(Keys.ENTER)
