@@ -86,7 +86,7 @@ class Page(PageDriver):
 
     def clear_chat(self) -> None:
         self.find("#clear").click()
-        _wait_until(lambda: not self.bot_texts(), 10, "the chat to clear")
+        _wait_until(lambda: not self.bot_texts(), 45, "the chat to clear")
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_stop_is_final_on_a_busy_machine(page, cpu_hog):
 def test_bad_input_empty_double_submit_and_long_paste(page):
     page.clear_chat()
     page.send("   ")
-    _wait_until(lambda: any("empty" in t for t in page.texts(".toast-body")), 10, "the empty-message warning")
+    _wait_until(lambda: any("empty" in t for t in page.texts(".toast-body")), 45, "the empty-message warning")
     assert page.user_texts() == []
 
     page.set_number("set-max_new_tokens", 16)

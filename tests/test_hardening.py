@@ -107,8 +107,16 @@ def test_page_shows_a_bad_seed_as_a_named_error(service):
     assert not again[-1]["content"].startswith("⚠️") and to_messages(again)[0]["content"] == "w1"
 
 
-def test_after_stop_only_the_final_update_is_published(service):
+def test_after_stop_only_the_final_update_is_published(service, monkeypatch):
     page = ChatPage(service)
+    real_stream = service.stream
+
+    def slow_stream(generation):  # a step every 20 ms: the reply is still running when Stop lands
+        for step in real_stream(generation):
+            time.sleep(0.02)
+            yield step
+
+    monkeypatch.setattr(service, "stream", slow_stream)
     replies = page.respond(None, "w1 w2", [], "autoregressive", *values(max_new_tokens=200))
     for _ in range(3):
         next(replies)

@@ -83,9 +83,9 @@ class PageDriver:
         field.click()
         items = wait_until(
             lambda: [li for li in self.driver.find_elements("css selector", "ul.option-list li")
-                     if li.text.strip().lstrip("✓").strip() == option], 10, f"option {option}")
+                     if li.text.strip().lstrip("✓").strip() == option], 45, f"option {option}")
         items[0].click()
-        wait_until(lambda: field.get_property("value") == option, 10, f"{elem_id} = {option}")
+        wait_until(lambda: field.get_property("value") == option, 45, f"{elem_id} = {option}")
 
     def ask(self, prompt: str, method: str, max_new_tokens: int, timeout: float = 600) -> tuple[float, str, float]:
         """One reply in a fresh chat: (wall seconds from Enter to the final stats, reply text,
