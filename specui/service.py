@@ -124,7 +124,7 @@ class ChatService:
     def methods(self) -> list[str]:
         names = sorted(METHODS)
         if self.engine.draft is None:
-            names = [n for n in names if not METHODS[n].uses_draft]
+            names = [n for n in names if not METHODS[n].uses_draft or METHODS[n].draft_optional]
         return names
 
     def start(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class ChatSettings:
     """Every knob a user can turn; each method takes the ones its constructor names."""
 
-    method: str = "speculative"
+    method: str = "auto"
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off

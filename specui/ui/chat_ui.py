@@ -34,6 +34,8 @@ from specui.ui.figures import (
 )
 
 DESCRIPTIONS = {
+    "auto": "chooses autoregressive or speculative (and gamma) each step from the measured cost profile "
+            "and the running acceptance; never slower than plain decoding by design (lossless)",
     "autoregressive": "plain decoding: one target forward per token",
     "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
