@@ -13,7 +13,8 @@ from specui.engine.profile import CostProfile, get_profile, load_cached, measure
 def synthetic(t1=10.0, slope=0.5, draft=1.0, key="k") -> CostProfile:
     ks = (1, 2, 4, 8, 16, 32, 64)
     return CostProfile(
-        key=key, target_ms={64: {k: t1 + slope * (k - 1) for k in ks}, 512: {k: 2 * (t1 + slope * (k - 1)) for k in ks}},
+        key=key,
+        target_ms={64: {k: t1 + slope * (k - 1) for k in ks}, 512: {k: 2 * (t1 + slope * (k - 1)) for k in ks}},
         draft_ms={w: draft * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8)},
     )
 

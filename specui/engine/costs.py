@@ -32,14 +32,15 @@ class AcceptanceEstimate:
 
 @dataclass
 class TimeRatio:
-    """Running ratio measured / predicted step time (exponential average)."""
+    """Running ratio measured / predicted step time (exponential average; one outlier step,
+    a page fault or the other process on the core, moves it at most by a factor 2)."""
 
     value: float = 1.0
     weight: float = 0.2
 
     def observe(self, measured_ms: float, predicted_ms: float) -> None:
         if predicted_ms > 0 and measured_ms > 0:
-            r = min(10.0, max(0.1, measured_ms / predicted_ms))
+            r = min(2.0 * self.value, max(0.5 * self.value, measured_ms / predicted_ms))
             self.value += self.weight * (r - self.value)
 
 

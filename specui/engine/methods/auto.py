@@ -4,7 +4,7 @@ Candidates: autoregressive (one target forward, cost t(1)) and speculative chain
 length g = 1..G. With per-token acceptance alpha (engine-owned running estimate), a chain
 of g drafts commits E = (1 - alpha^(g+1)) / (1 - alpha) tokens for g * t_draft + t(g+1) ms
 (t from the measured cost profile, corrected by running ratios of measured to predicted
-step time). The best rate wins; speculation must beat autoregressive by `margin`, so when
+step time, unless `calibrate` is off). The best rate wins; speculation must beat autoregressive by `margin`, so when
 drafting does not pay the draft stays idle and auto decodes autoregressively. Every
 `probe_every` autoregressive steps a gamma-1 chain probes whether the draft agrees again.
 
@@ -38,13 +38,14 @@ class Auto(Method):
     needs_profile = True
 
     def __init__(self, max_gamma: int = 6, margin: float = 0.05, probe_every: int = 16,
-                 fallback_gamma: int = 2) -> None:
+                 fallback_gamma: int = 2, calibrate: bool = True) -> None:
         if max_gamma < 1:
             raise SpecUIError(f"max_gamma must be >= 1, got {max_gamma}")
         self.max_gamma = max_gamma
         self.margin = margin
         self.probe_every = probe_every
         self.fallback_gamma = fallback_gamma
+        self.calibrate = calibrate  # correct the profile by the step times measured here
         self.ar = Autoregressive()
         self.chains: dict[int, Speculative] = {}
         self.since_spec = 0  # autoregressive steps since the last speculative one
@@ -118,7 +119,8 @@ class Auto(Method):
                 ctx.costs.acceptance.observe(result.drafted, result.accepted)
         ms = (time.perf_counter() - t0) * 1000.0
         costs = ctx.costs
-        if costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft):
+        calibrated = costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft)
+        if self.calibrate and calibrated:
             costs.ratio(kind).observe(ms, self.predicted_ms(costs, gamma, context))
         result.choice = choice
         result.notes = self.pending + [f"auto: {choice} ({why})"] + result.notes
