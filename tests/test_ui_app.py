@@ -186,7 +186,7 @@ def test_model_panel_keeps_the_pair_on_bad_input_and_swaps_on_good(page, tiny_di
     status, _, header, method = page.load_models(str(target), "none", "none", "cpu", "speculative", progress=None)
     assert status.startswith("✅") and "draft: `none`" in header
     assert service.engine is not before and service.engine.draft is None
-    assert method["value"] == "autoregressive" and "speculative" not in method["choices"]
+    assert method["value"] == "auto" and "speculative" not in method["choices"]  # auto decodes alone
     reply = list(page.respond(None, "w1", [], "autoregressive", *values()))[-1][1]
     assert reply[-1]["content"]
 

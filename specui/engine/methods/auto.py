@@ -38,13 +38,15 @@ class Auto(Method):
     needs_profile = True
 
     def __init__(self, max_gamma: int = 6, margin: float = 0.05, probe_every: int = 16,
-                 fallback_gamma: int = 2, calibrate: bool = True) -> None:
+                 gamma: int = 2, calibrate: bool = True) -> None:
         if max_gamma < 1:
             raise SpecUIError(f"max_gamma must be >= 1, got {max_gamma}")
+        if gamma < 1:
+            raise SpecUIError(f"gamma (the fixed default used without a cost profile) must be >= 1, got {gamma}")
         self.max_gamma = max_gamma
         self.margin = margin
         self.probe_every = probe_every
-        self.fallback_gamma = fallback_gamma
+        self.fallback_gamma = gamma  # the user's gamma: used where no profile could be measured
         self.calibrate = calibrate  # correct the profile by the step times measured here
         self.ar = Autoregressive()
         self.chains: dict[int, Speculative] = {}
