@@ -27,6 +27,7 @@ from specui.settings import ChatSettings, PairChoice
 from specui.ui.figures import (
     acceptance_figure,
     choices_figure,
+    profile_figure,
     provenance_html,
     step_markdown,
     timing_figure,
@@ -299,6 +300,11 @@ class ChatPage:
         return (gr.update(info=DESCRIPTIONS.get(method, "")),
                 *(gr.update(visible=name in SAMPLING_FIELDS or name in wanted) for name in SETTING_FIELDS))
 
+    def measure_profile(self, progress=gr.Progress()) -> tuple:  # noqa: B008 (Gradio's idiom)
+        """Measure (or read the cached) cost profile of the loaded pair, with progress."""
+        profile, note = self.service.cost_profile(measure=True, progress=lambda f, m: progress(f, desc=m))
+        return profile_figure(profile), note
+
     def preset_chosen(self, name: str) -> tuple:
         preset = self.service.presets.get(name)
         if preset is None:
@@ -418,6 +424,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     load = gr.Button("Load models", elem_id="load")
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(service.memory_report(), elem_id="memory")
+                    profile_plot = gr.Plot(profile_figure(service.cost_profile()[0]), label="cost profile",
+                                           elem_id="profile")
+                    measure = gr.Button("Measure cost profile", elem_id="measure-profile")
         with gr.Row():
             tree = gr.Plot(tree_figure(None), label="current step: draft tree", elem_id="tree")
             accept = gr.Plot(acceptance_figure([]), label="accepted vs rejected", elem_id="accept")
@@ -444,6 +453,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False)
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False)
+        measure.click(page.measure_profile, None, [profile_plot, load_status], concurrency_id="engine")
         load.click(page.load_models, [target, draft, quant, device, method],
                    [load_status, memory, header, method], concurrency_id="engine")
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False)
