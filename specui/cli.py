@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prompt", help="the user message (--cli)")
     c.add_argument("--system", help="optional system prompt (--cli)")
     c.add_argument("--json", action="store_true", help="print the reply and stats as JSON (--cli)")
+    c.add_argument("--profile", action="store_true",
+                   help="measure (or read the cached) cost profile of the pair, print it and exit")
+    c.add_argument("--profile-dir", type=Path, help="where cost profiles are cached (default ~/.cache/specui/profiles)")
     c.add_argument("--trace", type=Path, help="write every step's trace as JSON to this file (--cli)")
 
     u = ap.add_argument_group("web app")
@@ -97,9 +100,23 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     target, draft = specs_from_args(args)
     settings = settings_from_args(args)
     settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
-    if draft is None and METHODS[settings.method].uses_draft:
+    if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     return load_pair(target, draft)
+
+
+def print_progress(fraction: float, message: str) -> None:
+    print(f"\r[{fraction:4.0%}] {message:<60}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    engine = load_from_args(args).engine()
+    engine.profile_dir = args.profile_dir
+    costs = engine.ensure_profile(progress=print_progress)
+    print(costs.note)
+    if costs.profile is not None:
+        print(costs.profile.table())
+    return 0 if costs.profile is not None else 1
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -107,12 +124,17 @@ def run_cli(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.profile:
+        return run_profile(args)
     if args.prompt is None:
         raise SpecUIError("--cli needs --prompt \"your message\"")
     if not args.prompt.strip():
         raise SpecUIError("the message is empty: type something to send")
     settings = settings_from_args(args)
     service = ChatService(load_from_args(args))
+    service.engine.profile_dir = args.profile_dir
+    if METHODS[settings.method].needs_profile and service.engine.draft is not None:
+        service.engine.ensure_profile(progress=print_progress)
     messages = ([{"role": "system", "content": settings.system}] if settings.system.strip() else [])
     messages.append({"role": "user", "content": args.prompt})
     cancel = threading.Event()

@@ -80,6 +80,7 @@ class ModelPair:
         return Engine(
             t.model, t.tokenizer, draft=self.draft.model if self.draft else None,
             eos_ids=stop_token_ids(t.tokenizer, t.model.generation_config),
+            quantization=t.spec.quantization,
         )
 
 

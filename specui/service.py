@@ -94,6 +94,15 @@ class ChatService:
         _release_freed_memory()
         return f"loaded target `{self.target_label}` with draft `{self.draft_label}`"
 
+    def cost_profile(self, measure: bool = False, progress=None) -> tuple[dict | None, str]:
+        """The pair's cost profile as plain data (measured or read from the disk cache when
+        `measure`), and a note on where it came from."""
+        if measure:
+            with self.engine.lock:
+                self.engine.ensure_profile(progress)
+        costs = self.engine.costs
+        return (costs.profile.to_dict() if costs.profile is not None else None), costs.note
+
     def memory_report(self) -> str:
         """Weights of the loaded pair, process memory, GPU memory (if any)."""
         mb = 1 << 20
@@ -146,7 +155,7 @@ class ChatService:
     def methods(self) -> list[str]:
         names = sorted(METHODS)
         if self.engine.draft is None:
-            names = [n for n in names if not METHODS[n].uses_draft]
+            names = [n for n in names if not METHODS[n].uses_draft or METHODS[n].draft_optional]
         return names
 
     def start(

@@ -14,7 +14,7 @@ from specui.errors import SpecUIError
 class ChatSettings:
     """Every knob a user can turn; each method takes the ones its constructor names."""
 
-    method: str = "speculative"
+    method: str = "auto"
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off

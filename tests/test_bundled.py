@@ -77,3 +77,19 @@ def test_service_reply_stops_at_end_of_turn(bundled_pair):
     assert gen.stats.finish_reason == "eos"
     assert "Paris" in gen.text and "<|im_end|>" not in gen.text
     assert "".join(s.new_text for s in steps) == gen.text
+
+
+def test_auto_greedy_equals_autoregressive_in_float32(bundled_pair, prompts):
+    """A synthetic profile on the edge (so auto switches between chains and autoregressive
+    steps, probing every 2) keeps the test quick; measuring is tested on tiny models."""
+    from test_profile import synthetic
+
+    from specui.engine.costs import EngineCosts
+
+    engine = bundled_pair.engine()
+    engine.costs = EngineCosts(profile=synthetic(t1=10.0, slope=0.3, draft=1.5), note="synthetic")
+    for prompt in prompts[:2]:
+        reference = run(engine, prompt, 48, "autoregressive").output_ids
+        gen = run(engine, prompt, 48, "auto", probe_every=2, calibrate=False)
+        assert gen.output_ids == reference
+        assert all(s.choice for s in gen.steps)

@@ -181,7 +181,7 @@ def test_model_panel_keeps_the_pair_on_bad_input_and_swaps_on_good(page, tiny_di
     status, _, header, method = page.load_models(str(target), "none", "none", "cpu", "speculative", progress=None)
     assert status.startswith("✅") and "draft: `none`" in header
     assert service.engine is not before and service.engine.draft is None
-    assert method["value"] == "autoregressive" and "speculative" not in method["choices"]
+    assert method["value"] == "auto" and "speculative" not in method["choices"]  # auto decodes alone
     reply = list(page.respond(None, "w1", [], "autoregressive", *values()))[-1][1]
     assert reply[-1]["content"]
 
@@ -297,3 +297,13 @@ def test_clear_during_a_reply_keeps_the_chat_empty(page):
     assert rest == []  # nothing more is sent: the chat stays cleared
     again = list(page.respond(None, "w3", [], "autoregressive", *values()))[-1]
     assert len(again[1]) == 2 and "cancelled" not in again[6]
+
+
+def test_measure_profile_draws_the_cost_profile(page, tmp_path):
+    page.service.engine.profile_dir = tmp_path
+    seen = []
+    fig, note = page.measure_profile(progress=lambda f, desc="": seen.append(f))
+    assert "cost profile measured" in note and seen[-1] == 1.0
+    assert [t.name for t in fig.data][-1] == "draft, one layer of width w"
+    outs = list(page.respond(None, "w1 w2 w3", [], "auto", *values()))
+    assert outs[-1][1][-1]["role"] == "assistant"

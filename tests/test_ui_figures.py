@@ -91,3 +91,19 @@ def test_tree_and_choices_figures_for_opt_tree(tiny_target):
     names = {t.name for t in choices_figure(gen.steps).data}
     assert {"tree nodes", "tree depth", "E(A) expected", "A achieved"} <= names
     assert "gamma (candidate length)" not in names
+
+
+def test_profile_figure_and_auto_choices():
+    import json
+
+    from test_profile import synthetic
+
+    from specui.ui.figures import choices_figure, profile_figure
+
+    fig = profile_figure(json.loads(json.dumps(synthetic().to_dict())))
+    assert [t.name for t in fig.data] == ["target, context 64", "target, context 512", "draft, one layer of width w"]
+    assert profile_figure(None).layout.title.text == "no cost profile measured yet"
+    steps = [StepTrace(index=0, method="auto", drafted=3, choice="speculative:3"),
+             StepTrace(index=1, method="auto", drafted=0, choice="autoregressive")]
+    fig = choices_figure(steps)
+    assert list(fig.data[-1].y) == [3, 0] and list(fig.data[-1].text) == ["speculative:3", "autoregressive"]

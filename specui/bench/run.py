@@ -19,6 +19,7 @@ import torch
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.chat import build_prompt
 from specui.engine import GenerationRequest, make_method
+from specui.engine.profile import cpu_model
 from specui.loading import BUNDLED, ModelSpec
 from specui.pair import ModelPair, default_draft_source, load_pair
 from specui.settings import ChatSettings
@@ -130,6 +131,11 @@ def main() -> None:
     prompts = [build_prompt(tok, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
     n = args.max_new_tokens
 
+    print(f"cpu: {cpu_model()}; torch threads {torch.get_num_threads()}; dtype {pair.target.model.dtype}")
+    costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
+    print(costs.note)
+    if costs.profile is not None:
+        print(costs.profile.table() + "\n")
     run_ours(pair, prompts[:1], 8, "autoregressive", {})  # warm-up
     rows = []
     for spec in args.methods.split(","):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from transformers import PreTrainedModel
 
+from specui.engine.costs import EngineCosts
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
+from specui.engine.profile import Progress, get_profile
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 
@@ -26,6 +29,8 @@ class Engine:
         draft: PreTrainedModel | None = None,
         eos_ids: Sequence[int] = (),
         context_len: int | None = None,
+        profile_dir: Path | None = None,
+        quantization: str = "none",
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.target = ModelSession(target, vocab)
@@ -34,6 +39,21 @@ class Engine:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.context_len = context_len or _context_len(target)
         self.lock = threading.Lock()  # one generation at a time on these sessions
+        self.profile_dir = profile_dir  # None: ~/.cache/specui/profiles
+        self.quantization = quantization
+        self.costs = EngineCosts()  # profile (measured on first need) + running acceptance
+
+    def ensure_profile(self, progress: Progress | None = None, refresh: bool = False) -> EngineCosts:
+        """Measure (or read from the disk cache) the pair's cost profile once. A failure or
+        an interrupt leaves the engine usable: no profile, and a note saying so."""
+        if self.costs.profile is None or refresh:
+            try:
+                self.costs.profile, self.costs.note = get_profile(
+                    self.target, self.draft, self.profile_dir, self.quantization, progress, refresh)
+            except (RuntimeError, OSError, ValueError, KeyboardInterrupt) as e:
+                self.costs.profile = None
+                self.costs.note = f"profiling failed ({type(e).__name__}: {e}); fixed defaults in use"
+        return self.costs
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -51,7 +71,7 @@ class Engine:
             )
         if request.max_new_tokens < 1:
             raise SpecUIError(f"max new tokens must be >= 1, got {request.max_new_tokens}")
-        if method.uses_draft and self.draft is None:
+        if method.uses_draft and not method.draft_optional and self.draft is None:
             raise SpecUIError(f"method '{method.name}' needs a draft model, and none is loaded")
         request.max_new_tokens = min(request.max_new_tokens, self.context_len - n)
         return request
@@ -60,8 +80,11 @@ class Engine:
         self, request: GenerationRequest, method: Method, cancel: threading.Event | None = None,
     ) -> Generation:
         request = self.check(request, method)
+        if method.needs_profile and self.draft is not None:
+            self.ensure_profile()
         return Generation(
             method, request, self.target, self.draft, self.decode, self.eos_ids, self.context_len, cancel,
+            self.costs,
         )
 
 

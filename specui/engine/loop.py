@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from specui.engine.costs import EngineCosts
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
 from specui.engine.sampling import SamplingConfig, make_generator
 from specui.engine.session import ModelSession
@@ -36,6 +37,7 @@ class Generation:
         eos_ids: frozenset[int],
         context_len: int,
         cancel: threading.Event | None = None,
+        costs: EngineCosts | None = None,
     ) -> None:
         self.method = method
         self.request = request
@@ -56,6 +58,7 @@ class Generation:
             eos_ids=eos_ids,
             timer=StepTimer(target.device),
             context_len=context_len,
+            costs=costs,
         )
 
     def run(self) -> Generation:
@@ -146,6 +149,7 @@ class Generation:
             tree_depth=result.tree_depth,
             expected_accept=result.expected_accept,
             notes=result.notes,
+            choice=result.choice,
             draft_ms=ms.get("draft", 0.0),
             verify_ms=ms.get("verify", 0.0),
             step_ms=step_ms,

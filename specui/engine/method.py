@@ -11,13 +11,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from specui.engine.sampling import SamplingConfig
 from specui.engine.session import ModelSession
 from specui.engine.trace import NodeTrace
+
+if TYPE_CHECKING:
+    from specui.engine.costs import EngineCosts
 
 
 class StepTimer:
@@ -53,6 +56,7 @@ class DecodeContext:
     eos_ids: frozenset[int]
     timer: StepTimer
     context_len: int  # the target's context window
+    costs: EngineCosts | None = None  # the pair's cost profile and running acceptance (engine-owned)
 
     @property
     def generated(self) -> int:
@@ -85,6 +89,7 @@ class StepResult:
     tree_depth: int | None = None
     expected_accept: float | None = None
     notes: list[str] = field(default_factory=list)
+    choice: str | None = None  # the sub-method `auto` chose
     replace: bool = False
     finished: bool = False
 
@@ -94,6 +99,8 @@ class Method(ABC):
 
     name: ClassVar[str]
     uses_draft: ClassVar[bool] = False
+    draft_optional: ClassVar[bool] = False  # uses a draft when one is loaded, decodes without one
+    needs_profile: ClassVar[bool] = False  # reads the engine's cost profile
 
     def begin(self, ctx: DecodeContext) -> None:
         """Prefill: cache the prompt (all but its last token) in every model used."""

@@ -56,6 +56,7 @@ class StepTrace:
     tree_depth: int | None = None
     expected_accept: float | None = None  # OPT-Tree's E(A) for this step's tree
     notes: list[str] = field(default_factory=list)  # clamps and calibrations worth showing
+    choice: str | None = None  # what `auto` chose this step ("autoregressive", "speculative:2")
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0

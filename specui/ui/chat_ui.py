@@ -28,6 +28,7 @@ from specui.ui.api import ChatAPI
 from specui.ui.figures import (
     acceptance_figure,
     choices_figure,
+    profile_figure,
     provenance_html,
     step_markdown,
     timing_figure,
@@ -36,6 +37,8 @@ from specui.ui.figures import (
 from specui.ui.streaming import STOPPED_MARK, Started, is_note, run_in_background, settings_from_values, to_messages
 
 DESCRIPTIONS = {
+    "auto": "chooses autoregressive or speculative (and gamma) each step from the measured cost profile "
+            "and the running acceptance; never slower than plain decoding by design (lossless)",
     "autoregressive": "plain decoding: one target forward per token",
     "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
@@ -271,6 +274,11 @@ class ChatPage:
         return (gr.update(info=DESCRIPTIONS.get(method, "")),
                 *(gr.update(visible=name in SAMPLING_FIELDS or name in wanted) for name in SETTING_FIELDS))
 
+    def measure_profile(self, progress=gr.Progress()) -> tuple:  # noqa: B008 (Gradio's idiom)
+        """Measure (or read the cached) cost profile of the loaded pair, with progress."""
+        profile, note = self.service.cost_profile(measure=True, progress=lambda f, m: progress(f, desc=m))
+        return profile_figure(profile), note
+
     def preset_chosen(self, name: str) -> tuple:
         preset = self.service.presets.get(name)
         if preset is None:
@@ -402,6 +410,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     load = gr.Button("Load models", elem_id="load")
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(service.memory_report(), elem_id="memory")
+                    profile_plot = gr.Plot(profile_figure(service.cost_profile()[0]), label="cost profile",
+                                           elem_id="profile")
+                    measure = gr.Button("Measure cost profile", elem_id="measure-profile")
         with gr.Row():
             tree = gr.Plot(tree_figure(None), label="current step: draft tree", elem_id="tree")
             accept = gr.Plot(acceptance_figure([]), label="accepted vs rejected", elem_id="accept")
@@ -434,6 +445,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)
         live.change(page.set_live, live, None, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
+        measure.click(page.measure_profile, None, [profile_plot, load_status], concurrency_id="engine", **hidden)
         load.click(page.load_models, [target, draft, quant, device, method],
                    [load_status, memory, header, method], concurrency_id="engine", api_name="page_load_models",
                    **hidden)

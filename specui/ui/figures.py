@@ -136,11 +136,16 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
         "E(A) expected": [s.expected_accept for s in steps],
         "beam width": [s.beam_width for s in steps],
     }
+    chosen = [s.choice for s in steps]
     for name, ys in series.items():
         if any(y is not None for y in ys):
             data.append(dict(type="scatter", x=xs, y=ys, name=name, mode="lines+markers"))
     if any(s.expected_accept is not None for s in steps):
         data.append(dict(type="scatter", x=xs, y=[s.accepted + 1 for s in steps], name="A achieved", mode="markers"))
+    if any(c is not None for c in chosen):  # auto: what it chose, drafted tokens per step (0 = autoregressive)
+        data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
+                         text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
+                         name="auto: drafted (0 = autoregressive)", mode="markers", marker=dict(symbol="square")))
     return _figure(data, dict(height=260, margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
                               legend=dict(orientation="h", y=1.2),
                               title=dict(text="dynamic choices" if steps else "no steps yet")))
@@ -241,3 +246,23 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
         if len(step.nodes) > max_nodes:
             lines.append(f"\n… {len(step.nodes) - max_nodes} more nodes (see the JSON export)")
     return "\n".join(lines)
+
+
+def profile_figure(profile: dict | None) -> go.Figure:
+    """The pair's cost profile (CostProfile.to_dict(), plain data): target ms vs k tokens at
+    each measured context, and draft ms per layer of width w, on one log-k axis."""
+    if not profile:
+        return _figure([], dict(height=260, title=dict(text="no cost profile measured yet")))
+    data = []
+    for context, row in sorted(profile.get("target_ms", {}).items(), key=lambda kv: int(kv[0])):
+        ks = sorted(row, key=int)
+        data.append(dict(type="scatter", x=[int(k) for k in ks], y=[row[k] for k in ks], mode="lines+markers",
+                         name=f"target, context {context}"))
+    draft = profile.get("draft_ms", {})
+    if draft:
+        ws = sorted(draft, key=int)
+        data.append(dict(type="scatter", x=[int(w) for w in ws], y=[draft[w] for w in ws], mode="lines+markers",
+                         name="draft, one layer of width w"))
+    return _figure(data, dict(height=300, margin=dict(l=20, r=20, t=30, b=20), legend=dict(orientation="h", y=1.2),
+                              xaxis=dict(type="log", title=dict(text="k tokens / width w")),
+                              yaxis=dict(title=dict(text="ms")), title=dict(text="cost profile")))

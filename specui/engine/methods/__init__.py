@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from specui.engine.method import Method
+from specui.engine.methods.auto import Auto
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.beam import Beam
 from specui.engine.methods.speculative import Speculative
@@ -13,7 +14,7 @@ from specui.engine.methods.tree import OptTree, StaticTree
 from specui.errors import SpecUIError
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Autoregressive, Beam, Speculative, StaticTree, OptTree)
+    cls.name: cls for cls in (Auto, Autoregressive, Beam, Speculative, StaticTree, OptTree)
 }
 
 

@@ -190,9 +190,14 @@ class OptTree(TreeMethod):
             self.notes.append(f"node budget {self.nodes} cut to {room}: context window")
             self.nodes = max(1, room)
         if self.delta is None:
-            self.mu = measure_mu(ctx.target, ctx.draft, ctx.ids, self.nodes)
+            profile = ctx.costs.profile if ctx.costs is not None else None
+            mu = profile.mu(self.nodes) if profile is not None else None
+            source = "cost profile"
+            if mu is None:  # no profile measured yet: time one layer of each now
+                mu, source = measure_mu(ctx.target, ctx.draft, ctx.ids, self.nodes), "measured"
+            self.mu = mu
             self.delta = min(1.0, max(self.mu, 0.05))
-            self.notes.append(f"mu = t_draft / t_target = {self.mu:.3f} (measured); delta = {self.delta:.3f}")
+            self.notes.append(f"mu = t_draft / t_target = {self.mu:.3f} ({source}); delta = {self.delta:.3f}")
         else:
             self.notes.append(f"delta = {self.delta:.3f} (given)")
 

@@ -1,0 +1,260 @@
+"""The cost profile of a loaded pair (DESIGN.md 4.2): target ms for k tokens at a few
+contexts, draft ms per token and per tree layer of width w. Measured once, cached on disk
+under a key of everything that changes the figures (model files, dtype, quantization,
+device, threads, torch version, CPU); a corrupt or mismatched file is re-measured.
+
+Every method that chooses a size reads this one plain object (OPT-Tree's mu, `auto`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specui.engine.session import ModelSession
+from specui.engine.tree import TokenTree
+
+TARGET_KS = (1, 2, 4, 8, 16, 32, 64)
+DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
+CONTEXTS = (64, 512)
+PROFILE_VERSION = 1
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class CostProfile:
+    """Plain data: ms by k (target, per context) and by width (draft)."""
+
+    key: str
+    target_ms: dict[int, dict[int, float]]  # {context: {k: ms}}
+    draft_ms: dict[int, float] = field(default_factory=dict)  # {width: ms per layer}; width 1 = one token
+    created: float = 0.0
+    measure_s: float = 0.0
+    describe: dict[str, str] = field(default_factory=dict)  # what the key was made of, for display
+    version: int = PROFILE_VERSION
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_ms"] = {str(c): {str(k): v for k, v in row.items()} for c, row in self.target_ms.items()}
+        d["draft_ms"] = {str(w): v for w, v in self.draft_ms.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostProfile:
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')!r}, expected {PROFILE_VERSION}")
+        target = {int(c): {int(k): float(v) for k, v in row.items()} for c, row in d["target_ms"].items()}
+        draft = {int(w): float(v) for w, v in d.get("draft_ms", {}).items()}
+        if not target or any(not row for row in target.values()):
+            raise ValueError("profile has no target timings")
+        if any(not math.isfinite(v) or v <= 0 for row in target.values() for v in row.values()):
+            raise ValueError("profile has non-positive target timings")
+        return cls(key=str(d["key"]), target_ms=target, draft_ms=draft, created=float(d.get("created", 0.0)),
+                   measure_s=float(d.get("measure_s", 0.0)), describe=dict(d.get("describe", {})))
+
+    # -- reading -----------------------------------------------------------------------
+    def target(self, k: int, context: int = CONTEXTS[0]) -> float:
+        """Target ms to score k tokens after `context` cached ones (interpolated)."""
+        ctxs = sorted(self.target_ms)
+        lo = max([c for c in ctxs if c <= context], default=ctxs[0])
+        hi = min([c for c in ctxs if c >= context], default=ctxs[-1])
+        a, b = _interp(self.target_ms[lo], k), _interp(self.target_ms[hi], k)
+        if hi == lo:
+            return a
+        return a + (b - a) * (context - lo) / (hi - lo)
+
+    def draft(self, width: int = 1) -> float | None:
+        """Draft ms for one layer of `width` nodes (width 1: one chain token); None without a draft."""
+        return _interp(self.draft_ms, width) if self.draft_ms else None
+
+    @property
+    def has_draft(self) -> bool:
+        return bool(self.draft_ms)
+
+    def mu(self, width: int) -> float | None:
+        """OPT-Tree's mu = t_draft_step / t_target_step for a tree of `width` nodes."""
+        d = self.draft(width)
+        return None if d is None else d / self.target(width)
+
+    def table(self) -> str:
+        """A text table for the CLI."""
+        ks = sorted({k for row in self.target_ms.values() for k in row})
+        lines = ["target ms for k tokens:", "context " + "".join(f"{k:>8}" for k in ks)]
+        for c, row in sorted(self.target_ms.items()):
+            lines.append(f"{c:>7} " + "".join(f"{row.get(k, float('nan')):>8.1f}" for k in ks))
+        if self.draft_ms:
+            lines.append("draft ms per layer of width w:")
+            lines.append("      w " + "".join(f"{w:>8}" for w in sorted(self.draft_ms)))
+            lines.append("        " + "".join(f"{self.draft_ms[w]:>8.2f}" for w in sorted(self.draft_ms)))
+        else:
+            lines.append("no draft loaded")
+        lines.append(f"measured in {self.measure_s:.1f} s; " + ", ".join(f"{k}={v}" for k, v in self.describe.items()))
+        return "\n".join(lines)
+
+
+def _interp(row: dict[int, float], k: int) -> float:
+    """Piecewise-linear in k; beyond the largest k measured, linear in k from the last point."""
+    ks = sorted(row)
+    if k <= ks[0]:
+        return row[ks[0]]
+    for a, b in zip(ks, ks[1:], strict=False):
+        if k <= b:
+            return row[a] + (row[b] - row[a]) * (k - a) / (b - a)
+    return row[ks[-1]] * k / ks[-1]
+
+
+# -- keys and the disk cache ---------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """Files (path, size, mtime) where the model came from a folder; else its config."""
+    path = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+    parts = [str(path)]
+    if path and os.path.isdir(path):
+        for f in sorted(Path(path).iterdir()):
+            if f.is_file():
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
+    elif path and os.path.isfile(path):
+        st = os.stat(path)
+        parts.append(f"{st.st_size}:{int(st.st_mtime)}")
+    cfg = getattr(model, "config", None)
+    parts.append(cfg.to_json_string(use_diff=False) if cfg is not None else type(model).__name__)
+    return "|".join(parts)
+
+
+def profile_key(target: ModelSession, draft: ModelSession | None, quantization: str = "none") -> tuple[str, dict]:
+    """A hash of everything that changes the figures, and a readable summary of it."""
+    describe = {
+        "cpu": cpu_model(),
+        "device": str(target.device),
+        "target_dtype": str(target.model.dtype).replace("torch.", ""),
+        "draft_dtype": str(draft.model.dtype).replace("torch.", "") if draft else "none",
+        "quantization": quantization,
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+    }
+    ident = [model_identity(target.model), model_identity(draft.model) if draft else "no draft"]
+    raw = json.dumps([describe, ident, PROFILE_VERSION], sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:24], describe
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/specui/profiles (or $XDG_CACHE_HOME/specui/profiles); read when called."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specui" / "profiles"
+
+
+def load_cached(path: Path, key: str) -> CostProfile | None:
+    """The profile at `path` if it parses and carries `key`; None otherwise (re-measure)."""
+    try:
+        profile = CostProfile.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return profile if profile.key == key else None
+
+
+def get_profile(
+    target: ModelSession, draft: ModelSession | None, cache_dir: Path | None = None,
+    quantization: str = "none", progress: Progress | None = None, refresh: bool = False,
+) -> tuple[CostProfile, str]:
+    """The cached profile for this pair and machine, or a fresh measurement (then cached).
+    Returns (profile, a note saying which)."""
+    key, describe = profile_key(target, draft, quantization)
+    folder = cache_dir if cache_dir is not None else default_cache_dir()
+    path = folder / f"{key}.json"
+    if not refresh and (cached := load_cached(path, key)) is not None:
+        return cached, f"cost profile read from {path}"
+    profile = measure_profile(target, draft, progress=progress)
+    profile.key, profile.describe = key, describe
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        tmp.replace(path)
+        where = f"cached in {path}"
+    except OSError as e:
+        where = f"not cached ({e})"
+    return profile, f"cost profile measured in {profile.measure_s:.1f} s, {where}"
+
+
+# -- measuring -------------------------------------------------------------------------------
+def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def _forward_ms(session: ModelSession, context: int, width: int, repeats: int) -> float:
+    """ms to score `width` nodes (a star: all children of the last committed token, as a
+    tree layer or a verification is) after `context` cached tokens. The cache is left as
+    it was: the star's entries are dropped by commit_path."""
+    ids = [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
+    session.prefill(ids)
+    star = TokenTree(tokens=[ids[-1]] * width, parents=[-1] * width)
+
+    def run() -> None:
+        session.forward_tree(ids, star)
+        session.commit_path(star, [])
+
+    return _timed(run, session.device, repeats)
+
+
+def measure_profile(
+    target: ModelSession, draft: ModelSession | None, progress: Progress | None = None,
+    contexts: tuple[int, ...] = CONTEXTS, ks: tuple[int, ...] = TARGET_KS,
+    widths: tuple[int, ...] = DRAFT_WIDTHS, repeats: int = 3,
+) -> CostProfile:
+    """Median of `repeats` timed forwards after a warm-up, for each (context, k) of the
+    target and each width of the draft. Both sessions are reset afterwards."""
+    t0 = time.perf_counter()
+    limit = getattr(target.model.config, "max_position_embeddings", None) or 2048
+    contexts = tuple(c for c in contexts if c + max(ks) < limit) or (min(16, limit // 2),)
+    jobs = [(target, c, k) for c in contexts for k in ks]
+    if draft is not None:
+        jobs += [(draft, contexts[0], w) for w in widths]
+    target_ms: dict[int, dict[int, float]] = {c: {} for c in contexts}
+    draft_ms: dict[int, float] = {}
+    try:
+        for i, (session, c, k) in enumerate(jobs):
+            if progress is not None:
+                who = "target" if session is target else "draft"
+                progress(i / len(jobs), f"profiling {who}: {k} tokens after {c}")
+            ms = _forward_ms(session, c, k, repeats)
+            if session is target:
+                target_ms[c][k] = ms
+            else:
+                draft_ms[k] = ms
+    finally:
+        target.reset()
+        if draft is not None:
+            draft.reset()
+    if progress is not None:
+        progress(1.0, "profiling done")
+    return CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, created=time.time(),
+                       measure_s=time.perf_counter() - t0)

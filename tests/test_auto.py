@@ -1,0 +1,139 @@
+"""`auto`: chooses autoregressive or a speculative chain per step from the cost profile and
+the running acceptance; lossless whatever it chooses; decodes alone without a draft."""
+
+import copy
+
+import pytest
+from conftest import EOS, TinyTokenizer
+from test_greedy_equivalence import PROMPTS, near_copy, run
+from test_profile import synthetic
+from test_sampling_distribution import (
+    CONFIGS,
+    TV_BOUND,
+    exact,
+    pair,  # noqa: F401  (fixture)
+    tv,
+)
+
+from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
+from specui.engine.costs import AcceptanceEstimate, EngineCosts
+from specui.engine.methods.auto import Auto, chain_tokens
+from specui.engine.trace import StepTrace
+
+
+def engine_with(target, draft, profile, alpha=None):
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    engine.costs = EngineCosts(profile=profile, note="synthetic profile")
+    if alpha is not None:
+        engine.costs.acceptance = AcceptanceEstimate(accepted=alpha * 1e6, rejected=(1 - alpha) * 1e6, decay=1.0)
+    return engine
+
+
+def choices(gen):
+    return [s.choice for s in gen.steps]
+
+
+def test_chain_tokens():
+    assert chain_tokens(0.0, 3) == 1.0
+    assert chain_tokens(1.0, 3) == 4.0
+    assert chain_tokens(0.5, 1) == pytest.approx(1.5)
+
+
+def test_expensive_draft_means_autoregressive(tiny_target, tiny_draft):
+    engine = engine_with(tiny_target, tiny_draft, synthetic(t1=10.0, slope=5.0, draft=8.0), alpha=0.9)
+    gen = run(engine, PROMPTS[0], 12, "auto", probe_every=100, calibrate=False)
+    assert set(choices(gen)) == {"autoregressive"}
+    assert "speculation not expected to pay" in gen.steps[0].notes[-1]
+    assert gen.stats.drafted == 0
+
+
+def test_cheap_draft_and_high_acceptance_mean_speculation(tiny_target):
+    draft = copy.deepcopy(tiny_target)
+    engine = engine_with(tiny_target, draft, synthetic(t1=10.0, slope=0.1, draft=0.5), alpha=0.95)
+    gen = run(engine, PROMPTS[0], 30, "auto", calibrate=False)
+    assert all(c.startswith("speculative:") for c in choices(gen))
+    assert max(int(c.split(":")[1]) for c in choices(gen)) >= 4  # long chains when they pay
+    assert gen.stats.accepted > 0
+
+
+def test_acceptance_persists_across_generations_and_auto_adapts(tiny_target, tiny_draft):
+    """A random draft: acceptance falls, auto stops drafting, probes now and then; the
+    estimate is the engine's, so the next generation starts from it."""
+    engine = engine_with(tiny_target, tiny_draft, synthetic(t1=10.0, slope=0.3, draft=1.0))
+    first = run(engine, PROMPTS[0], 60, "auto", probe_every=8, calibrate=False)
+    c = choices(first)
+    assert c[0].startswith("speculative") and "autoregressive" in c
+    alpha = engine.costs.acceptance.alpha
+    assert alpha < 0.5
+    second = run(engine, PROMPTS[1], 10, "auto", probe_every=100, calibrate=False)
+    assert choices(second)[0] == "autoregressive"
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "near-copy"])
+def test_auto_greedy_equals_autoregressive(tiny_target, tiny_draft, draft_kind):
+    draft = {"random": tiny_draft, "near-copy": near_copy(tiny_target, 0.003, 7)}[draft_kind]
+    engine = engine_with(tiny_target, draft, synthetic(t1=10.0, slope=0.3, draft=1.0))
+    for prompt in PROMPTS:
+        reference = run(engine, prompt, 40, "autoregressive").output_ids
+        gen = run(engine, prompt, 40, "auto", probe_every=3)
+        assert gen.output_ids == reference
+
+
+def test_auto_measures_the_profile_on_first_use(tiny_target, tiny_draft, tmp_path):
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS], profile_dir=tmp_path)
+    gen = run(engine, PROMPTS[0], 8, "auto")
+    assert engine.costs.profile is not None and list(tmp_path.glob("*.json"))
+    assert "cost profile measured" in gen.steps[0].notes[0]
+    assert gen.output_ids == run(engine, PROMPTS[0], 8, "autoregressive").output_ids
+
+
+def test_auto_without_a_draft_decodes_autoregressively_with_a_note(tiny_target):
+    engine = Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS])
+    gen = run(engine, PROMPTS[0], 10, "auto")
+    assert set(choices(gen)) == {"autoregressive"}
+    assert "no draft model loaded" in gen.steps[0].notes[0]
+    assert gen.output_ids == run(engine, PROMPTS[0], 10, "autoregressive").output_ids
+    assert engine.costs.profile is None  # nothing to choose between: no profiling
+
+
+def test_auto_without_a_profile_uses_the_fixed_default(tiny_target, tiny_draft):
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    engine.costs = EngineCosts(profile=None, note="profiling failed (KeyboardInterrupt)")
+    method = make_method("auto")
+    engine.ensure_profile = lambda *a, **k: engine.costs  # keep it failed
+    gen = engine.generate(GenerationRequest(list(PROMPTS[0]), 10), method).run()
+    assert choices(gen)[0] == "speculative:2"
+    assert set(choices(gen)) <= {"speculative:2", "speculative:1", "autoregressive"}  # the last steps clamp
+    assert "profiling failed" in gen.steps[0].notes[0]
+
+
+def test_choice_is_in_the_trace_json():
+    t = StepTrace(index=0, method="auto", choice="speculative:3")
+    assert StepTrace.from_dict(t.to_dict()).choice == "speculative:3"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:1], ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
+def test_auto_sampling_matches_target_distribution(pair, cfg):  # noqa: F811
+    """Sampling through auto, switching between autoregressive and chains (probe every
+    step), stays distributed as the target."""
+    import itertools
+
+    from test_sampling_distribution import NEW, PROMPT, RUNS, VOCAB
+
+    target, draft = pair
+    engine = engine_with(target, draft, synthetic(t1=10.0, slope=0.3, draft=1.0))
+    counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=NEW), 0)
+    for seed in range(RUNS):
+        sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed=seed)
+        method = Auto(probe_every=1, calibrate=False)
+        gen = engine.generate(GenerationRequest(list(PROMPT), NEW, sampling), method).run()
+        counts[tuple(gen.output_ids)] += 1
+    got = {k: v / RUNS for k, v in counts.items()}
+    assert tv(got, exact(target, cfg)) < TV_BOUND
+
+
+def test_measured_step_times_correct_the_profile(tiny_target, tiny_draft):
+    """A profile that claims the target costs 1000 ms: measured steps pull the ratio down."""
+    engine = engine_with(tiny_target, tiny_draft, synthetic(t1=1000.0, slope=0.0, draft=200.0), alpha=0.1)
+    run(engine, PROMPTS[0], 8, "auto", probe_every=100)
+    assert engine.costs.ratio("autoregressive").value < 0.5

@@ -1,0 +1,95 @@
+"""The cost profile: plain-data round trip, interpolation, disk cache keyed by what changes
+the figures (a changed key or a corrupt file is re-measured, never trusted)."""
+
+import json
+
+import pytest
+from conftest import EOS, TinyTokenizer
+
+from specui.engine import Engine
+from specui.engine.profile import CostProfile, get_profile, load_cached, measure_profile, profile_key
+
+
+def synthetic(t1=10.0, slope=0.5, draft=1.0, key="k") -> CostProfile:
+    ks = (1, 2, 4, 8, 16, 32, 64)
+    return CostProfile(
+        key=key,
+        target_ms={64: {k: t1 + slope * (k - 1) for k in ks}, 512: {k: 2 * (t1 + slope * (k - 1)) for k in ks}},
+        draft_ms={w: draft * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8)},
+    )
+
+
+def test_round_trip_through_json():
+    p = synthetic()
+    q = CostProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert q == p
+
+
+def test_interpolation_in_k_and_context():
+    p = synthetic(t1=10.0, slope=0.5, draft=1.0)
+    assert p.target(1, 64) == 10.0
+    assert p.target(3, 64) == pytest.approx(11.0)  # between k=2 (10.5) and k=4 (11.5)
+    assert p.target(1, 288) == pytest.approx(15.0)  # halfway between contexts 64 and 512
+    assert p.target(1, 10) == 10.0 and p.target(1, 4096) == 20.0  # clamped to the measured contexts
+    assert p.target(128, 64) == pytest.approx(p.target(64, 64) * 2)  # linear beyond the last k
+    assert p.draft(1) == 1.0 and p.draft(3) == pytest.approx(1.2)
+    assert p.mu(4) == pytest.approx(p.draft(4) / p.target(4))
+    assert "target ms for k tokens" in p.table()
+
+
+def test_bad_profiles_are_refused():
+    d = synthetic().to_dict()
+    for bad in ({**d, "version": 0}, {**d, "target_ms": {}}, {**d, "target_ms": {"64": {"1": -1.0}}}):
+        with pytest.raises((ValueError, KeyError)):
+            CostProfile.from_dict(bad)
+
+
+def test_measure_on_tiny_models_leaves_caches_clean(tiny_engine):
+    tiny_engine.target.advance([1, 2, 3])
+    p = measure_profile(tiny_engine.target, tiny_engine.draft, contexts=(8, 32), ks=(1, 4), widths=(1, 2),
+                        repeats=1)
+    assert set(p.target_ms) == {8, 32} and set(p.target_ms[8]) == {1, 4} and set(p.draft_ms) == {1, 2}
+    assert all(v > 0 for row in p.target_ms.values() for v in row.values())
+    assert tiny_engine.target.length == 0 and tiny_engine.draft.length == 0
+
+
+def test_cache_hit_miss_and_corrupt_file(tiny_target, tiny_draft, tmp_path):
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    seen = []
+    p1, note1 = get_profile(engine.target, engine.draft, tmp_path, progress=lambda f, m: seen.append(f))
+    assert "measured" in note1 and seen[-1] == 1.0
+    p2, note2 = get_profile(engine.target, engine.draft, tmp_path)
+    assert "read from" in note2 and p2 == p1
+    # another key (a different quantization, as another machine or dtype would give): re-measured
+    p3, note3 = get_profile(engine.target, engine.draft, tmp_path, quantization="8bit")
+    assert "measured" in note3 and p3.key != p1.key
+    # a corrupt file is re-measured, never trusted
+    path = tmp_path / f"{p1.key}.json"
+    path.write_text("{not json")
+    assert load_cached(path, p1.key) is None
+    _, note4 = get_profile(engine.target, engine.draft, tmp_path)
+    assert "measured" in note4
+    # a file whose content carries another key (copied from another machine) is re-measured
+    d = json.loads(path.read_text())
+    d["key"] = "elsewhere"
+    path.write_text(json.dumps(d))
+    assert load_cached(path, p1.key) is None
+
+
+def test_key_changes_with_the_draft_and_dtype(tiny_target, tiny_draft):
+    with_draft = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft)
+    alone = Engine(tiny_target, TinyTokenizer())
+    assert profile_key(with_draft.target, with_draft.draft)[0] != profile_key(alone.target, None)[0]
+    key, describe = profile_key(alone.target, None)
+    assert describe["target_dtype"] == "float64" and describe["draft_dtype"] == "none"
+
+
+def test_failed_profiling_leaves_the_engine_usable(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS], profile_dir=tmp_path)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specui.engine.engine.get_profile", interrupted)
+    costs = engine.ensure_profile()
+    assert costs.profile is None and "profiling failed" in costs.note
