@@ -21,8 +21,8 @@ from specui.engine.methods.auto import Auto, chain_tokens
 from specui.engine.trace import StepTrace
 
 
-def engine_with(target, draft, profile, alpha=None):
-    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+def engine_with(target, draft, profile, alpha=None, eos_ids=(EOS,)):
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=list(eos_ids))
     engine.costs = EngineCosts(profile=profile, note="synthetic profile")
     if alpha is not None:
         engine.costs.acceptance = AcceptanceEstimate(accepted=alpha * 1e6, rejected=(1 - alpha) * 1e6, decay=1.0)
@@ -121,7 +121,7 @@ def test_auto_sampling_matches_target_distribution(pair, cfg):  # noqa: F811
     from test_sampling_distribution import NEW, PROMPT, RUNS, VOCAB
 
     target, draft = pair
-    engine = engine_with(target, draft, synthetic(t1=10.0, slope=0.3, draft=1.0))
+    engine = engine_with(target, draft, synthetic(t1=10.0, slope=0.3, draft=1.0), eos_ids=())
     counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=NEW), 0)
     for seed in range(RUNS):
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed=seed)
