@@ -37,11 +37,16 @@ class TimeRatio:
 
     value: float = 1.0
     weight: float = 0.2
+    seen: int = 0  # observations so far: the first one sets the ratio outright
 
     def observe(self, measured_ms: float, predicted_ms: float) -> None:
         if predicted_ms > 0 and measured_ms > 0:
-            r = min(2.0 * self.value, max(0.5 * self.value, measured_ms / predicted_ms))
-            self.value += self.weight * (r - self.value)
+            if not self.seen:
+                self.value = min(4.0, max(0.25, measured_ms / predicted_ms))
+            else:
+                r = min(2.0 * self.value, max(0.5 * self.value, measured_ms / predicted_ms))
+                self.value += self.weight * (r - self.value)
+            self.seen += 1
 
 
 @dataclass

@@ -51,10 +51,12 @@ class Auto(Method):
         self.ar = Autoregressive()
         self.chains: dict[int, Speculative] = {}
         self.since_spec = 0  # autoregressive steps since the last speculative one
+        self.since_ar = 0  # speculative steps since the last autoregressive one
+        self.probe_gap = probe_every  # autoregressive steps between probes: doubles while probes fail
         self.pending: list[str] = []  # notes for the first step
 
     def begin(self, ctx: DecodeContext) -> None:
-        super().begin(ctx)
+        ctx.target.prefill(ctx.ids)  # the draft catches up only when a chain runs (its advance feeds what it lacks)
         costs = ctx.costs
         if ctx.draft is None:
             self.pending.append("no draft model loaded: auto decodes autoregressively")
@@ -96,9 +98,15 @@ class Auto(Method):
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
         if best and rates[best] > rates[0] * (1.0 + self.margin):
+            if self.calibrate and (not costs.ratio(AR).seen or self.since_ar >= self.probe_every):
+                # what plain decoding really costs in this loop is measured, not taken from the
+                # profile alone: without this an over-estimated t(1) keeps auto speculating
+                return 0, f"probe: timing autoregressive ({rates[best] / rates[0]:.2f}x expected from speculation)"
             why = f"alpha {alpha:.2f}: {rates[best] / rates[0]:.2f}x autoregressive expected"
+            self.probe_gap = self.probe_every
             return best, why
-        if best and self.since_spec >= self.probe_every:
+        if best and self.since_spec >= self.probe_gap:
+            self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)  # reset when speculation wins again
             return 1, f"probe: alpha {alpha:.2f}, speculation not expected to pay"
         return 0, f"alpha {alpha:.2f}: speculation not expected to pay ({rates[best] / rates[0]:.2f}x)"
 
@@ -112,11 +120,13 @@ class Auto(Method):
             result = self.ar.step(ctx)
             choice, kind = AR, AR
             self.since_spec += 1
+            self.since_ar = 0
         else:
             chain = self.chains.setdefault(gamma, Speculative(gamma))
             result = chain.step(ctx)
             choice, kind = f"speculative:{gamma}", "speculative"
             self.since_spec = 0
+            self.since_ar += 1
             if ctx.costs is not None:
                 ctx.costs.acceptance.observe(result.drafted, result.accepted)
         ms = (time.perf_counter() - t0) * 1000.0
