@@ -150,12 +150,29 @@ def _dequantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+class CastEmbedding(torch.nn.Module):
+    """The target's input embeddings (shared, not copied) seen in the draft's dtype, for a
+    draft that runs in another dtype than its target (e.g. a float32 int8-kernel draft
+    beside a bfloat16 target). The table is held outside the module tree, so the draft's
+    parameters (and `draft.dtype`, which transformers reads for its masks) are its own."""
+
+    def __init__(self, embedding: torch.nn.Embedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not registered: the target owns it
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids).to(self.dtype)
+
+
 def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
-               int8_kernels: bool = True) -> SpecUIDraftForCausalLM:
+               int8_kernels: bool = True, dtype: torch.dtype | None = None) -> SpecUIDraftForCausalLM:
     """Load a SpecUI draft and share the target's input embeddings with it. With the
-    target's tokenizer given, check the draft was made for this vocabulary. A float32 draft
-    on CPU computes its int8-stored matrices with the int8 kernel (Int8Linear) unless
-    int8_kernels is False (then they are dequantized to float32)."""
+    target's tokenizer given, check the draft was made for this vocabulary. The draft runs
+    in `dtype` (default: the target's). A float32 draft on CPU computes its int8-stored
+    matrices with the int8 kernel (Int8Linear) unless int8_kernels is False (then they are
+    dequantized to float32)."""
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     made_for = config.specui_draft.get("vocab_fingerprint")
@@ -176,9 +193,11 @@ def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
     if unexpected or set(missing) - {EMBED_KEY}:
         raise SpecUIError(f"the draft weights in {folder} do not match its config (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]})")
-    dtype = emb.weight.dtype if emb.weight.is_floating_point() else torch.float32
+    if dtype is None:
+        dtype = emb.weight.dtype if emb.weight.is_floating_point() else torch.float32
     model = model.to(device=emb.weight.device, dtype=dtype)
-    model.model.embed_tokens = emb  # shared with the target, not copied
+    # shared with the target, not copied
+    model.model.embed_tokens = emb if emb.weight.dtype == dtype else CastEmbedding(emb, dtype)
     if int8_kernels and dtype == torch.float32:
         use_int8_kernels(model, stored)
     return model.eval()

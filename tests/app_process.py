@@ -20,13 +20,14 @@ def _free_port() -> int:
 
 
 def start_app(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`python app.py` on a free port with the default (bundled) pair; returns once it listens."""
+    """`python app.py` on a free port with the default (bundled) pair in float32 (greedy replies of
+    every method then equal each other exactly; see DESIGN.md 4.3); returns once it listens."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "app.py", "--port", str(port), "--method", "speculative", "--max-new-tokens", "32",
-             "--gamma", "3", *flags],
+             "--gamma", "3", "--dtype", "float32", *flags],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# cost profiles and dtype choices measured by the tests (and the apps they start) go to a
+# fresh cache, never the user's ~/.cache/specui
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specui-test-cache-")
 
 TINY_VOCAB = 64
 EOS = 2

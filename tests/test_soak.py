@@ -76,7 +76,8 @@ def test_eight_sessions_with_stops_and_a_reload(app):
         runs = [pool.submit(session, plan) for plan in plans]
         for _ in range(SESSIONS * MESSAGES // 2):  # halfway: reload the pair while chats keep coming
             assert done_messages.acquire(timeout=REQUEST_LIMIT_S), "the soak stalled"
-        reloaded = pool.submit(warm.predict, "bundled:smollm2", "default", "none", "cpu", api_name="/load_models")
+        reloaded = pool.submit(warm.predict, "bundled:smollm2", "default", "none", "cpu", "float32",
+                               api_name="/load_models")
         for run in runs:
             run.result(timeout=REQUEST_LIMIT_S * MESSAGES)
         assert "loaded target" in reloaded.result(timeout=REQUEST_LIMIT_S)["message"]

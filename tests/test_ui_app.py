@@ -175,10 +175,11 @@ def test_model_panel_keeps_the_pair_on_bad_input_and_swaps_on_good(page, tiny_di
     for choice in (PairChoice("/no/such/model", "none"), PairChoice(str(target), str(other)),
                    PairChoice(str(target), "none", quantization="2bit"), PairChoice("", "none")):
         status, memory, header, _ = page.load_models(choice.target, choice.draft, choice.quantization, "cpu",
-                                                     "speculative", progress=None)
+                                                     "float32", "speculative", progress=None)
         assert status.startswith("⚠️ could not load") and "previous pair stays loaded" in status
         assert service.engine is before and "target weights" in memory
-    status, _, header, method = page.load_models(str(target), "none", "none", "cpu", "speculative", progress=None)
+    status, _, header, method = page.load_models(str(target), "none", "none", "cpu", "float32", "speculative",
+                                                 progress=None)
     assert status.startswith("✅") and "draft: `none`" in header
     assert service.engine is not before and service.engine.draft is None
     assert method["value"] == "auto" and "speculative" not in method["choices"]  # auto decodes alone

@@ -26,7 +26,7 @@ from specui.engine.tree import TokenTree
 TARGET_KS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
 CONTEXTS = (64, 512)
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: k counts every token fed (was k + 1)
 
 Progress = Callable[[float, str], None]
 
@@ -211,16 +211,21 @@ def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
 
 
 def _forward_ms(session: ModelSession, context: int, width: int, repeats: int) -> float:
-    """ms to score `width` nodes (a star: all children of the last committed token, as a
-    tree layer or a verification is) after `context` cached tokens. The cache is left as
-    it was: the star's entries are dropped by commit_path."""
+    """ms to feed `width` tokens in one forward after `context` cached ones, as the engine
+    does: width 1 is a decode step (the last committed token alone); width k > 1 is that
+    token and a star of k - 1 children after it, as a verification or a tree layer is.
+    The cache is left as it was: the star's entries are dropped by commit_path."""
     ids = [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
     session.prefill(ids)
-    star = TokenTree(tokens=[ids[-1]] * width, parents=[-1] * width)
+    star = TokenTree(tokens=[ids[-1]] * (width - 1), parents=[-1] * (width - 1))
 
     def run() -> None:
-        session.forward_tree(ids, star)
-        session.commit_path(star, [])
+        if width == 1:
+            session.advance(ids, need=1)
+            session.commit(ids[:-1])
+        else:
+            session.forward_tree(ids, star)
+            session.commit_path(star, [])
 
     return _timed(run, session.device, repeats)
 

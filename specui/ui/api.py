@@ -75,11 +75,13 @@ class ChatAPI:
             raise gr.Error(str(e)) from None
 
     def load_models(self, target: str, draft: str = "default", quantization: str = "none",
-                    device: str = "auto") -> dict:
+                    device: str = "auto", dtype: str = "auto") -> dict:
         """Load a target (hub id, folder, .gguf or bundled:smollm2) and a draft ('default', 'none',
-        or a model); on failure the previous pair stays loaded and the error says why."""
+        or a model) in dtype auto (measured on CPU), float32, bfloat16 or float16; on failure the
+        previous pair stays loaded and the error says why."""
         try:
-            message = self.page._load(PairChoice(target, draft or "none", quantization, device), None)
+            message = self.page._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto"),
+                                      None)
         except SpecUIError as e:
             raise gr.Error(f"could not load: {e}; the previous pair stays loaded") from None
         except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
@@ -91,6 +93,8 @@ class ChatAPI:
         service = self.page.service
         return {
             "target": service.target_label, "draft": service.draft_label, "device": service.device_label,
+            "dtypes": [str(m.model.dtype).replace("torch.", "") for m in service.loaded],
+            "load_notes": list(service.pair.notes),
             "context_len": service.engine.context_len, "methods": service.methods,
             "tree_presets": service.tree_presets, "defaults": _plain(asdict(self.page.defaults)),
             "ranges": {name: r.describe() for name, r in RANGES.items()},

@@ -285,10 +285,11 @@ class ChatPage:
             return gr.skip(), gr.skip(), gr.skip(), ""
         return preset["target"], preset["draft"], preset["quantization"], preset["description"]
 
-    def load_models(self, target: str, draft: str, quantization: str, device: str, method: str,
+    def load_models(self, target: str, draft: str, quantization: str, device: str, dtype: str, method: str,
                     progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
         try:
-            message = self._load(PairChoice(target, draft or "none", quantization, device), progress)
+            message = self._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto"),
+                                 progress)
             gr.Info(message)
             status = f"✅ {message}"
         except SpecUIError as e:
@@ -407,6 +408,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
                                      label="quantization (target, bitsandbytes)")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device")
+                    dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
+                                        elem_id="dtype", info="auto: measured on CPU (float32 or bfloat16, "
+                                        "each model its own); float32 keeps greedy replies exactly equal")
                     load = gr.Button("Load models", elem_id="load")
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(service.memory_report(), elem_id="memory")
@@ -446,7 +450,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         live.change(page.set_live, live, None, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         measure.click(page.measure_profile, None, [profile_plot, load_status], concurrency_id="engine", **hidden)
-        load.click(page.load_models, [target, draft, quant, device, method],
+        load.click(page.load_models, [target, draft, quant, device, dtype, method],
                    [load_status, memory, header, method], concurrency_id="engine", api_name="page_load_models",
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)

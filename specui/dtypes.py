@@ -1,0 +1,128 @@
+"""`--dtype auto` on a CPU: float32 or bfloat16, chosen by measuring one token's forward in
+each, separately for the target and the draft (DESIGN.md 4.2: on one CPU bfloat16 made a
+target token 1.5x cheaper, on another 12% dearer). The choice is cached on disk under the
+model's files, the CPU, the thread count and the torch version; a corrupt cache entry is
+re-measured. On a GPU `auto` stays bf16 (fp16 where bf16 is missing), as before."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specui.engine.profile import _forward_ms, cpu_model, model_identity
+from specui.engine.session import ModelSession
+
+CANDIDATES = (torch.float32, torch.bfloat16)
+MARGIN = 0.95  # bfloat16 rounds more: it must be at least 5% faster to be chosen
+CONTEXT = 32
+REPEATS = 5
+ROUNDS = 2
+
+Timer = Callable[[torch.nn.Module], float]  # ms for one token after a short context
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    ms: dict[str, float]  # ms per token, by dtype name
+    cached: bool = False
+
+    def note(self, who: str) -> str:
+        """e.g. "target bfloat16: 27.6 vs 42.5 ms per token (float32)"."""
+        chosen = dtype_name(self.dtype)
+        others = ", ".join(f"{v:.1f} ms in {k}" for k, v in self.ms.items() if k != chosen)
+        why = "faster" if self.ms[chosen] <= min(self.ms.values()) else f"not {1 / MARGIN - 1:.0%} slower"
+        where = "; choice read from the cache" if self.cached else ""
+        return (f"{who} dtype auto → {chosen}: {self.ms[chosen]:.1f} ms per token vs {others} ({why}"
+                f"{where}; --dtype float32 or bfloat16 to fix it)")
+
+
+def token_ms(model: torch.nn.Module) -> float:
+    """Median ms of one token's forward after CONTEXT cached tokens (after a warm-up)."""
+    with torch.inference_mode():
+        return _forward_ms(ModelSession(model), CONTEXT, 1, REPEATS)
+
+
+def default_cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specui" / "dtype_choices.json"
+
+
+def choice_key(model: torch.nn.Module, extra: str = "") -> str:
+    raw = json.dumps([model_identity(model), extra, cpu_model(), torch.get_num_threads(), torch.__version__])
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _cached_choice(entry) -> DtypeChoice | None:
+    """A cache entry if it is well formed, else None (re-measure)."""
+    try:
+        ms = {str(k): float(v) for k, v in entry["ms"].items()}
+        dtype = {dtype_name(d): d for d in CANDIDATES}[entry["dtype"]]
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return None
+    if set(ms) != {dtype_name(d) for d in CANDIDATES} or any(not v > 0 for v in ms.values()):
+        return None
+    return DtypeChoice(dtype, ms, cached=True)
+
+
+def decide(ms: dict[str, float]) -> torch.dtype:
+    return torch.bfloat16 if ms["bfloat16"] < MARGIN * ms["float32"] else torch.float32
+
+
+def choose_dtype(
+    variants: Callable[[torch.dtype], torch.nn.Module], key: str,
+    cache_file: Path | None = None, timer: Timer = token_ms,
+) -> DtypeChoice:
+    """Time one token in each candidate dtype (`variants(dtype)` builds the model in it),
+    interleaved over ROUNDS, the best of each, and choose; cached under `key`."""
+    path = cache_file if cache_file is not None else default_cache_file()
+    cache = _read_cache(path)
+    if (hit := _cached_choice(cache.get(key))) is not None:
+        return hit
+    models = {dtype_name(d): variants(d) for d in CANDIDATES}
+    ms: dict[str, float] = {}
+    for _ in range(ROUNDS):  # interleaved: a machine warming up or a neighbour's burst hits both
+        for name, model in models.items():
+            ms[name] = min(ms.get(name, float("inf")), float(timer(model)))
+    del models
+    choice = DtypeChoice(decide(ms), ms)
+    cache[key] = {"dtype": dtype_name(choice.dtype), "ms": ms}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a re-measure next time
+    return choice
+
+
+def auto_dtype_model(model: torch.nn.Module, cache_file: Path | None = None,
+                     timer: Timer = token_ms) -> tuple[torch.nn.Module, DtypeChoice]:
+    """For a float32 model on a CPU: the model in the measured-faster dtype, and the choice."""
+    def variant(dtype: torch.dtype) -> torch.nn.Module:
+        return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+
+    choice = choose_dtype(variant, choice_key(model), cache_file, timer)
+    if choice.dtype != torch.float32:
+        model = model.to(choice.dtype)
+    return model, choice
