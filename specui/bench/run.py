@@ -1,17 +1,27 @@
 """Side-by-side throughput on held-out prompts: our methods, transformers greedy
 `generate`, and transformers assisted generation (`assistant_model=`) on the same pair.
 
-    python -m specui.bench.run --limit 10 --max-new-tokens 96 \
-        --methods autoregressive,speculative:3,speculative:5,tree:eagle-25,opt-tree:25
+    python -m specui.bench.run --limit 10 --max-new-tokens 128 --repeats 3 \
+        --methods autoregressive,auto,speculative:3,tree:eagle-25,opt-tree:25
 
 A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, tree:PRESET, opt-tree:NODES.
+
+Built for a noisy machine: the CPU model and the pair's cost profile are printed first,
+every row gets a warm-up, and then the rows are interleaved prompt by prompt (their order
+rotating) for `--repeats` rounds, so a slow spell of the machine hits every row alike. A
+row's tokens/s is the median over rounds (min-max beside it), and its speed-up is the
+median of its per-round ratios to autoregressive in the same round. Each row says its
+dtype, how its steps split into draft / verify / other time, and how many greedy replies
+differ from autoregressive (in bfloat16/float16 a few may, at near-ties: DESIGN.md 4.3).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -24,45 +34,107 @@ from specui.loading import BUNDLED, ModelSpec
 from specui.pair import ModelPair, default_draft_source, load_pair
 from specui.settings import ChatSettings
 
+AR = "autoregressive"
+
+
+@dataclass
+class Sample:
+    """One reply: what a row produced for one prompt in one round."""
+
+    output: list[int]
+    seconds: float
+    forwards: int = 0
+    steps: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
+    expected: list[float] = field(default_factory=list)  # OPT-Tree E(A) per step
+    achieved: list[int] = field(default_factory=list)  # A per step
+
 
 @dataclass
 class Row:
     name: str
-    tokens: int = 0
-    seconds: float = 0.0
-    forwards: int = 0
-    accepted: int = 0
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-    expected: list[float] = field(default_factory=list, repr=False)  # OPT-Tree E(A) per step
-    achieved: list[int] = field(default_factory=list, repr=False)  # A per step
+    dtype: str
+    run: Callable[[list[int], int], Sample] = field(repr=False)
+    rounds: list[list[Sample]] = field(default_factory=list, repr=False)  # rounds x prompts
+
+    def round_rate(self, r: int) -> float:
+        samples = self.rounds[r]
+        return sum(len(s.output) for s in samples) / sum(s.seconds for s in samples)
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+    def rates(self) -> list[float]:
+        return [self.round_rate(r) for r in range(len(self.rounds))]
 
     @property
-    def mean_accepted_length(self) -> float:
-        return self.tokens / self.forwards if self.forwards else float("nan")
+    def all_samples(self) -> list[Sample]:
+        return [s for samples in self.rounds for s in samples]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.output) for s in self.rounds[0])
+
+    @property
+    def per_forward(self) -> float | None:
+        forwards = sum(s.forwards for s in self.all_samples)
+        return sum(len(s.output) for s in self.all_samples) / forwards if forwards else None
+
+    def split_ms(self) -> tuple[float, float, float] | None:
+        """Mean draft / verify / other ms per step (our methods only)."""
+        steps = sum(s.steps for s in self.all_samples)
+        if not steps:
+            return None
+        draft = sum(s.draft_ms for s in self.all_samples) / steps
+        verify = sum(s.verify_ms for s in self.all_samples) / steps
+        return draft, verify, sum(s.step_ms for s in self.all_samples) / steps - draft - verify
+
+    def divergent(self, base: Row) -> int:
+        """Prompts whose reply (first round) differs from the base row's."""
+        return sum(a.output != b.output for a, b in zip(self.rounds[0], base.rounds[0]))
 
 
-def run_ours(pair: ModelPair, prompts: list[list[int]], n: int, method: str, params: dict) -> Row:
-    engine = pair.engine()
-    row = Row(method + "".join(f" {k}={v}" for k, v in params.items()))
-    for prompt in prompts:
+def ours(pair: ModelPair, method: str, params: dict) -> Callable[[list[int], int], Sample]:
+    engine = pair.engine()  # its own engine: auto's running estimates are not shared with other rows
+
+    def run(prompt: list[int], n: int) -> Sample:
         engine.target.reset()  # no cross-prompt cache reuse: same work as the peers
         if engine.draft is not None:
             engine.draft.reset()
         t0 = time.perf_counter()
         gen = engine.generate(GenerationRequest(prompt, n), make_method(method, **params)).run()
-        row.seconds += time.perf_counter() - t0
-        row.tokens += len(gen.output_ids)
-        row.forwards += gen.stats.target_forwards
-        row.outputs.append(gen.output_ids)
+        s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps))
         for step in gen.steps:
+            s.draft_ms += step.draft_ms
+            s.verify_ms += step.verify_ms
+            s.step_ms += step.step_ms
             if step.expected_accept is not None:
-                row.expected.append(step.expected_accept)
-                row.achieved.append(step.accepted + 1)
-    return row
+                s.expected.append(step.expected_accept)
+                s.achieved.append(step.accepted + 1)
+        return s
+
+    return run
+
+
+def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[[list[int], int], Sample]:
+    model = pair.target.model
+    eos = sorted(pair.engine().eos_ids)
+
+    @torch.inference_mode()
+    def run(prompt: list[int], n: int) -> Sample:
+        ids = torch.tensor([prompt], device=model.device)
+        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+        if assisted:
+            kw.update(assistant_model=pair.draft.model, tokenizer=None)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(prompt):].tolist()
+        if eos and any(t in eos for t in new):
+            new = new[: next(i for i, t in enumerate(new) if t in eos) + 1]
+        return Sample(new, seconds)
+
+    return run
 
 
 PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "tree": ("preset", str), "opt-tree": ("nodes", int)}
@@ -87,88 +159,126 @@ def correlation(xs: list[float], ys: list[float]) -> float:
     return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
 
 
-@torch.inference_mode()
-def run_transformers(pair: ModelPair, prompts: list[list[int]], n: int, assisted: bool) -> Row:
-    model = pair.target.model
-    eos = sorted(pair.engine().eos_ids)
-    row = Row("transformers assisted" if assisted else "transformers greedy")
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=model.device)
-        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-        if assisted:
-            kw.update(assistant_model=pair.draft.model, tokenizer=None)
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        row.seconds += time.perf_counter() - t0
-        new = out[0, len(prompt):].tolist()
-        if eos and any(t in eos for t in new):
-            new = new[: next(i for i, t in enumerate(new) if t in eos) + 1]
-        row.tokens += len(new)
-        row.outputs.append(new)
-    return row
+def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> list[Row]:
+    t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
+    d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
+    pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
+    rows = []
+    for spec in specs:
+        method, params = parse_method(spec)
+        if method == "speculative" and not params:
+            params = {"gamma": gamma}
+        name = method + "".join(f" {k}={v}" for k, v in params.items())
+        rows.append(Row(name, t_dtype if method == AR else pair_dtype, ours(pair, method, params)))
+    if peers:
+        rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair, assisted=False)))
+        if pair.draft is not None:
+            rows.append(Row("transformers assisted", pair_dtype, transformers_generate(pair, assisted=True)))
+    return rows
 
 
-def main() -> None:
+def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
+          say: Callable[[str], None] = print) -> None:
+    """Warm every row up, then run `repeats` rounds, interleaving rows prompt by prompt."""
+    for row in rows:
+        row.run(prompts[0], 8)
+    for r in range(repeats):
+        for row in rows:
+            row.rounds.append([])
+        for i, prompt in enumerate(prompts):
+            shift = (r + i) % len(rows)  # rotate the order: no row always runs first
+            for row in rows[shift:] + rows[:shift]:
+                row.rounds[r].append(row.run(prompt, n))
+        say(f"round {r + 1}/{repeats}: " + ", ".join(f"{row.name} {row.round_rate(r):.1f}" for row in rows))
+
+
+def table(rows: list[Row], n_prompts: int) -> str:
+    base = next((r for r in rows if r.name == AR), rows[0])
+    lines = [f"{'method':26} {'dtype':16} {'tokens':>6} {'tok/s median (min-max)':>24} {'vs AR (min-max)':>18} "
+             f"{'tok/fwd':>7} {'draft/verify/other ms per step':>31} {'differs from AR':>15}"]
+    for row in rows:
+        rates = row.rates
+        ratios = [a / b for a, b in zip(rates, base.rates)]
+        rate = f"{statistics.median(rates):7.2f} ({min(rates):.2f}-{max(rates):.2f})"
+        ratio = f"{statistics.median(ratios):5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        per_fwd = f"{row.per_forward:7.2f}" if row.per_forward else f"{'-':>7}"
+        split = row.split_ms()
+        split_s = f"{split[0]:6.1f} / {split[1]:6.1f} / {split[2]:5.1f}" if split else "-"
+        differs = "-" if row is base else f"{row.divergent(base)}/{n_prompts}"
+        lines.append(f"{row.name:26} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} "
+                     f"{split_s:>31} {differs:>15}")
+    for row in rows:
+        xs = [x for s in row.all_samples for x in s.expected]
+        if xs:
+            ys = [y for s in row.all_samples for y in s.achieved]
+            lines.append(f"{row.name}: mean E(A) {sum(xs) / len(xs):.2f}, mean A {sum(ys) / len(ys):.2f}, "
+                         f"corr(E(A), A) = {correlation(xs, ys):.3f}")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row]) -> list[dict]:
+    base = next((r for r in rows if r.name == AR), rows[0])
+    out = []
+    for row in rows:
+        rates, ratios = row.rates, [a / b for a, b in zip(row.rates, base.rates)]
+        split = row.split_ms()
+        out.append(dict(method=row.name, dtype=row.dtype, tokens=row.tokens,
+                        tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
+                        tokens_per_s_max=max(rates), speedup=statistics.median(ratios),
+                        speedup_min=min(ratios), speedup_max=max(ratios),
+                        tokens_per_target_forward=row.per_forward,
+                        draft_ms_per_step=split[0] if split else None, verify_ms_per_step=split[1] if split else None,
+                        other_ms_per_step=split[2] if split else None,
+                        differs_from_autoregressive=None if row is base else row.divergent(base),
+                        rounds=[[asdict(s) | {"output": None} for s in samples] for samples in row.rounds]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=BUNDLED)
     ap.add_argument("--draft", default="default")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto (measured on CPU), float32, bfloat16, float16")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--methods", default="autoregressive,speculative")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over every prompt (median, min-max)")
+    ap.add_argument("--methods", default="autoregressive,auto,speculative")
     ap.add_argument("--gamma", type=int, default=ChatSettings().gamma, help="gamma of a bare 'speculative'")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
-    ap.add_argument("--json", help="also write the table to this JSON file")
-    args = ap.parse_args()
+    ap.add_argument("--json", help="also write the rows (per-round samples included) to this JSON file")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        ap.error("--repeats and --max-new-tokens must be >= 1")
 
-    torch.set_num_threads(torch.get_num_threads())
     target = ModelSpec(args.target, args.dtype, args.device)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, None if args.draft == "none" else target.with_source(draft_src))
     tok = pair.target.tokenizer
     prompts = [build_prompt(tok, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
-    n = args.max_new_tokens
 
-    print(f"cpu: {cpu_model()}; torch threads {torch.get_num_threads()}; dtype {pair.target.model.dtype}")
-    costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
-    print(costs.note)
-    if costs.profile is not None:
-        print(costs.profile.table() + "\n")
-    run_ours(pair, prompts[:1], 8, "autoregressive", {})  # warm-up
-    rows = []
-    for spec in args.methods.split(","):
-        method, params = parse_method(spec)
-        if method == "speculative" and not params:
-            params = {"gamma": args.gamma}
-        rows.append(run_ours(pair, prompts, n, method, params))
-    if not args.no_peers:
-        rows.append(run_transformers(pair, prompts, n, assisted=False))
-        if pair.draft is not None:
-            rows.append(run_transformers(pair, prompts, n, assisted=True))
-
-    base = next((r for r in rows if r.name == "autoregressive"), rows[0])
     device = str(pair.target.device)
     if pair.target.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name()})"
-    print(f"device: {device}; target {pair.target.label}; draft {pair.draft.label if pair.draft else 'none'}")
-    print(f"{len(prompts)} prompts from {args.prompts}, max {n} new tokens, greedy\n")
-    print(f"{'method':28} {'tokens':>7} {'tok/s':>8} {'vs AR':>7} {'tok/fwd':>8} {'same as AR':>11}")
-    for r in rows:
-        same = sum(a == b for a, b in zip(r.outputs, base.outputs))
-        per_forward = f"{r.mean_accepted_length:8.2f}" if r.forwards else f"{'-':>8}"
-        print(f"{r.name:28} {r.tokens:7d} {r.tokens_per_s:8.2f} {r.tokens_per_s / base.tokens_per_s:6.2f}x "
-              f"{per_forward} {same:>5}/{len(prompts)}")
-    for r in rows:
-        if r.expected:
-            print(f"{r.name}: mean E(A) {sum(r.expected) / len(r.expected):.2f}, mean A "
-                  f"{sum(r.achieved) / len(r.achieved):.2f}, corr(E(A), A) = {correlation(r.expected, r.achieved):.3f}")
+    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device {device}")
+    print(f"target {pair.target.label}; draft {pair.draft.label if pair.draft else 'none'}")
+    for note in pair.notes:
+        print(note)
+    costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
+    print(costs.note)
+    if costs.profile is not None:
+        print(costs.profile.table())
+    print(f"\n{len(prompts)} prompts from {args.prompts}, max {args.max_new_tokens} new tokens, greedy, "
+          f"{args.repeats} rounds (rows interleaved prompt by prompt)")
+    rows = make_rows(pair, args.methods.split(","), args.gamma, not args.no_peers)
+    bench(rows, prompts, args.max_new_tokens, args.repeats)
+    print("\n" + table(rows, len(prompts)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(asdict(r), outputs=None, expected=None, achieved=None, tokens_per_s=r.tokens_per_s)
-                       for r in rows], f, indent=1)
+            json.dump(to_json(rows), f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
