@@ -10,11 +10,19 @@ import torch
 
 from specui.chat import stop_token_ids
 from specui.draft_model import is_specui_draft, load_draft
+from specui.dtypes import choice_key, choose_dtype
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.dtypes import choice_key, choose_dtype
-from specui.loading import (BUNDLED, QUANTIZATIONS, LoadedModel, ModelSpec, check_same_tokenizer, load_model,
-                            measures_dtype, resolve_dtype)
+from specui.loading import (
+    BUNDLED,
+    QUANTIZATIONS,
+    LoadedModel,
+    ModelSpec,
+    check_same_tokenizer,
+    load_model,
+    measures_dtype,
+    resolve_dtype,
+)
 from specui.settings import PairChoice
 
 REPO = Path(__file__).resolve().parent.parent
