@@ -82,6 +82,24 @@ class GrowingLayer(DynamicLayer):
         self._len = end
         return self._kbuf[..., :end, :], self._vbuf[..., :end, :]
 
+    def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor) -> None:
+        """Beam rows (RowSession.commit): new row i = old row rows[i], its first `prefix`
+        entries then the entries at positions tail[i] (all rows keep as many)."""
+        if not self.is_initialized:
+            return
+        m = tail.shape[1]
+        b, h, _, d = self._kbuf.shape
+        identity = len(rows) == b and bool((rows == torch.arange(b, device=rows.device)).all())
+        index = tail[:, None, :, None].expand(len(rows), h, m, d)
+        for name in ("_kbuf", "_vbuf"):
+            buf = getattr(self, name)
+            picked = buf if identity else buf.index_select(0, rows)
+            src = buf[..., : self._len, :] if identity else picked[..., : self._len, :]
+            kept = src.gather(2, index)  # read the tail before writing over it
+            picked[..., prefix:prefix + m, :] = kept
+            setattr(self, name, picked)
+        self._len = prefix + m
+
     def get_seq_length(self) -> int:
         return self._len if self.is_initialized else 0
 

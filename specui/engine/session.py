@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specui.engine.kvcache import GrowingCache
 from specui.engine.tree import TokenTree
@@ -160,31 +160,3 @@ class ModelSession:
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) for the cached positions."""
         return [(layer.keys, layer.values) for layer in self.cache.layers]
-
-
-class BeamBatch:
-    """A batch of `width` beams over one prompt: a batched KV cache that is reordered as
-    beams are kept, dropped and duplicated (beam search needs rows, not a token tree)."""
-
-    def __init__(self, session: ModelSession) -> None:
-        self.model = session.model
-        self.vocab_size = session.vocab_size
-        self.device = session.device
-        self.cache = DynamicCache(config=self.model.config)
-
-    @torch.inference_mode()
-    def start(self, prompt: Sequence[int]) -> torch.Tensor:
-        """Prefill the prompt once; returns the logits (1, V) for the first new token."""
-        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, : self.vocab_size]
-
-    @torch.inference_mode()
-    def step(self, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Keep cache rows `parents` (one per surviving beam, duplicates allowed), feed each
-        beam its new token; returns the logits (B, V) for the next token of every beam."""
-        identity = torch.arange(len(parents), device=parents.device)
-        if self.cache.batch_size != len(parents) or not bool((parents == identity).all()):
-            self.cache.reorder_cache(parents.to(self.device))
-        out = self.model(input_ids=tokens.view(-1, 1).to(self.device), past_key_values=self.cache, use_cache=True)
-        return out.logits[:, -1, : self.vocab_size]

@@ -15,7 +15,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.sampling import warp
-from specui.engine.session import BeamBatch
+from specui.engine.rows import RowSession
 from specui.engine.trace import TARGET, NodeTrace
 from specui.errors import SpecUIError
 
@@ -26,6 +26,48 @@ class Hypothesis:
     score: float
 
 
+@dataclass
+class Pick:
+    parent: int  # row of the joint scores
+    token: int
+    score: float  # joint log-likelihood
+
+
+@dataclass
+class Picks:
+    kept: list[Pick]  # the next beams (no EOS)
+    finished: list[Pick]  # EOS among the top `width`: finished hypotheses
+    considered: list[Pick]  # every candidate looked at, in order
+
+
+def select_beams(joint: torch.Tensor, width: int, ctx: DecodeContext) -> Picks:
+    """One beam step over joint scores (parents, V): deterministic keeps the best `width`
+    (as transformers: a pool of max(2, 1 + #EOS) * width, EOS counts only within the top
+    `width` ranks); sampling draws the pool from warp(joint) without replacement."""
+    vocab = joint.shape[-1]
+    flat = joint.reshape(-1)
+    pool = min(max(2, 1 + len(ctx.eos_ids)) * width, flat.numel())
+    if ctx.sampling.greedy:
+        order = torch.topk(flat, pool).indices.tolist()
+    else:
+        p_beam = warp(flat, ctx.sampling)
+        order = torch.multinomial(p_beam, min(pool, int((p_beam > 0).sum())), replacement=False,
+                                  generator=ctx.generator).tolist()
+    picks = Picks([], [], [])
+    for rank, f in enumerate(order):
+        pick = Pick(*divmod(f, vocab), float(flat[f]))
+        if pick.token in ctx.eos_ids:
+            if rank >= width:  # only top-W finishes count (as in transformers)
+                continue
+            picks.finished.append(pick)
+        else:
+            picks.kept.append(pick)
+        picks.considered.append(pick)
+        if len(picks.kept) == width:
+            break
+    return picks
+
+
 class Beam(Method):
     name = "beam"
 
@@ -33,58 +75,35 @@ class Beam(Method):
         if width < 1:
             raise SpecUIError(f"beam width must be >= 1, got {width}")
         self.width = width
-        self.batch: BeamBatch | None = None
+        self.rows: RowSession | None = None
         self.running: list[Hypothesis] = []
         self.finished: list[Hypothesis] = []
-        self.logits: torch.Tensor | None = None
+        self.fresh: list[int] = []  # each row's last token, not yet in the cache
 
     def begin(self, ctx: DecodeContext) -> None:
-        # Beams live in their own batched cache; the shared session keeps its prefix cache.
-        self.batch = BeamBatch(ctx.target)
-        self.logits = self.batch.start(ctx.ids)
-        self.running = [Hypothesis([], 0.0)]
-
-    def _candidates(self, ctx: DecodeContext, joint: torch.Tensor) -> list[int]:
-        """Flat (beam * V + token) indices in the order they are considered."""
-        pool = min(max(2, 1 + len(ctx.eos_ids)) * self.width, joint.numel())  # as transformers
-        if ctx.sampling.greedy:
-            return torch.topk(joint, pool).indices.tolist()
-        p_beam = warp(joint, ctx.sampling)
-        pool = min(pool, int((p_beam > 0).sum()))
-        return torch.multinomial(p_beam, pool, replacement=False, generator=ctx.generator).tolist()
+        # Beams live in rows of their own cache; the shared session keeps its prefix cache.
+        self.rows = RowSession(ctx.target.model, ctx.target.vocab_size)
+        self.rows.prefill(ctx.ids[:-1])
+        self.running, self.fresh = [Hypothesis([], 0.0)], [ctx.ids[-1]]
 
     def step(self, ctx: DecodeContext) -> StepResult:
-        assert self.batch is not None and self.logits is not None
-        vocab = self.logits.shape[-1]
+        assert self.rows is not None
         with ctx.timer.phase("verify"):
-            logp = self.logits.double().log_softmax(-1)  # (B, V)
+            logits = torch.cat(self.rows.forward([[(t, -1)] for t in self.fresh]))
+            logp = logits.double().log_softmax(-1)  # (B, V)
             scores = torch.tensor([h.score for h in self.running], dtype=logp.dtype, device=logp.device)
-            joint = (scores[:, None] + logp).view(-1)
-            kept: list[tuple[int, int, float]] = []  # (parent beam, token, score)
-            nodes = []
-            for rank, flat in enumerate(self._candidates(ctx, joint)):
-                parent, token = divmod(flat, vocab)
-                score = float(joint[flat])
-                if token in ctx.eos_ids:
-                    if rank >= self.width:  # only top-W finishes count (as in transformers)
-                        continue
-                    self.finished.append(Hypothesis(self.running[parent].tokens + [token], score))
-                else:
-                    kept.append((parent, token, score))
-                nodes.append(NodeTrace(
-                    token_id=token, text="", parent=-1, depth=len(self.running[parent].tokens) + 1,
-                    status=TARGET, p=float(logp[parent, token].exp()), beam=parent, score=score,
-                ))
-                if len(kept) == self.width:
-                    break
-            self.running = [Hypothesis(self.running[b].tokens + [t], s) for b, t, s in kept]
+            picks = select_beams(scores[:, None] + logp, self.width, ctx)
+            nodes = [NodeTrace(token_id=p.token, text="", parent=-1, depth=len(self.running[p.parent].tokens) + 1,
+                               status=TARGET, p=float(logp[p.parent, p.token].exp()), beam=p.parent, score=p.score)
+                     for p in picks.considered]
+            self.finished += [Hypothesis(self.running[p.parent].tokens + [p.token], p.score) for p in picks.finished]
+            self.running = [Hypothesis(self.running[p.parent].tokens + [p.token], p.score) for p in picks.kept]
             done = self._done(ctx)
             if not done:
-                parents = torch.tensor([b for b, _, _ in kept], device=self.logits.device)
-                tokens = torch.tensor([t for _, t, _ in kept], device=self.logits.device)
-                self.logits = self.batch.step(parents, tokens)
+                self.rows.commit([(p.parent, [0]) for p in picks.kept])
+                self.fresh = [p.token for p in picks.kept]
         best = self._best(include_running=done)
-        return StepResult(tokens=best.tokens, nodes=nodes, replace=True, finished=done, beam_width=len(kept))
+        return StepResult(tokens=best.tokens, nodes=nodes, replace=True, finished=done, beam_width=len(picks.kept))
 
     def _done(self, ctx: DecodeContext) -> bool:
         if not self.running:

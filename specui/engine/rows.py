@@ -1,0 +1,140 @@
+"""RowSession: one model and a KV cache with several rows (beams), every row holding the
+same committed length, plus per-row forests of pending nodes scored in one forward.
+
+Why rows and not branches of one token tree (DESIGN.md 4.1): the beams of beam search and
+of DSBD always have equal lengths, so a batched cache of W rows needs no padding in its
+committed part, and a step's per-row forests (of different sizes) are padded only in the
+new-token dimension (padding slots attend to themselves, nobody attends to them, and
+`commit` drops them). The mask of a forward is (new x (committed + new)) per row. Branches
+of one tree over the shared prompt would store shared prefixes once, but every forward's
+mask would span every live beam's whole suffix (beams can stay apart for the whole reply)
+and commit would compact arbitrary subtrees. With one row this costs what a single
+sequence's tree costs. EMS-SD's ragged batches need per-row committed lengths on top of this.
+
+`commit` is the only code here that moves cache entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.errors import SpecUIError
+
+
+@dataclass
+class PendingNode:
+    token: int
+    parent: int  # index in the row's pending list; -1: child of the committed prefix
+    slot: int  # cache position
+    depth: int  # 0 for a child of the committed prefix
+    ancestors: list[int] = field(default_factory=list)  # cache slots of its pending ancestors
+
+
+class RowSession:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.device = next(model.parameters()).device
+        self.cache = GrowingCache(config=model.config)
+        if not all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
+            raise SpecUIError("beam rows need a model whose layers all use full attention")
+        self.length = 0  # committed entries, the same in every row
+        self.pending: list[list[PendingNode]] = [[]]
+        self._used = 0  # cache entries past `length` (pending nodes and padding)
+
+    @property
+    def rows(self) -> int:
+        return len(self.pending)
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Cache `ids` (one row; `commit` copies it into as many rows as beams)."""
+        if self.length or self.rows != 1:
+            raise RuntimeError("prefill starts a fresh session")
+        if ids:
+            self.model(input_ids=torch.tensor([list(ids)], device=self.device), past_key_values=self.cache,
+                       use_cache=True, logits_to_keep=1)
+        self.length = len(ids)
+
+    @torch.inference_mode()
+    def forward(self, new: Sequence[Sequence[tuple[int, int]]]) -> list[torch.Tensor]:
+        """Score new pending nodes, `new[r]` = [(token, parent)] for row r, where parent
+        indexes the row's pending nodes (earlier new ones included) or is -1 (a child of the
+        committed prefix). Each node attends to the committed prefix, its pending ancestors
+        and itself, at position (committed length + depth). Returns per row the logits
+        (len(new[r]), V): row i predicts the token after node i."""
+        if len(new) != self.rows:
+            raise ValueError(f"{len(new)} rows of nodes for {self.rows} rows")
+        width = max((len(n) for n in new), default=0)
+        if width == 0:
+            return [torch.empty(0, self.vocab_size, device=self.device) for _ in new]
+        start = self.length + self._used
+        total = start + width
+        ids = torch.zeros((self.rows, width), dtype=torch.long)
+        positions = torch.full((self.rows, width), self.length, dtype=torch.long)
+        attend = torch.zeros((self.rows, width, total), dtype=torch.bool)
+        attend[:, :, : self.length] = True
+        for r, nodes in enumerate(new):
+            pending = self.pending[r]
+            for j, (token, parent) in enumerate(nodes):
+                if parent >= len(pending):
+                    raise ValueError(f"row {r}: parent {parent} is not a pending node yet")
+                up = pending[parent] if parent >= 0 else None
+                node = PendingNode(int(token), parent, start + j, 0 if up is None else up.depth + 1,
+                                   [] if up is None else [*up.ancestors, up.slot])
+                pending.append(node)
+                ids[r, j], positions[r, j] = node.token, self.length + node.depth
+                attend[r, j, node.ancestors + [node.slot]] = True
+            for j in range(len(nodes), width):  # padding: attends to itself only
+                attend[r, j, start + j] = True
+        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        try:
+            out = self.model(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
+                             attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
+        except BaseException:
+            self._drop_pending()
+            raise
+        self._used += width
+        return [out.logits[r, : len(nodes), : self.vocab_size] for r, nodes in enumerate(new)]
+
+    @torch.inference_mode()
+    def commit(self, keep: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """New row i = old row keep[i][0] with the pending chain keep[i][1] (node indices,
+        each the parent of the next, the first a child of the committed prefix) appended to
+        its committed entries. Every chain has the same length. Rows may be copied (several
+        beams from one), dropped, reordered; every other pending node and padding goes."""
+        if not keep:
+            raise ValueError("commit needs at least one row")
+        m = len(keep[0][1])
+        slots = []
+        for src, chain in keep:
+            if len(chain) != m:
+                raise ValueError("every row must keep a chain of the same length")
+            pending = self.pending[src]
+            for i, k in enumerate(chain):
+                if pending[k].parent != (chain[i - 1] if i else -1):
+                    raise ValueError(f"row {src}: pending nodes {list(chain)} are not a chain from the prefix")
+            slots.append([pending[k].slot for k in chain])
+        rows = torch.tensor([src for src, _ in keep], device=self.device)
+        tail = torch.tensor(slots, dtype=torch.long, device=self.device).view(len(keep), m)
+        for layer in self.cache.layers:
+            layer.keep_rows(rows, self.length, tail)
+        self.length += m
+        self.pending = [[] for _ in keep]
+        self._used = 0
+
+    def _drop_pending(self) -> None:
+        for layer in self.cache.layers:
+            layer.crop(-(layer.get_seq_length() - self.length))
+        self.pending = [[] for _ in self.pending]
+        self._used = 0
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) of the cache (tests)."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
