@@ -48,7 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--gamma", type=int, default=d.gamma,
                    help=f"speculative: draft tokens per step ({d.gamma}: fastest measured on CPU; try 4-6 on a GPU)")
-    g.add_argument("--beam-width", type=int, default=d.width, help="beam: number of beams")
+    g.add_argument("--beam-width", type=int, default=d.width, help="beam and dsbd: number of beams (DSBD's W_L)")
+    g.add_argument("--draft-width", type=int, default=d.draft_width,
+                   help="dsbd: the draft's beams per layer W_S (default: 2 x beam width)")
+    g.add_argument("--width-threshold", type=float, default=d.width_threshold,
+                   help="dsbd: turn dynamic width on with threshold t in (0, 1] (lower: wider beams more often)")
+    g.add_argument("--min-width", type=int, default=d.min_width, help="dsbd: the least width W_min dynamic width keeps")
+    g.add_argument("--memory-mode", action="store_true",
+                   help="dsbd: continue from the best output beam only (one KV cache, as speculative decoding)")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -92,7 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
     return ChatSettings(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
-        preset=args.tree_preset, nodes=args.nodes, delta=args.delta,
+        preset=args.tree_preset, nodes=args.nodes, delta=args.delta, draft_width=args.draft_width,
+        width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 
@@ -145,9 +153,11 @@ def run_cli(args: argparse.Namespace) -> int:
     generation, notes = service.start(messages, settings, cancel)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    rewritten = False  # beam methods rewrite the reply (their best beam changes): print it at the end
     try:
         for step in service.stream(generation):
-            if not args.json and step.new_text and settings.method != "beam":
+            rewritten = rewritten or step.replaces
+            if not args.json and step.new_text and not rewritten:
                 print(step.new_text, end="", flush=True)
     except KeyboardInterrupt:
         cancel.set()
@@ -158,7 +168,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"reply": generation.text, "stats": stats}, ensure_ascii=False))
     else:
-        if settings.method == "beam":
+        if rewritten:
             print(generation.text, end="")
         print("\n\n" + "  ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     return 0

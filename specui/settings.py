@@ -21,7 +21,11 @@ class ChatSettings:
     top_p: float = 1.0
     seed: int | None = None
     gamma: int = 2  # speculative: draft tokens per step (fastest measured on CPU)
-    width: int = 4  # beam: number of beams
+    width: int = 4  # beam and dsbd: number of beams (DSBD's W_L)
+    draft_width: int | None = None  # dsbd: the draft's beams per layer W_S (None: 2 W_L)
+    width_threshold: float | None = None  # dsbd: dynamic width threshold t (None: fixed width)
+    min_width: int = 1  # dsbd: W_min of the dynamic width
+    memory_mode: bool = False  # dsbd: continue from the best output beam only (one KV cache)
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
@@ -71,10 +75,14 @@ RANGES: dict[str, Range] = {
     "seed": Range(0, SEED_MAX, integer=True, optional=True),
     "gamma": Range(1, 64, integer=True),
     "width": Range(1, 16, integer=True),
+    "draft_width": Range(1, 64, integer=True, optional=True),
+    "width_threshold": Range(0.0, 1.0, lo_open=True, optional=True),
+    "min_width": Range(1, 16, integer=True),
     "nodes": Range(1, 512, integer=True),
     "delta": Range(0.0, 1.0, optional=True),
 }
 LABELS = {"max_new_tokens": "max new tokens", "top_k": "top-k", "top_p": "top-p", "width": "beam width",
+          "draft_width": "draft width", "width_threshold": "width threshold", "min_width": "min width",
           "nodes": "node budget", "preset": "tree preset"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
 
@@ -127,6 +135,10 @@ def check_settings(
         raise SpecUIError(f"node budget must be below the model's context window of {context_len:,} tokens")
     if settings.preset not in tree_presets:
         raise SpecUIError(f"unknown tree preset {settings.preset!r}; choose one of: {', '.join(tree_presets)}")
+    if not isinstance(settings.memory_mode, bool):
+        raise SpecUIError(f"memory mode must be true or false, got {settings.memory_mode!r}")
+    if values["min_width"] > values["width"]:
+        raise SpecUIError(f"min width must be at most the beam width ({values['width']}), got {values['min_width']}")
     if not isinstance(settings.system, str):
         raise SpecUIError(f"the system prompt must be text, got {type(settings.system).__name__}")
     stops = tuple(settings.stop_strings)

@@ -118,6 +118,7 @@ def form_values(**overrides) -> list:
     from specui.ui.chat_ui import SETTING_FIELDS
 
     base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
-                preset="binary-14", nodes=8, delta=None, system="")
+                preset="binary-14", nodes=8, delta=None, system="", draft_width=None, width_threshold=None,
+                min_width=1, memory_mode=False)
     base.update(overrides)
     return [base[k] for k in SETTING_FIELDS]

@@ -124,7 +124,8 @@ class Generation:
 
         stats.target_forwards += 1
         stats.drafted += result.drafted
-        stats.accepted += sum(from_draft)  # accepted drafts that survived EOS / length cuts
+        # accepted drafts that survived EOS / length cuts; a rewriting (beam) step says its own
+        stats.accepted += result.accepted if result.replace else sum(from_draft)
         stats.new_tokens = len(self.output_ids)
         stats.finish_reason = reason
         for node in result.nodes:

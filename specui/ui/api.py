@@ -47,6 +47,10 @@ class ChatAPI:
         tree_preset: str | None = None,
         nodes: int | None = None,
         delta: float | None = None,
+        draft_width: int | None = None,
+        width_threshold: float | None = None,
+        min_width: int | None = None,
+        memory_mode: bool | None = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
         "content": "..."}]). Every setting left empty takes the app's default (its command-line
@@ -56,7 +60,9 @@ class ChatAPI:
         if history is not None and not isinstance(history, list):
             raise gr.Error("history must be a list of {'role': ..., 'content': ...} messages")
         given = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                     seed=seed, gamma=gamma, width=beam_width, preset=tree_preset, nodes=nodes, delta=delta)
+                     seed=seed, gamma=gamma, width=beam_width, preset=tree_preset, nodes=nodes, delta=delta,
+                     draft_width=draft_width, width_threshold=width_threshold, min_width=min_width,
+                     memory_mode=memory_mode)
         defaults = self.page.defaults
         try:
             settings = settings_from_values(method or defaults.method,

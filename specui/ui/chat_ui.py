@@ -41,6 +41,8 @@ DESCRIPTIONS = {
             "and the running acceptance; never slower than plain decoding by design (lossless)",
     "autoregressive": "plain decoding: one target forward per token",
     "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
+    "dsbd": "DSBD: the draft beam-samples a forest (W_S per layer, gamma layers) from W_L beams, the target "
+            "verifies it layer by layer in one forward; greedy = exact beam search, sampling = exact beam sampling",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
@@ -71,7 +73,7 @@ def stats_line(stats: dict, notes: list[str] = ()) -> str:
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
-                  "nodes", "delta", "system")
+                  "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -345,7 +347,16 @@ def _settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[
         "gamma": gr.Slider(1, 16, value=defaults.gamma, step=1, label="gamma",
                            info="speculative: draft tokens proposed per step (higher pays when the draft agrees)"),
         "width": gr.Slider(1, 8, value=defaults.width, step=1, label="beam width W",
-                           info="beam: number of beams kept per step"),
+                           info="beam: number of beams kept per step; dsbd: W_L, the most beams kept"),
+        "draft_width": gr.Number(value=defaults.draft_width, precision=0, label="draft width W_S",
+                                 info="dsbd: beams the draft samples per layer of the forest; empty = 2 W_L"),
+        "width_threshold": gr.Number(value=defaults.width_threshold, label="width threshold t",
+                                     info="dsbd: dynamic width, keeping K beams while P(at least K of the draft's "
+                                          "candidates are accepted) >= t; empty = fixed width W_L"),
+        "min_width": gr.Slider(1, 8, value=defaults.min_width, step=1, label="min width W_min",
+                               info="dsbd: dynamic width never keeps fewer beams"),
+        "memory_mode": gr.Checkbox(value=defaults.memory_mode, label="memory mode",
+                                   info="dsbd: continue from the best output beam only (one KV cache)"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",

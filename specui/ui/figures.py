@@ -54,6 +54,8 @@ def _hover(node) -> str:
     for label, value in (("q", node.q), ("p", node.p), ("p^", node.p_hat), ("min(1,p/q)", node.accept_ratio)):
         if value is not None:
             parts.append(f"{label} = {value:.4f}")
+    if node.beam is not None:
+        parts.append(f"beam {node.beam}")
     if node.score is not None:
         parts.append(f"beam log-lik = {node.score:.3f}")
     return "<br>".join(parts)

@@ -72,14 +72,19 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
     seed = raw.get("seed")
     if isinstance(seed, (int, float)) and not isinstance(seed, bool) and seed == seed and seed < 0:
         raw["seed"] = None
-    if raw.get("delta") in (0, 0.0, ""):
-        raw["delta"] = None
+    for name in ("delta", "width_threshold", "draft_width"):  # 0 or empty: measured / off / 2 W_L
+        if raw.get(name) in (0, 0.0, ""):
+            raw[name] = None
     fields = {name: coerce(name, raw[name]) for name in RANGES if name in raw}
     for name in ("preset", "system"):
         if name in raw and raw[name] is not None:
             if not isinstance(raw[name], str):
                 raise SpecUIError(f"{name} must be text, got {raw[name]!r}")
             fields[name] = raw[name]
+    if raw.get("memory_mode") is not None:
+        if not isinstance(raw["memory_mode"], bool):
+            raise SpecUIError(f"memory mode must be true or false, got {raw['memory_mode']!r}")
+        fields["memory_mode"] = raw["memory_mode"]
     return ChatSettings(**{**base.__dict__, "method": method, **fields})
 
 

@@ -159,8 +159,12 @@ class DSBD(Method):
     name = "dsbd"
     uses_draft = True
 
-    def __init__(self, beam_width: int = 2, draft_width: int = 4, gamma: int = 3,
+    def __init__(self, width: int = 2, draft_width: int | None = None, gamma: int = 3,
                  width_threshold: float | None = None, min_width: int = 1, memory_mode: bool = False) -> None:
+        """width: W_L, the beams kept; draft_width: W_S, the draft's beams per layer
+        (None: 2 W_L); width_threshold: t, dynamic width on when given; min_width: W_min."""
+        beam_width = width
+        draft_width = 2 * width if draft_width is None else draft_width
         if beam_width < 1 or draft_width < 1 or gamma < 1:
             raise SpecUIError(f"dsbd needs beam width, draft width and gamma >= 1, got {beam_width}, "
                               f"{draft_width}, {gamma}")
@@ -187,7 +191,8 @@ class DSBD(Method):
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> StepResult:
-        gamma = max(0, min(self.gamma, ctx.max_new_tokens - len(self.running[0].tokens) - 1))
+        before = len(self.running[0].tokens)
+        gamma = max(0, min(self.gamma, ctx.max_new_tokens - before - 1))
         with ctx.timer.phase("draft"):
             roots, layers = self._draft_forest(ctx, gamma)
         with ctx.timer.phase("verify"):
@@ -197,7 +202,8 @@ class DSBD(Method):
             done = done or self._done(ctx)
         best = max(self.finished + self.running if done else self.running or self.finished, key=lambda h: h.score)
         forest = [n for layer in layers for n in layer.nodes]
-        accepted = sum(n.status == ACCEPTED for n in forest)
+        gained = len(self.running[0].tokens) - before if self.running else len(best.tokens) - before
+        accepted = max(0, gained - 1)  # draft layers the beams advanced by beyond the target's own token
         return StepResult(
             tokens=list(best.tokens), replace=True, finished=done, nodes=self._trace(roots, layers, outputs),
             drafted=len(forest), accepted=accepted, gamma=gamma, beam_width=len(self.running) or None,

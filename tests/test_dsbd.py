@@ -1,0 +1,206 @@
+"""DSBD (DESIGN.md 3.7): beam rows, forest verification, the layer rule, dynamic width.
+
+- RowSession: per-row forests scored in one forward equal per-path sequential forwards, and
+  after commit every row's cache equals a fresh prefill of its beam.
+- Deterministic DSBD (temperature 0, fixed width) equals transformers' beam search.
+- The layer rule: every accepted or drawn beam is an exact sample of p_beam (exact vs
+  empirical on a small joint space), and P(m, k) is the law of the number accepted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import EOS, TinyTokenizer, tiny_llama
+
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.engine.methods.dsbd import acceptance_count_probs, dynamic_width, verify_layer
+from specui.engine.rows import RowSession
+from specui.engine.sampling import SamplingConfig, residual
+from specui.errors import SpecUIError
+
+PROMPTS = [[1, 5, 9, 13, 7], [1, 40, 41, 3], [1, 17, 22, 22, 9, 60, 33, 12]]
+
+
+def last_logits(model, ids):
+    return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+# --- RowSession -------------------------------------------------------------------------------
+def test_row_forests_equal_per_path_forwards_and_commit_equals_prefill(tiny_target):
+    prefix = [1, 5, 9, 13]
+    rows = RowSession(tiny_target)
+    rows.prefill(prefix)
+    rows.commit([(0, []), (0, []), (0, [])])  # three beams over the prompt
+    # row 0: a chain and a branch; row 1: one node; row 2: a deeper tree (rows differ in size)
+    forests = [[(7, -1), (8, 0), (9, 1), (10, 0)], [(11, -1)], [(7, -1), (12, 0), (13, 0), (14, 2), (15, 3)]]
+    logits = rows.forward(forests)
+    for forest, got in zip(forests, logits):
+        for i, (token, parent) in enumerate(forest):
+            path, j = [], i
+            while j >= 0:
+                path.append(forest[j][0])
+                j = forest[j][1]
+            want = last_logits(tiny_target, prefix + path[::-1])
+            assert torch.allclose(got[i], want, atol=1e-10), (forest, i)
+    # a second layer on top of the pending forest (as the draft grows its beams)
+    more = rows.forward([[(16, 2)], [], [(17, 4)]])
+    assert torch.allclose(more[0][0], last_logits(tiny_target, prefix + [7, 8, 9, 16]), atol=1e-10)
+    assert torch.allclose(more[2][0], last_logits(tiny_target, prefix + [7, 13, 14, 15, 17]), atol=1e-10)
+    # keep: row 2's path 7-13-14, row 0's 7-8-9 twice, row 1 dropped
+    rows.commit([(2, [0, 2, 3]), (0, [0, 1, 2]), (0, [0, 1, 2])])
+    assert rows.rows == 3 and rows.length == len(prefix) + 3
+    for r, beam in enumerate([[7, 13, 14], [7, 8, 9], [7, 8, 9]]):
+        fresh = RowSession(tiny_target)
+        fresh.prefill(prefix + beam)
+        for (k, v), (fk, fv) in zip(rows.kv(), fresh.kv()):
+            assert torch.allclose(k[r], fk[0], atol=1e-10) and torch.allclose(v[r], fv[0], atol=1e-10)
+    with pytest.raises(ValueError):
+        rows.commit([(0, [])])  # nothing pending: an empty chain is fine, but here rows must match
+        rows.forward([[(1, -1)], [(2, -1)]])
+
+
+def test_commit_refuses_what_is_not_a_chain(tiny_target):
+    rows = RowSession(tiny_target)
+    rows.prefill([1, 5])
+    rows.forward([[(7, -1), (8, -1), (9, 0)]])
+    with pytest.raises(ValueError, match="chain"):
+        rows.commit([(0, [1, 2])])  # 9's parent is 7, not 8
+
+
+# --- deterministic DSBD is beam search ---------------------------------------------------------
+def hf_beam(model, prompt, n, width):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, num_beams=width, do_sample=False,
+                         length_penalty=0.0, eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+    return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "same-model"])
+@pytest.mark.parametrize("width,gamma", [(1, 3), (2, 1), (2, 3), (3, 2), (4, 4)])
+def test_greedy_dsbd_equals_transformers_beam_search(tiny_target, tiny_draft, draft_kind, width, gamma):
+    draft = tiny_draft if draft_kind == "random" else tiny_target
+    engine = Engine(tiny_target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    for prompt in PROMPTS:
+        n = 14
+        gen = engine.generate(GenerationRequest(prompt, n), make_method(
+            "dsbd", width=width, draft_width=2 * width, gamma=gamma)).run()
+        assert gen.output_ids == hf_beam(tiny_target, prompt, n, width), (prompt, width, gamma)
+        if draft_kind == "same-model":  # the draft's beam search is the target's: whole layers pass
+            assert gen.stats.target_forwards <= -(-len(gen.output_ids) // (gamma + 1)) + 1
+
+
+def test_memory_mode_keeps_one_beam_and_width_one_is_greedy(tiny_target, tiny_draft):
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    for prompt in PROMPTS:
+        ar = engine.generate(GenerationRequest(prompt, 20), make_method("autoregressive")).run().output_ids
+        one = engine.generate(GenerationRequest(prompt, 20), make_method("dsbd", width=1, draft_width=3,
+                                                                        gamma=3)).run()
+        assert one.output_ids == ar
+        mem = engine.generate(GenerationRequest(prompt, 20, SamplingConfig(temperature=1.0, seed=3)),
+                              make_method("dsbd", width=3, draft_width=6, gamma=3, memory_mode=True)).run()
+        assert all(step.beam_width in (1, None) for step in mem.steps) and mem.output_ids
+
+
+def test_trace_draws_the_forest(tiny_target):
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_target, eos_ids=[EOS])
+    gen = engine.generate(GenerationRequest(PROMPTS[0], 12, SamplingConfig(temperature=1.0, seed=1)),
+                          make_method("dsbd", width=2, draft_width=4, gamma=2))
+    steps = list(gen)
+    second = steps[1]  # two input beams: a forest of two trees
+    roots = [n for n in second.nodes if n.parent == -1]
+    assert len(roots) == 2 and {n.beam for n in roots} == {0, 1}
+    for n in second.nodes:
+        if n.parent >= 0:
+            assert second.nodes[n.parent].beam == n.beam and n.depth == second.nodes[n.parent].depth + 1
+    assert sum(n.status in ("accepted", "rejected", "unverified") for n in second.nodes) == second.drafted
+
+
+def test_bad_settings_are_refused():
+    for kw in (dict(width=0), dict(min_width=3, width=2), dict(width_threshold=1.5), dict(gamma=0)):
+        with pytest.raises(SpecUIError):
+            make_method("dsbd", **kw)
+
+
+# --- the layer rule, exactly ---------------------------------------------------------------------
+def empirical(draws: list[int], size: int) -> torch.Tensor:
+    counts = torch.zeros(size, dtype=torch.float64)
+    for d in draws:
+        counts[d] += 1
+    return counts / counts.sum()
+
+
+def test_each_beam_of_a_layer_is_distributed_as_p_beam():
+    """2 parents x 3 tokens: W_S candidates i.i.d. from q_beam, width W_L. Every beam the
+    layer outputs (accepted or drawn), in each output slot, is an exact sample of p_beam."""
+    g = torch.Generator().manual_seed(0)
+    p_beam = torch.tensor([0.30, 0.05, 0.15, 0.25, 0.20, 0.05], dtype=torch.float64)
+    q_beam = torch.tensor([0.10, 0.30, 0.10, 0.05, 0.25, 0.20], dtype=torch.float64)
+    width, n_candidates, trials = 2, 3, 40_000
+    slots: list[list[int]] = [[] for _ in range(width)]
+    for _ in range(trials):
+        candidates = torch.multinomial(q_beam, n_candidates, replacement=True, generator=g).tolist()
+        verdict = verify_layer(p_beam, q_beam, candidates, width, g)
+        beams = [candidates[i] for i in verdict.accepted] + verdict.drawn
+        assert len(beams) == width
+        for slot, beam in enumerate(beams):
+            slots[slot].append(beam)
+    for draws in slots:
+        tv = 0.5 * (empirical(draws, 6) - p_beam).abs().sum().item()
+        assert tv < 0.015, tv
+
+
+def test_acceptance_count_law_matches_simulation():
+    rng = random.Random(0)
+    p_beam = torch.tensor([0.4, 0.1, 0.2, 0.3], dtype=torch.float64)
+    q_beam = torch.tensor([0.1, 0.4, 0.3, 0.2], dtype=torch.float64)
+    alphas, pj = [], p_beam
+    for _ in range(5):
+        alphas.append(float(torch.minimum(pj, q_beam).sum()))
+        pj = residual(pj, q_beam)
+    m, k_max = 5, 5
+    law = acceptance_count_probs(alphas, m, k_max)
+    assert abs(sum(law) - 1.0) < 1e-12
+    counts = [0] * (k_max + 1)
+    trials = 40_000
+    for _ in range(trials):
+        k, j = 0, 0
+        for _ in range(m):
+            if rng.random() < alphas[j]:
+                k, j = k + 1, 0
+            else:
+                j += 1
+        counts[k] += 1
+    assert max(abs(c / trials - p) for c, p in zip(counts, law)) < 0.01
+
+
+def test_dynamic_width_follows_the_threshold():
+    p = torch.tensor([0.4, 0.1, 0.2, 0.3], dtype=torch.float64)
+    agree, disagree = p.clone(), torch.tensor([0.01, 0.97, 0.01, 0.01], dtype=torch.float64)
+    assert dynamic_width(p, agree, 6, 4, 1, 0.9) == 4  # every candidate passes: full width
+    assert dynamic_width(p, disagree, 6, 4, 1, 0.9) == 1  # hardly any pass: W_min
+    assert dynamic_width(p, disagree, 6, 4, 2, 0.9) == 2
+    widths = [dynamic_width(p, (p + disagree) / 2, 6, 4, 1, t) for t in (0.99, 0.9, 0.5, 0.1)]
+    assert widths == sorted(widths) and widths[0] < widths[-1]  # a lower threshold allows wider
+
+
+@pytest.mark.parametrize("kw", [dict(width=1, draft_width=3, gamma=3),
+                                dict(width=1, draft_width=2, gamma=2, width_threshold=0.5)])
+def test_width_one_sampling_is_distributed_as_the_target(kw):
+    """With one beam, p_beam is the target's next-token distribution: the first two tokens
+    of DSBD's replies follow the target's sampling law (tiny vocabulary, exact enumeration)."""
+    vocab = 6
+    target, draft = tiny_llama(0, layers=2, vocab=vocab), tiny_llama(1, layers=1, vocab=vocab)
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[])
+    prompt = [1, 3]
+    with torch.no_grad():
+        p1 = last_logits(target, prompt).softmax(-1)
+        exact = torch.stack([p1[a] * last_logits(target, prompt + [a]).softmax(-1) for a in range(vocab)]).view(-1)
+    draws = []
+    for seed in range(3000):
+        out = engine.generate(GenerationRequest(prompt, 2, SamplingConfig(temperature=1.0, seed=seed)),
+                              make_method("dsbd", **kw)).run().output_ids
+        draws.append(out[0] * vocab + out[1])
+    tv = 0.5 * (empirical(draws, vocab * vocab) - exact).abs().sum().item()
+    assert tv < 0.08, tv
