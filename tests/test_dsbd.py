@@ -38,7 +38,7 @@ def test_row_forests_equal_per_path_forwards_and_commit_equals_prefill(tiny_targ
     forests = [[(7, -1), (8, 0), (9, 1), (10, 0)], [(11, -1)], [(7, -1), (12, 0), (13, 0), (14, 2), (15, 3)]]
     logits = rows.forward(forests)
     for forest, got in zip(forests, logits):
-        for i, (token, parent) in enumerate(forest):
+        for i in range(len(forest)):
             path, j = [], i
             while j >= 0:
                 path.append(forest[j][0])

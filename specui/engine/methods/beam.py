@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
-from specui.engine.sampling import warp
 from specui.engine.rows import RowSession
+from specui.engine.sampling import warp
 from specui.engine.trace import TARGET, NodeTrace
 from specui.errors import SpecUIError
 
