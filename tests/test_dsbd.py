@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import random
+import itertools
 
 import pytest
 import torch
@@ -114,11 +114,16 @@ def test_trace_draws_the_forest(tiny_target):
     for n in second.nodes:
         if n.parent >= 0:
             assert second.nodes[n.parent].beam == n.beam and n.depth == second.nodes[n.parent].depth + 1
-    assert sum(n.status in ("accepted", "rejected", "unverified") for n in second.nodes) == second.drafted
+    assert sum(n.status in ("accepted", "rejected", "unverified", "dropped") for n in second.nodes) == second.drafted
+    assert second.layer_widths and 1 <= second.stop_layer <= 3
+    assert second.beams and all(isinstance(b["text"], str) and b["score"] <= 0 for b in second.beams)
+    forest = [n for n in second.nodes if n.status in ("accepted", "rejected", "unverified", "dropped")]
+    assert all(n.draft_score is not None for n in forest)
 
 
 def test_bad_settings_are_refused():
-    for kw in (dict(width=0), dict(min_width=3, width=2), dict(width_threshold=1.5), dict(gamma=0)):
+    for kw in (dict(width=0), dict(min_width=3, width=2), dict(width_threshold=1.5), dict(gamma=0),
+               dict(width=3, draft_width=3), dict(width=3, draft_width=2)):
         with pytest.raises(SpecUIError):
             make_method("dsbd", **kw)
 
@@ -151,28 +156,38 @@ def test_each_beam_of_a_layer_is_distributed_as_p_beam():
         assert tv < 0.015, tv
 
 
-def test_acceptance_count_law_matches_simulation():
-    rng = random.Random(0)
+def test_acceptance_count_law_matches_brute_force_enumeration():
+    """P(m, k) from the recursion equals the sum over all 2^m accept/reject sequences, where
+    the j-th candidate since the last acceptance passes with probability alpha_j."""
     p_beam = torch.tensor([0.4, 0.1, 0.2, 0.3], dtype=torch.float64)
     q_beam = torch.tensor([0.1, 0.4, 0.3, 0.2], dtype=torch.float64)
     alphas, pj = [], p_beam
-    for _ in range(5):
+    for _ in range(6):
         alphas.append(float(torch.minimum(pj, q_beam).sum()))
         pj = residual(pj, q_beam)
-    m, k_max = 5, 5
-    law = acceptance_count_probs(alphas, m, k_max)
-    assert abs(sum(law) - 1.0) < 1e-12
-    counts = [0] * (k_max + 1)
-    trials = 40_000
-    for _ in range(trials):
-        k, j = 0, 0
-        for _ in range(m):
-            if rng.random() < alphas[j]:
-                k, j = k + 1, 0
-            else:
-                j += 1
-        counts[k] += 1
-    assert max(abs(c / trials - p) for c, p in zip(counts, law)) < 0.01
+    for m in range(7):
+        law = acceptance_count_probs(alphas, m, m)
+        brute = [0.0] * (m + 1)
+        for pattern in itertools.product([False, True], repeat=m):
+            prob, since = 1.0, 0
+            for accepted in pattern:
+                prob *= alphas[since] if accepted else 1.0 - alphas[since]
+                since = 0 if accepted else since + 1
+            brute[sum(pattern)] += prob
+        assert max(abs(a - b) for a, b in zip(law, brute)) < 1e-12, m
+
+
+@pytest.mark.bundled
+def test_greedy_dsbd_equals_beam_on_the_bundled_pair(bundled_pair):
+    from specui.chat import build_prompt
+
+    engine = bundled_pair.engine()
+    for text in ("Give me three tips for learning to play the guitar.", "What is the capital of France?"):
+        prompt = build_prompt(bundled_pair.target.tokenizer, [{"role": "user", "content": text}], 2048)[0]
+        beam = engine.generate(GenerationRequest(prompt, 24), make_method("beam", width=2)).run()
+        dsbd = engine.generate(GenerationRequest(prompt, 24), make_method("dsbd", width=2, gamma=3)).run()
+        assert dsbd.output_ids == beam.output_ids
+        assert dsbd.stats.target_forwards < beam.stats.target_forwards  # the forest saves target calls
 
 
 def test_dynamic_width_follows_the_threshold():

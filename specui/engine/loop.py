@@ -151,6 +151,10 @@ class Generation:
             expected_accept=result.expected_accept,
             notes=result.notes,
             choice=result.choice,
+            layer_widths=result.layer_widths,
+            stop_layer=result.stop_layer,
+            beams=None if result.beams is None else [
+                {"text": self.decode(tokens), "score": score} for tokens, score in result.beams],
             draft_ms=ms.get("draft", 0.0),
             verify_ms=ms.get("verify", 0.0),
             step_ms=step_ms,

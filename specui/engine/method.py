@@ -90,6 +90,9 @@ class StepResult:
     expected_accept: float | None = None
     notes: list[str] = field(default_factory=list)
     choice: str | None = None  # the sub-method `auto` chose
+    layer_widths: list[int] | None = None  # DSBD: width chosen per verified layer
+    stop_layer: int | None = None  # DSBD: where verification stopped
+    beams: list[tuple[list[int], float]] | None = None  # beam methods: (reply tokens, score) of each beam
     replace: bool = False
     finished: bool = False
 

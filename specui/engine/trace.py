@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-# Node statuses (DESIGN.md 4). "target" = a token the target produced with no draft.
-ACCEPTED, REJECTED, RESAMPLED, BONUS, UNVERIFIED, TARGET = (
-    "accepted", "rejected", "resampled", "bonus", "unverified", "target",
+# Node statuses (DESIGN.md 4). "target" = a token the target produced with no draft;
+# DSBD adds "dropped" (its parent beam was rejected) and "filled" (a beam drawn from the
+# target's p_beam to fill the width after too few were accepted).
+ACCEPTED, REJECTED, RESAMPLED, BONUS, UNVERIFIED, TARGET, DROPPED, FILLED = (
+    "accepted", "rejected", "resampled", "bonus", "unverified", "target", "dropped", "filled",
 )
-STATUSES = (ACCEPTED, REJECTED, RESAMPLED, BONUS, UNVERIFIED, TARGET)
+STATUSES = (ACCEPTED, REJECTED, RESAMPLED, BONUS, UNVERIFIED, TARGET, DROPPED, FILLED)
 
 
 @dataclass
@@ -25,7 +27,8 @@ class NodeTrace:
     p: float | None = None  # target probability of this token (warped)
     p_hat: float | None = None  # product of draft probabilities along the path (trees)
     beam: int | None = None  # which beam / tree of a forest this node belongs to
-    score: float | None = None  # beam log-likelihood after this token
+    score: float | None = None  # beam log-likelihood after this token (under the target)
+    draft_score: float | None = None  # the same joint log-probability under the draft (DSBD's forest)
 
     @property
     def accept_ratio(self) -> float | None:
@@ -57,6 +60,9 @@ class StepTrace:
     expected_accept: float | None = None  # OPT-Tree's E(A) for this step's tree
     notes: list[str] = field(default_factory=list)  # clamps and calibrations worth showing
     choice: str | None = None  # what `auto` chose this step ("autoregressive", "speculative:2")
+    layer_widths: list[int] | None = None  # DSBD: the beam width chosen at each verified layer
+    stop_layer: int | None = None  # DSBD: the layer where verification stopped (gamma + 1: all passed)
+    beams: list[dict] | None = None  # beam methods: the beams after the step, [{"text", "score"}]
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0

@@ -16,6 +16,8 @@ STATUS_COLORS = {
     "bonus": "#1f77b4",
     "unverified": "#b0b0b0",
     "target": "#6f42c1",
+    "dropped": "#e8c4c4",
+    "filled": "#ffd58a",
 }
 
 
@@ -58,6 +60,8 @@ def _hover(node) -> str:
         parts.append(f"beam {node.beam}")
     if node.score is not None:
         parts.append(f"beam log-lik = {node.score:.3f}")
+    if node.draft_score is not None:
+        parts.append(f"draft log-lik = {node.draft_score:.3f}")
     return "<br>".join(parts)
 
 
@@ -137,6 +141,7 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
         "tree depth": [s.tree_depth for s in steps],
         "E(A) expected": [s.expected_accept for s in steps],
         "beam width": [s.beam_width for s in steps],
+        "DSBD: layer where verification stopped": [s.stop_layer for s in steps],
     }
     chosen = [s.choice for s in steps]
     for name, ys in series.items():
@@ -144,6 +149,12 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
             data.append(dict(type="scatter", x=xs, y=ys, name=name, mode="lines+markers"))
     if any(s.expected_accept is not None for s in steps):
         data.append(dict(type="scatter", x=xs, y=[s.accepted + 1 for s in steps], name="A achieved", mode="markers"))
+    widths = [(s.index, layer, w) for s in steps for layer, w in enumerate(s.layer_widths or [], 1)]
+    if widths:  # DSBD: the width chosen at every verified layer, one marker per layer
+        data.append(dict(type="scatter", x=[i for i, _, _ in widths], y=[w for _, _, w in widths],
+                         text=[f"layer {layer}" for _, layer, _ in widths], name="DSBD: width per layer",
+                         hovertemplate="step %{x}, %{text}: width %{y}<extra></extra>", mode="markers",
+                         marker=dict(symbol="diamond-open", size=9)))
     if any(c is not None for c in chosen):  # auto: what it chose, drafted tokens per step (0 = autoregressive)
         data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
                          text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
@@ -223,13 +234,18 @@ def _fmt(value, spec: str = ".3f") -> str:
     return "" if value is None else format(value, spec)
 
 
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell and code span."""
+    return text.replace("`", "'").replace("|", "\\|").replace("\n", "\\n")
+
+
 def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
     """The numbers of one step, as recorded (nothing recomputed)."""
     if step is None:
         return "_no step selected_"
     choices = [f"{name} {value}" for name, value in (
         ("gamma", step.gamma), ("beam width", step.beam_width), ("tree nodes", step.tree_nodes),
-        ("tree depth", step.tree_depth),
+        ("tree depth", step.tree_depth), ("widths per layer", step.layer_widths), ("stopped at layer", step.stop_layer),
         ("E(A)", None if step.expected_accept is None else f"{step.expected_accept:.2f}")) if value is not None]
     lines = [
         f"**step {step.index}** · {step.method} · drafted {step.drafted} · accepted {step.accepted} · "
@@ -238,13 +254,17 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
         + (" · " + " · ".join(choices) if choices else ""),
     ]
     lines += [f"ℹ️ {n}" for n in step.notes]
+    if step.beams:
+        lines += ["", "| beam | log-lik | text |", "|---|---|---|"]
+        lines += [f"| {i} | {b['score']:.3f} | {_cell(b['text'][-80:])} |" for i, b in enumerate(step.beams)]
     if step.nodes:
-        lines += ["", "| # | token | parent | depth | status | q | p | p^ | min(1,p/q) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| # | token | parent | depth | status | q | p | p^ | min(1,p/q) | beam | log-lik target / draft |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, n in enumerate(step.nodes[:max_nodes]):
-            token = n.text.replace("`", "'").replace("|", "\\|").replace("\n", "\\n")
+            token = _cell(n.text)
             lines.append(f"| {i} | `{token}` | {n.parent} | {n.depth} | {n.status} | {_fmt(n.q)} | {_fmt(n.p)} "
-                         f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} |")
+                         f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} | {'' if n.beam is None else n.beam} "
+                         f"| {_fmt(n.score)} / {_fmt(n.draft_score)} |")
         if len(step.nodes) > max_nodes:
             lines.append(f"\n… {len(step.nodes) - max_nodes} more nodes (see the JSON export)")
     return "\n".join(lines)

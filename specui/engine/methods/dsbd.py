@@ -36,7 +36,7 @@ from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.beam import Hypothesis, select_beams
 from specui.engine.rows import RowSession
 from specui.engine.sampling import residual, sample, uniform, warp
-from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, TARGET, UNVERIFIED, NodeTrace
+from specui.engine.trace import ACCEPTED, BONUS, DROPPED, FILLED, REJECTED, RESAMPLED, TARGET, UNVERIFIED, NodeTrace
 from specui.errors import SpecUIError
 
 
@@ -165,9 +165,11 @@ class DSBD(Method):
         (None: 2 W_L); width_threshold: t, dynamic width on when given; min_width: W_min."""
         beam_width = width
         draft_width = 2 * width if draft_width is None else draft_width
-        if beam_width < 1 or draft_width < 1 or gamma < 1:
-            raise SpecUIError(f"dsbd needs beam width, draft width and gamma >= 1, got {beam_width}, "
-                              f"{draft_width}, {gamma}")
+        if beam_width < 1 or gamma < 1:
+            raise SpecUIError(f"dsbd needs beam width and gamma >= 1, got {beam_width}, {gamma}")
+        if draft_width <= beam_width:
+            raise SpecUIError(f"draft width W_S must exceed the beam width W_L = {beam_width} (the draft proposes "
+                              f"more beams than are kept), got {draft_width}")
         if not 1 <= min_width <= beam_width:
             raise SpecUIError(f"min width must be in [1, beam width = {beam_width}], got {min_width}")
         if width_threshold is not None and not 0.0 < width_threshold <= 1.0:
@@ -204,11 +206,13 @@ class DSBD(Method):
         forest = [n for layer in layers for n in layer.nodes]
         gained = len(self.running[0].tokens) - before if self.running else len(best.tokens) - before
         accepted = max(0, gained - 1)  # draft layers the beams advanced by beyond the target's own token
+        stop = outputs[0].parent.layer + 1 if outputs else len(widths)
         return StepResult(
             tokens=list(best.tokens), replace=True, finished=done, nodes=self._trace(roots, layers, outputs),
             drafted=len(forest), accepted=accepted, gamma=gamma, beam_width=len(self.running) or None,
-            tree_nodes=len(forest), tree_depth=len(layers),
-            notes=[f"widths per layer {widths}"] if self.threshold is not None else [],
+            tree_nodes=len(forest), tree_depth=len(layers), layer_widths=widths, stop_layer=stop,
+            beams=[(b.tokens, b.score) for b in self.running] + [(h.tokens, h.score) for h in self.finished[-8:]
+                                                                 if h.tokens and len(h.tokens) > before],
         )
 
     def _draft_forest(self, ctx: DecodeContext, gamma: int) -> tuple[list[Node], list[Layer]]:
@@ -308,15 +312,18 @@ class DSBD(Method):
                 break
             node.score = p.score
             found.append(node)
-        live = {id(a) for a in parents}
+        live = {id(a): i for i, a in enumerate(parents)}
         for n in layer.nodes:
-            if id(n.parent) in live:
-                n.status = ACCEPTED if any(n is f for f in found) else REJECTED
+            if id(n.parent) not in live:
+                n.status = DROPPED
+                continue
+            n.score = float(joint[live[id(n.parent)], n.token])
+            n.status = ACCEPTED if any(n is f for f in found) else REJECTED
         kept_best = max((p.score for p in picks.kept), default=float("-inf"))
         done = not picks.kept or (bool(self.finished) and max(h.score for h in self.finished) >= kept_best)
         if len(found) == len(picks.kept) and not done:
             return None, found, False
-        return [Output(parents[p.parent], p.token, p.score, ACCEPTED if i < len(found) else RESAMPLED)
+        return [Output(parents[p.parent], p.token, p.score, ACCEPTED if i < len(found) else FILLED)
                 for i, p in enumerate(picks.kept)], [], done
 
     def _layer_sampled(self, ctx: DecodeContext, parents: list[Node], joint: torch.Tensor, layer: Layer
@@ -333,16 +340,19 @@ class DSBD(Method):
         width = self.beam_width if self.threshold is None else dynamic_width(
             p_beam, q_beam, len(candidates), self.beam_width, self.min_width, self.threshold)
         verdict = verify_layer(p_beam, q_beam, flat, width, ctx.generator)
+        for n in layer.nodes:
+            if id(n.parent) not in slot:
+                n.status = DROPPED
         for i, (n, f) in enumerate(zip(candidates, flat)):
-            n.q, n.p = float(q_beam[f]), float(p_beam[f])
+            n.q, n.p, n.score = float(q_beam[f]), float(p_beam[f]), float(joint.view(-1)[f])
             if i < verdict.considered:
                 n.status = REJECTED
         chosen = [candidates[i] for i in verdict.accepted]
         for n in chosen:
             n.status = ACCEPTED
-            n.score = float(joint.view(-1)[slot[id(n.parent)] * vocab + n.token])
         if verdict.drawn:
-            drawn = [Output(parents[f // vocab], f % vocab, float(joint.view(-1)[f]), RESAMPLED) for f in verdict.drawn]
+            drawn = [Output(parents[f // vocab], f % vocab, float(joint.view(-1)[f]), RESAMPLED if i == 0 else FILLED)
+                     for i, f in enumerate(verdict.drawn)]
             return [Output(n.parent, n.token, n.score, ACCEPTED) for n in chosen] + drawn, [], width
         self.finished += [self._hyp(n.parent, n.token, n.score) for n in chosen if n.token in ctx.eos_ids]
         return None, [n for n in chosen if n.token not in ctx.eos_ids], width
@@ -393,7 +403,8 @@ class DSBD(Method):
             nodes.append(NodeTrace(
                 token_id=n.token, text="", parent=index[id(n.parent)] if n.parent is not None else -1,
                 depth=n.layer, status=TARGET if n.parent is None else n.status, q=n.q, p=n.p, beam=n.row,
-                score=n.score if n.status == ACCEPTED or n.parent is None else None,
+                score=n.score if n.parent is None or n.status in (ACCEPTED, REJECTED) else None,
+                draft_score=n.draft_score,
             ))
         for o in outputs:
             if o.status != ACCEPTED:
