@@ -258,7 +258,8 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
         lines += ["", "| beam | log-lik | text |", "|---|---|---|"]
         lines += [f"| {i} | {b['score']:.3f} | {_cell(b['text'][-80:])} |" for i, b in enumerate(step.beams)]
     if step.nodes:
-        lines += ["", "| # | token | parent | depth | status | q | p | p^ | min(1,p/q) | beam | log-lik target / draft |",
+        lines += ["", "| # | token | parent | depth | status | q | p | p^ | min(1,p/q) | beam "
+                      "| log-lik target / draft |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, n in enumerate(step.nodes[:max_nodes]):
             token = _cell(n.text)
