@@ -30,6 +30,7 @@ from specui.bench.prompts import HELDOUT, load_prompts
 from specui.chat import build_prompt
 from specui.engine import GenerationRequest, make_method
 from specui.engine.profile import cpu_model
+from specui.engine.sampling import SamplingConfig
 from specui.loading import BUNDLED, ModelSpec
 from specui.pair import ModelPair, default_draft_source, load_pair
 from specui.settings import ChatSettings
@@ -56,7 +57,7 @@ class Sample:
 class Row:
     name: str
     dtype: str
-    run: Callable[[list[int], int], Sample] = field(repr=False)
+    run: Callable[..., Sample] = field(repr=False)  # (prompt, max new tokens[, sampling]) -> Sample
     rounds: list[list[Sample]] = field(default_factory=list, repr=False)  # rounds x prompts
 
     def round_rate(self, r: int) -> float:
@@ -94,15 +95,16 @@ class Row:
         return sum(a.output != b.output for a, b in zip(self.rounds[0], base.rounds[0]))
 
 
-def ours(pair: ModelPair, method: str, params: dict) -> Callable[[list[int], int], Sample]:
+def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
     engine = pair.engine()  # its own engine: auto's running estimates are not shared with other rows
 
-    def run(prompt: list[int], n: int) -> Sample:
+    def run(prompt: list[int], n: int, sampling: SamplingConfig | None = None) -> Sample:
         engine.target.reset()  # no cross-prompt cache reuse: same work as the peers
         if engine.draft is not None:
             engine.draft.reset()
         t0 = time.perf_counter()
-        gen = engine.generate(GenerationRequest(prompt, n), make_method(method, **params)).run()
+        request = GenerationRequest(prompt, n, sampling or SamplingConfig())
+        gen = engine.generate(request, make_method(method, **params)).run()
         s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps))
         for step in gen.steps:
             s.draft_ms += step.draft_ms
@@ -116,7 +118,7 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[[list[int], int
     return run
 
 
-def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[[list[int], int], Sample]:
+def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[..., Sample]:
     model = pair.target.model
     eos = sorted(pair.engine().eos_ids)
 
