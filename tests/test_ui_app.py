@@ -28,7 +28,8 @@ from specui.ui.figures import (
 )
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
-METHODS = ("autoregressive", "beam", "speculative", "speculative-sampled", "tree", "opt-tree")
+METHODS = ("autoregressive", "beam", "speculative", "speculative-sampled", "tree", "opt-tree", "dsbd", "dsbd-sampled")
+REWRITING = ("beam", "dsbd", "dsbd-sampled")  # beam methods re-send their best beam each step
 
 
 def fixture(name: str):
@@ -41,7 +42,7 @@ def fixture(name: str):
 @pytest.mark.parametrize("name", METHODS)
 def test_tree_figure_every_step_of_every_method(name):
     steps, stats = fixture(name)
-    committed = len(steps[-1].new_token_ids) if name == "beam" else sum(len(s.new_token_ids) for s in steps)
+    committed = len(steps[-1].new_token_ids) if name in REWRITING else sum(len(s.new_token_ids) for s in steps)
     assert steps and stats["new_tokens"] == committed  # beam search re-sends its best beam each step
     for step in steps:
         fig = tree_figure(step)
@@ -65,6 +66,8 @@ def test_statuses_each_method_records():
     assert "accepted" in seen["speculative"] and seen["speculative"] & {"resampled", "bonus"}
     assert "rejected" in seen["speculative-sampled"]
     assert {"accepted", "unverified"} <= seen["tree"] and {"accepted", "unverified"} <= seen["opt-tree"]
+    assert "target" in seen["dsbd"] and seen["dsbd"] & {"accepted", "rejected"}  # input beams and their forest
+    assert seen["dsbd-sampled"] & {"resampled", "filled", "bonus"}
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -75,7 +78,7 @@ def test_acceptance_timing_and_choices_figures(name):
     assert list(acc.data[0].y) == [s.accepted for s in steps]
     assert list(acc.data[1].y) == [s.drafted - s.accepted for s in steps]
     running = acc.data[2].y
-    committed = len(steps[-1].new_token_ids) if name == "beam" else sum(len(s.new_token_ids) for s in steps)
+    committed = len(steps[-1].new_token_ids) if name in REWRITING else sum(len(s.new_token_ids) for s in steps)
     assert running[-1] == pytest.approx(committed / len(steps))
     timing = timing_figure(steps)
     assert [t.name for t in timing.data] == ["draft ms", "verify ms", "other ms", "tokens/s (running)"]
@@ -86,7 +89,11 @@ def test_acceptance_timing_and_choices_figures(name):
         "speculative-sampled": {"gamma (candidate length)"},
         "tree": {"tree nodes", "tree depth", "E(A) expected", "A achieved"},
         "opt-tree": {"tree nodes", "tree depth", "E(A) expected", "A achieved"},
-    }[name]
+        "dsbd": {"gamma (candidate length)", "tree nodes", "tree depth", "beam width",
+                 "DSBD: layer where verification stopped", "DSBD: width per layer"},
+    }
+    expected["dsbd-sampled"] = expected["dsbd"]
+    expected = expected[name]
     assert names == expected
 
 

@@ -4,7 +4,7 @@
     python -m specui.bench.run --limit 10 --max-new-tokens 128 --repeats 3 \
         --methods autoregressive,auto,speculative:3,tree:eagle-25,opt-tree:25
 
-A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, tree:PRESET, opt-tree:NODES.
+A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, dsbd:WIDTH, tree:PRESET, opt-tree:NODES.
 
 Built for a noisy machine: the CPU model and the pair's cost profile are printed first,
 every row gets a warm-up, and then the rows are interleaved prompt by prompt (their order
@@ -139,7 +139,8 @@ def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[..., Samp
     return run
 
 
-PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "tree": ("preset", str), "opt-tree": ("nodes", int)}
+PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("width", int), "tree": ("preset", str),
+            "opt-tree": ("nodes", int)}
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -163,6 +164,8 @@ def correlation(xs: list[float], ys: list[float]) -> float:
 
 def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> list[Row]:
     t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
+    if pair.target.spec.quantization != "none":
+        t_dtype += f"+{pair.target.spec.quantization}"
     d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
     pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
     rows = []
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="default")
     ap.add_argument("--dtype", default="auto", help="auto (measured on CPU), float32, bfloat16, float16")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--quantization", default="none", help="target: none, int8 (CPU kernel), 8bit, 4bit")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -254,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.max_new_tokens < 1:
         ap.error("--repeats and --max-new-tokens must be >= 1")
 
-    target = ModelSpec(args.target, args.dtype, args.device)
+    target = ModelSpec(args.target, args.dtype, args.device, args.quantization)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
-    pair = load_pair(target, None if args.draft == "none" else target.with_source(draft_src))
+    draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
+    pair = load_pair(target, draft)
     tok = pair.target.tokenizer
     prompts = [build_prompt(tok, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
 
