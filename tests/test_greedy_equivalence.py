@@ -117,3 +117,19 @@ def test_stop_string_spanning_steps_streams_cleanly(tiny_engine):
         streamed = "".join(step.new_text for step in gen)
         assert gen.stats.finish_reason == "stop"
         assert streamed == gen.text == ref.text[: ref.text.find(stop)]
+
+
+@pytest.mark.parametrize("confidence", [0.0, 0.3, 0.999])
+def test_confidence_stopped_chains_stay_lossless(tiny_target, confidence):
+    """Drafting stops after a token the draft gave less than `confidence`: chains get
+    shorter (0.999: one draft per step), replies stay the target's greedy ones."""
+    engine = Engine(tiny_target, TinyTokenizer(), draft=near_copy(tiny_target, 0.003, 7), eos_ids=[EOS])
+    for prompt in PROMPTS:
+        reference = run(engine, prompt, 40, "autoregressive").output_ids
+        gen = run(engine, prompt, 40, "speculative", gamma=6, confidence=confidence)
+        assert gen.output_ids == reference
+        drafted = [s.drafted for s in gen.steps]
+        if confidence == 0.999:
+            assert max(drafted) <= 1
+        if confidence == 0.0:
+            assert max(drafted) == 6

@@ -4,7 +4,8 @@
     python -m specui.bench.run --limit 10 --max-new-tokens 128 --repeats 3 \
         --methods autoregressive,auto,speculative:3,tree:eagle-25,opt-tree:25
 
-A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, dsbd:WIDTH, tree:PRESET, opt-tree:NODES.
+A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, dsbd:WIDTH, tree:PRESET, opt-tree:NODES;
+speculative:GAMMA@C also ends each chain after a draft token with probability below C.
 
 Built for a noisy machine: the CPU model and the pair's cost profile are printed first,
 every row gets a warm-up, and then the rows are interleaved prompt by prompt (their order
@@ -144,11 +145,14 @@ PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("wid
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
+    """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4."""
     name, _, value = spec.partition(":")
+    value, _, confidence = value.partition("@")
+    params: dict = {"confidence": float(confidence)} if confidence else {}
     if value and name in PARAM_OF:
         key, kind = PARAM_OF[name]
-        return name, {key: kind(value)}
-    return name, {}
+        params[key] = kind(value)
+    return name, params
 
 
 def correlation(xs: list[float], ys: list[float]) -> float:

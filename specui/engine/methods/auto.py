@@ -8,6 +8,11 @@ step time, unless `calibrate` is off). The best rate wins; speculation must beat
 drafting does not pay the draft stays idle and auto decodes autoregressively. Every
 `probe_every` autoregressive steps a gamma-1 chain probes whether the draft agrees again.
 
+With `confidence` set (default 0.4), a chain the profile chose runs up to G drafts and ends
+after the first token the draft itself gave less than that probability (as transformers'
+assisted generation does): long where the draft is sure, short where it is not. The stop
+depends on the draft alone, so verification stays lossless.
+
 Each step is one lossless step of its sub-method (both verify against the target), so
 the reply is the target's greedy reply, and sampling stays distributed as the target."""
 
@@ -38,7 +43,7 @@ class Auto(Method):
     needs_profile = True
 
     def __init__(self, max_gamma: int = 6, margin: float = 0.05, probe_every: int = 16,
-                 gamma: int = 2, calibrate: bool = True) -> None:
+                 gamma: int = 2, calibrate: bool = True, confidence: float | None = 0.4) -> None:
         if max_gamma < 1:
             raise SpecUIError(f"max_gamma must be >= 1, got {max_gamma}")
         if gamma < 1:
@@ -48,6 +53,9 @@ class Auto(Method):
         self.probe_every = probe_every
         self.fallback_gamma = gamma  # the user's gamma: used where no profile could be measured
         self.calibrate = calibrate  # correct the profile by the step times measured here
+        # drafting also stops after a token the draft gave less than this (then chains run up
+        # to max_gamma and end where the draft grows unsure; None: exactly the chosen gamma)
+        self.confidence = confidence
         self.ar = Autoregressive()
         self.chains: dict[int, Speculative] = {}
         self.since_spec = 0  # autoregressive steps since the last speculative one
@@ -122,7 +130,9 @@ class Auto(Method):
             self.since_spec += 1
             self.since_ar = 0
         else:
-            chain = self.chains.setdefault(gamma, Speculative(gamma))
+            if self.confidence is not None and why.startswith("alpha"):  # chosen by the profile (no probe)
+                gamma = max(gamma, min(self.max_gamma, max(0, ctx.remaining - 1), max(0, ctx.room)))
+            chain = self.chains.setdefault(gamma, Speculative(gamma, confidence=self.confidence))
             result = chain.step(ctx)
             choice, kind = f"speculative:{gamma}", "speculative"
             self.since_spec = 0
@@ -133,7 +143,7 @@ class Auto(Method):
         costs = ctx.costs
         calibrated = costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft)
         if self.calibrate and calibrated:
-            costs.ratio(kind).observe(ms, self.predicted_ms(costs, gamma, context))
+            costs.ratio(kind).observe(ms, self.predicted_ms(costs, result.drafted if gamma else 0, context))
         result.choice = choice
         result.notes = self.pending + [f"auto: {choice} ({why})"] + result.notes
         self.pending = []

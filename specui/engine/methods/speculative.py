@@ -25,9 +25,11 @@ class ChainVerdict:
 
 def draft_chain(
     draft: ModelSession, ids: list[int], gamma: int, cfg: SamplingConfig,
-    generator: torch.Generator, eos_ids: frozenset[int],
+    generator: torch.Generator, eos_ids: frozenset[int], confidence: float | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Draw up to gamma tokens from the draft's warped q~ (stopping after an EOS).
+    """Draw up to gamma tokens from the draft's warped q~, stopping after an EOS or after a
+    token the draft itself gave less than `confidence` (its softmax probability; the stop
+    depends on the draft alone, so verification stays lossless).
     Returns (tokens, q~ rows (n, V), raw draft logits (n, V))."""
     tokens: list[int] = []
     q_rows, logit_rows = [], []
@@ -39,6 +41,8 @@ def draft_chain(
         q_rows.append(q)
         logit_rows.append(logits)
         if token in eos_ids:
+            break
+        if confidence is not None and float(logits.float().softmax(-1)[token]) < confidence:
             break
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
 
@@ -85,10 +89,13 @@ class Speculative(Method):
     name = "speculative"
     uses_draft = True
 
-    def __init__(self, gamma: int = 2) -> None:
+    def __init__(self, gamma: int = 2, confidence: float | None = None) -> None:
         if gamma < 1:
             raise SpecUIError(f"gamma (draft length) must be >= 1, got {gamma}")
+        if confidence is not None and not 0.0 <= confidence < 1.0:
+            raise SpecUIError(f"confidence must be in [0, 1), got {confidence}")
         self.gamma = gamma
+        self.confidence = confidence  # stop drafting after a token the draft gave less (None: never)
 
     def step(self, ctx: DecodeContext) -> StepResult:
         assert ctx.draft is not None
@@ -97,7 +104,8 @@ class Speculative(Method):
         # 1. draft
         with ctx.timer.phase("draft"):
             if gamma:
-                drafts, q, q_logits = draft_chain(ctx.draft, ctx.ids, gamma, cfg, ctx.generator, ctx.eos_ids)
+                drafts, q, q_logits = draft_chain(ctx.draft, ctx.ids, gamma, cfg, ctx.generator, ctx.eos_ids,
+                                                  self.confidence)
             else:
                 drafts, q, q_logits = [], None, None
         # 2. score all candidates in one target forward, 3. accept
