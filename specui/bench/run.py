@@ -203,7 +203,7 @@ def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
 
 def table(rows: list[Row], n_prompts: int) -> str:
     base = next((r for r in rows if r.name == AR), rows[0])
-    lines = [f"{'method':26} {'dtype':16} {'tokens':>6} {'tok/s median (min-max)':>24} {'vs AR (min-max)':>18} "
+    lines = [f"{'method':34} {'dtype':16} {'tokens':>6} {'tok/s median (min-max)':>24} {'vs AR (min-max)':>18} "
              f"{'tok/fwd':>7} {'draft/verify/other ms per step':>31} {'differs from AR':>15}"]
     for row in rows:
         rates = row.rates
@@ -214,7 +214,7 @@ def table(rows: list[Row], n_prompts: int) -> str:
         split = row.split_ms()
         split_s = f"{split[0]:6.1f} / {split[1]:6.1f} / {split[2]:5.1f}" if split else "-"
         differs = "-" if row is base else f"{row.divergent(base)}/{n_prompts}"
-        lines.append(f"{row.name:26} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} "
+        lines.append(f"{row.name:34} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} "
                      f"{split_s:>31} {differs:>15}")
     for row in rows:
         xs = [x for s in row.all_samples for x in s.expected]
