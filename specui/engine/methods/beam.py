@@ -40,6 +40,17 @@ class Picks:
     considered: list[Pick]  # every candidate looked at, in order
 
 
+def beam_search_done(running: list, finished: list[Hypothesis], max_new_tokens: int) -> bool:
+    """No beam left, the best finished hypothesis at least the best running beam (scores are
+    sums of log-probabilities: no beam can overtake it), or the length reached. `running`
+    holds anything with `tokens` and `score`."""
+    if not running:
+        return True
+    if finished and max(h.score for h in finished) >= max(b.score for b in running):
+        return True
+    return len(running[0].tokens) >= max_new_tokens
+
+
 def select_beams(joint: torch.Tensor, width: int, ctx: DecodeContext) -> Picks:
     """One beam step over joint scores (parents, V): deterministic keeps the best `width`
     (as transformers: a pool of max(2, 1 + #EOS) * width, EOS counts only within the top
@@ -106,11 +117,7 @@ class Beam(Method):
         return StepResult(tokens=best.tokens, nodes=nodes, replace=True, finished=done, beam_width=len(picks.kept))
 
     def _done(self, ctx: DecodeContext) -> bool:
-        if not self.running:
-            return True
-        if self.finished and max(h.score for h in self.finished) >= max(h.score for h in self.running):
-            return True
-        return len(self.running[0].tokens) >= ctx.max_new_tokens
+        return beam_search_done(self.running, self.finished, ctx.max_new_tokens)
 
     def _best(self, include_running: bool) -> Hypothesis:
         pool = self.finished + self.running if include_running else self.running or self.finished

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
-from specui.engine.methods.beam import Hypothesis, select_beams
+from specui.engine.methods.beam import Hypothesis, beam_search_done, select_beams
 from specui.engine.rows import RowSession
 from specui.engine.sampling import residual, sample, uniform, warp
 from specui.engine.trace import ACCEPTED, BONUS, DROPPED, FILLED, REJECTED, RESAMPLED, TARGET, UNVERIFIED, NodeTrace
@@ -387,11 +387,7 @@ class DSBD(Method):
         self.running = beams
 
     def _done(self, ctx: DecodeContext) -> bool:
-        if not self.running:
-            return True
-        if self.finished and max(h.score for h in self.finished) >= max(b.score for b in self.running):
-            return True
-        return len(self.running[0].tokens) >= ctx.max_new_tokens
+        return beam_search_done(self.running, self.finished, ctx.max_new_tokens)
 
     def _trace(self, roots: list[Node], layers: list[Layer], outputs: list[Output]) -> list[NodeTrace]:
         """The forest: one tree per input beam (its root is the beam's last token), then the
