@@ -1,5 +1,5 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd]   (dsbd: only the DSBD forest)"""
 
 from __future__ import annotations
 
@@ -21,11 +21,31 @@ def shoot(page: tb.Page, name: str, css: str | None = None) -> None:
     print("wrote", OUT / f"{name}.png")
 
 
+def dsbd_forest(page: tb.Page) -> None:
+    """A DSBD step in the step inspector: the forest, one tree per input beam."""
+    page.choose("method", "dsbd")
+    page.set_number("set-max_new_tokens", 40)
+    page.set_number("set-width", 2)
+    page.set_number("set-gamma", 2)
+    page.send("Name three colours of the rainbow.")
+    page.wait_done(1, timeout=240)
+    time.sleep(2)
+    page.set_number("step-slider", 2)
+    tb._wait_until(lambda: "step 2 ·" in page.find("#step-info").text, 30, "step 2")
+    time.sleep(1)
+    page.driver.execute_script("document.querySelector('#step-tree').scrollIntoView()")
+    time.sleep(1)
+    shoot(page, "dsbd-forest", "#step-tree")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
     page = tb.Page(url)
     try:
+        if sys.argv[1:] == ["dsbd"]:
+            dsbd_forest(page)
+            return
         page.choose("method", "opt-tree")
         page.set_number("set-max_new_tokens", 80)
         page.send("Explain in three sentences how a rainbow forms.")
