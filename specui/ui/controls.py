@@ -1,0 +1,65 @@
+"""The settings controls of the page: which ChatSettings fields they edit (in the order the
+handlers receive them), their ranges and tooltips, and each method's one-line description."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from specui.settings import ChatSettings
+
+DESCRIPTIONS = {
+    "auto": "chooses autoregressive or speculative (and gamma) each step from the measured cost profile "
+            "and the running acceptance; never slower than plain decoding by design (lossless)",
+    "autoregressive": "plain decoding: one target forward per token",
+    "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
+    "dsbd": "DSBD: the draft beam-samples a forest (W_S per layer, gamma layers) from W_L beams, the target "
+            "verifies it layer by layer in one forward; greedy = exact beam search, sampling = exact beam sampling",
+    "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
+    "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
+    "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
+}
+
+# The ChatSettings fields behind the settings controls, in the order the handlers receive them.
+SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
+                  "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode")
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
+
+
+def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[str, gr.components.Component]:
+    controls = {
+        "max_new_tokens": gr.Slider(1, 2048, value=defaults.max_new_tokens, step=1, label="max new tokens",
+                                    info="longest reply; the context window caps it too"),
+        "temperature": gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="temperature",
+                                 info="0 = greedy (lossless methods then reproduce plain greedy decoding)"),
+        "top_k": gr.Slider(0, 200, value=defaults.top_k, step=1, label="top-k",
+                           info="sample only from the k most likely tokens; 0 = off"),
+        "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="top-p",
+                           info="nucleus sampling: the smallest set holding this much probability"),
+        "seed": gr.Number(value=-1 if defaults.seed is None else defaults.seed, precision=0, label="seed",
+                          info="same seed + settings = same reply; -1 = random"),
+        "gamma": gr.Slider(1, 16, value=defaults.gamma, step=1, label="gamma",
+                           info="speculative: draft tokens proposed per step (higher pays when the draft agrees)"),
+        "width": gr.Slider(1, 8, value=defaults.width, step=1, label="beam width W",
+                           info="beam: number of beams kept per step; dsbd: W_L, the most beams kept"),
+        "draft_width": gr.Number(value=defaults.draft_width, precision=0, label="draft width W_S",
+                                 info="dsbd: beams the draft samples per layer of the forest; empty = 2 W_L"),
+        "width_threshold": gr.Number(value=defaults.width_threshold, label="width threshold t",
+                                     info="dsbd: dynamic width, keeping K beams while P(at least K of the draft's "
+                                          "candidates are accepted) >= t; empty = fixed width W_L"),
+        "min_width": gr.Slider(1, 8, value=defaults.min_width, step=1, label="min width W_min",
+                               info="dsbd: dynamic width never keeps fewer beams"),
+        "memory_mode": gr.Checkbox(value=defaults.memory_mode, label="memory mode",
+                                   info="dsbd: continue from the best output beam only (one KV cache)"),
+        "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
+                              info="tree: the static draft tree's shape (nodes per depth)"),
+        "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",
+                           info="opt-tree: most draft tokens verified per step"),
+        "delta": gr.Number(value=defaults.delta, label="delta",
+                           info="opt-tree: stop growing when E(A) gains less; empty = measured draft/target cost"),
+        "system": gr.Textbox(value=defaults.system, label="system prompt", lines=2,
+                             info="instructions for the whole chat; empty = the model's default. Sent as text: "
+                                  "special tokens typed here stay text"),
+    }
+    for name, control in controls.items():
+        control.elem_id = f"set-{name}"
+    return controls
