@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target quantization: int8 (weight-only int8 kernel, CPU), 8bit / 4bit (bitsandbytes); "
                         "default none")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")
+    m.add_argument("--specdec-head", default="default",
+                   help="specdec++: the acceptance head folder ('default': the shipped one for the shipped draft; "
+                        "'none')")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
 
     d = ChatSettings()  # the defaults live there (the UI starts from them too)
@@ -58,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-width", type=int, default=d.min_width, help="dsbd: the least width W_min dynamic width keeps")
     g.add_argument("--memory-mode", action="store_true",
                    help="dsbd: continue from the best output beam only (one KV cache, as speculative decoding)")
+    g.add_argument("--threshold", type=float, default=d.threshold,
+                   help="specdec++: stop drafting once the predicted P(some candidate is rejected) exceeds this "
+                        "(default: the threshold tuned for the head)")
+    g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="specdec++: the most candidates per step")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -103,6 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
         preset=args.tree_preset, nodes=args.nodes, delta=args.delta, draft_width=args.draft_width,
         width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
+        threshold=args.threshold, gamma_max=args.gamma_max,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 
@@ -113,7 +121,9 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
     if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
-    pair = load_pair(target, draft)
+    pair = load_pair(target, draft, head=args.specdec_head)
+    if settings.method == "specdec++" and pair.head.head is None:
+        raise SpecUIError(f"specdec++ needs an acceptance head: {pair.head.problem}")
     for note in pair.notes:
         print(note, file=sys.stderr)
     return pair

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ from specui.draft_model import is_specui_draft, load_draft
 from specui.dtypes import choice_key, choose_dtype
 from specui.engine import Engine
 from specui.errors import SpecUIError
+from specui.heads import TRAIN_COMMAND, load_head
 from specui.loading import (
     BUNDLED,
     QUANTIZATIONS,
@@ -27,6 +28,7 @@ from specui.settings import PairChoice
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
+SHIPPED_HEAD = REPO / "models" / "smollm2-135m-specdec-head"  # SpecDec++'s acceptance head for it
 PRESETS_FILE = REPO / "models" / "presets.json"
 DEFAULT_TARGET = BUNDLED
 
@@ -83,9 +85,46 @@ def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
 
 
 @dataclass
+class HeadChoice:
+    """SpecDec++'s acceptance head for the loaded draft: the module and its config, or why
+    there is none."""
+
+    head: torch.nn.Module | None = None
+    config: dict = field(default_factory=dict)
+    problem: str = "no acceptance head is loaded for this draft"
+
+
+def head_folder(head: str, draft: ModelSpec | None) -> Path | None:
+    """Where the acceptance head comes from: 'default' = the shipped head when the draft is
+    the shipped draft (else none), 'none' = none, anything else a folder."""
+    head = (head or "default").strip()
+    if draft is None or head == "none":
+        return None
+    if head == "default":
+        return SHIPPED_HEAD if Path(draft.source).resolve() == SHIPPED_DRAFT.resolve() else None
+    return Path(head)
+
+
+def load_head_choice(folder: Path | None, draft: LoadedModel | None) -> HeadChoice:
+    """Never raises: a head that cannot be used becomes a HeadChoice saying why (the pair
+    stays usable for every other method; specdec++ falls back or refuses with that message)."""
+    if draft is None:
+        return HeadChoice(problem="no draft is loaded")
+    if folder is None:
+        return HeadChoice(problem=f"no acceptance head is known for the draft {draft.label}; train one with: "
+                                  f"{TRAIN_COMMAND}, then pass --specdec-head FOLDER")
+    try:
+        head, config = load_head(folder, draft.model)
+    except SpecUIError as e:
+        return HeadChoice(problem=str(e))
+    return HeadChoice(head, config, "")
+
+
+@dataclass
 class ModelPair:
     target: LoadedModel
     draft: LoadedModel | None
+    head: HeadChoice = field(default_factory=HeadChoice)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -97,13 +136,16 @@ class ModelPair:
         return Engine(
             t.model, t.tokenizer, draft=self.draft.model if self.draft else None,
             eos_ids=stop_token_ids(t.tokenizer, t.model.generation_config),
-            quantization=t.spec.quantization,
+            quantization=t.spec.quantization, acceptance_head=self.head.head, head_config=self.head.config,
+            head_problem=self.head.problem,
         )
 
 
-def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None) -> ModelPair:
+def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None, head: str = "default") -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
-    target's tokenizer. Raises SpecUIError (and loads nothing) on any problem."""
+    target's tokenizer; then the draft's SpecDec++ acceptance head (see head_folder; a
+    head that cannot be used is recorded, not raised). Raises SpecUIError (and loads
+    nothing) on any problem with the models."""
     loaded_target = load_model(target, role="target")
     if on_target_loaded is not None:
         on_target_loaded()
@@ -114,7 +156,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None)
         else:
             loaded_draft = load_model(draft, role="draft")
             check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
-    return ModelPair(loaded_target, loaded_draft)
+    return ModelPair(loaded_target, loaded_draft, load_head_choice(head_folder(head, draft), loaded_draft))
 
 
 def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:

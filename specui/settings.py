@@ -26,6 +26,8 @@ class ChatSettings:
     width_threshold: float | None = None  # dsbd: dynamic width threshold t (None: fixed width)
     min_width: int = 1  # dsbd: W_min of the dynamic width
     memory_mode: bool = False  # dsbd: continue from the best output beam only (one KV cache)
+    threshold: float | None = None  # specdec++: stop when P(a candidate is rejected) exceeds it (None: the head's tuned one)
+    gamma_max: int = 16  # specdec++: the most candidates per step
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
@@ -45,6 +47,7 @@ class PairChoice:
     dtype: str = "auto"
     draft_quantization: str = "none"
     trust_remote_code: bool = False
+    head: str = "default"  # SpecDec++'s acceptance head: 'default', 'none' or a folder
 
 
 # --- validation: one layer for the UI handlers, the CLI and the API ---------------------------
@@ -78,11 +81,14 @@ RANGES: dict[str, Range] = {
     "draft_width": Range(1, 64, integer=True, optional=True),
     "width_threshold": Range(0.0, 1.0, lo_open=True, optional=True),
     "min_width": Range(1, 16, integer=True),
+    "threshold": Range(0.0, 0.999, lo_open=True, optional=True),
+    "gamma_max": Range(1, 64, integer=True),
     "nodes": Range(1, 512, integer=True),
     "delta": Range(0.0, 1.0, optional=True),
 }
 LABELS = {"max_new_tokens": "max new tokens", "top_k": "top-k", "top_p": "top-p", "width": "beam width",
           "draft_width": "draft width", "width_threshold": "width threshold", "min_width": "min width",
+          "gamma_max": "gamma max", "threshold": "stop threshold",
           "nodes": "node budget", "preset": "tree preset"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
 

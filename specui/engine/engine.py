@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from transformers import PreTrainedModel
 
 from specui.engine.costs import EngineCosts
@@ -31,10 +32,16 @@ class Engine:
         context_len: int | None = None,
         profile_dir: Path | None = None,
         quantization: str = "none",
+        acceptance_head: torch.nn.Module | None = None,
+        head_config: dict | None = None,
+        head_problem: str = "",
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.target = ModelSession(target, vocab)
         self.draft = ModelSession(draft, vocab) if draft is not None else None
+        if self.draft is not None:  # SpecDec++ reads its head from the draft's session
+            self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
+            self.draft.head_problem = head_problem or self.draft.head_problem if acceptance_head is None else ""
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.context_len = context_len or _context_len(target)

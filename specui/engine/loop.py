@@ -153,6 +153,8 @@ class Generation:
             choice=result.choice,
             layer_widths=result.layer_widths,
             stop_layer=result.stop_layer,
+            threshold=result.threshold,
+            stop_reason=result.stop_reason,
             beams=None if result.beams is None else [
                 {"text": self.decode(tokens), "score": score} for tokens, score in result.beams],
             draft_ms=ms.get("draft", 0.0),

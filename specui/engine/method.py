@@ -93,6 +93,8 @@ class StepResult:
     layer_widths: list[int] | None = None  # DSBD: width chosen per verified layer
     stop_layer: int | None = None  # DSBD: where verification stopped
     beams: list[tuple[list[int], float]] | None = None  # beam methods: (reply tokens, score) of each beam
+    threshold: float | None = None  # SpecDec++: the stop threshold H
+    stop_reason: str | None = None  # SpecDec++: why drafting stopped
     replace: bool = False
     finished: bool = False
 

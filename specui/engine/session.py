@@ -33,6 +33,10 @@ class ModelSession:
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache
         self._tree_pending = False  # tree entries in the cache that commit_path has not settled
+        # SpecDec++: the draft's acceptance head (engine-attached), its config, or why there is none
+        self.acceptance_head: torch.nn.Module | None = None
+        self.head_config: dict = {}
+        self.head_problem = "no acceptance head is loaded for this draft"
 
     # -- cache bookkeeping -------------------------------------------------------------
     @property
@@ -82,6 +86,17 @@ class ModelSession:
         out = self._forward(new, logits_to_keep=need)
         self.cached_ids.extend(ids[keep:])
         return out.logits[0, -need:, : self.vocab_size]
+
+    def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`advance`, and the hidden states (need, H) its output layer read at those positions
+        (after the final norm: what SpecDec++'s acceptance head takes)."""
+        seen: list[torch.Tensor] = []
+        hook = self.model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+        try:
+            logits = self.advance(ids, need)
+        finally:
+            hook.remove()
+        return logits, seen[-1][0, -logits.shape[0]:]
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> None:

@@ -29,6 +29,8 @@ class NodeTrace:
     beam: int | None = None  # which beam / tree of a forest this node belongs to
     score: float | None = None  # beam log-likelihood after this token (under the target)
     draft_score: float | None = None  # the same joint log-probability under the draft (DSBD's forest)
+    accept_pred: float | None = None  # SpecDec++: the head's a_t = P(accepted | all before accepted)
+    reject_pred: float | None = None  # SpecDec++: 1 - prod a_i up to this candidate (the stop rule's input)
 
     @property
     def accept_ratio(self) -> float | None:
@@ -63,6 +65,8 @@ class StepTrace:
     layer_widths: list[int] | None = None  # DSBD: the beam width chosen at each verified layer
     stop_layer: int | None = None  # DSBD: the layer where verification stopped (gamma + 1: all passed)
     beams: list[dict] | None = None  # beam methods: the beams after the step, [{"text", "score"}]
+    threshold: float | None = None  # SpecDec++: the stop threshold H on the rejection risk
+    stop_reason: str | None = None  # SpecDec++: why drafting stopped (threshold, gamma_max, eos, no room)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0
@@ -102,6 +106,16 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def discard_rate(self) -> float:
+        """SpecDec++'s D/N: drafted tokens thrown away per generated token."""
+        return (self.drafted - self.accepted) / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def verification_rate(self) -> float:
+        """SpecDec++'s V/N: target forwards per generated token."""
+        return self.target_forwards / self.new_tokens if self.new_tokens else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
@@ -114,6 +128,8 @@ class GenerationStats:
         d.update(
             mean_accepted_length=round(self.mean_accepted_length, 4),
             acceptance_rate=round(self.acceptance_rate, 4),
+            discard_rate=round(self.discard_rate, 4),
+            verification_rate=round(self.verification_rate, 4),
             tokens_per_s=round(self.tokens_per_s, 3),
             wall_s=round(self.wall_s, 4),
         )

@@ -14,6 +14,8 @@ DESCRIPTIONS = {
     "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
     "dsbd": "DSBD: the draft beam-samples a forest (W_S per layer, gamma layers) from W_L beams, the target "
             "verifies it layer by layer in one forward; greedy = exact beam search, sampling = exact beam sampling",
+    "specdec++": "SpecDec++: drafts while the trained acceptance head's predicted P(some candidate is rejected) "
+                 "stays under the threshold, then verifies as speculative (lossless)",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
@@ -21,7 +23,8 @@ DESCRIPTIONS = {
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
-                  "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode")
+                  "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode",
+                  "threshold", "gamma_max")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -50,6 +53,11 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
                                info="dsbd: dynamic width never keeps fewer beams"),
         "memory_mode": gr.Checkbox(value=defaults.memory_mode, label="memory mode",
                                    info="dsbd: continue from the best output beam only (one KV cache)"),
+        "threshold": gr.Number(value=defaults.threshold, label="stop threshold H",
+                               info="specdec++: stop drafting once the head's P(at least one candidate is rejected) "
+                                    "exceeds H (higher: longer chains); empty = the value tuned for the head"),
+        "gamma_max": gr.Slider(1, 32, value=defaults.gamma_max, step=1, label="gamma max",
+                               info="specdec++: the most candidates per step"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",

@@ -1,0 +1,126 @@
+"""SpecDec++ (DESIGN.md 3.4; seed 002): speculative decoding whose candidate length is chosen
+on the fly. After each drafted token t the draft's acceptance head gives
+a_t = P(t accepted | all before it accepted); drafting stops once the predicted probability
+that at least one candidate is rejected, 1 - prod_{i<=t} a_i, exceeds the threshold H, at EOS,
+or at gamma_max. Verification is `speculative`'s, so the method is lossless: the stop depends
+on the draft alone.
+
+The head reads the hidden state the draft computes when it reads token t, the same forward
+that gives q~ for token t + 1; so the chain costs one draft forward per candidate, as a fixed
+chain does, plus one for the last candidate's a_t (kept in the draft's cache when accepted).
+
+Without a usable head (missing, made for another draft, corrupt) the method decodes as
+`speculative` with the fixed gamma and says so in the step's notes."""
+
+from __future__ import annotations
+
+import torch
+
+from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.methods.speculative import Speculative, chain_nodes, verify_chain
+from specui.engine.sampling import SamplingConfig, sample, shown_probs, warp
+from specui.engine.session import ModelSession
+from specui.errors import SpecUIError
+
+DEFAULT_THRESHOLD = 0.5  # used only when a head's config names no tuned threshold
+
+
+class DraftedChain:
+    """The candidates of one step with the head's a_t and the running rejection risk
+    1 - prod a_i after each (None for a last candidate whose a_t was not needed)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.q_rows: list[torch.Tensor] = []
+        self.logit_rows: list[torch.Tensor] = []
+        self.accept: list[float | None] = []
+        self.risk: list[float | None] = []
+        self.stop_reason = ""
+
+
+def draft_adaptive(
+    draft: ModelSession, head: torch.nn.Module, ids: list[int], threshold: float, gamma_max: int,
+    cfg: SamplingConfig, generator: torch.Generator, eos_ids: frozenset[int],
+) -> DraftedChain:
+    chain = DraftedChain()
+    if gamma_max <= 0:
+        chain.stop_reason = "no room"
+        return chain
+    logits = draft.advance(ids, need=1)[-1]
+    keep = 1.0
+    while True:
+        q = warp(logits, cfg)
+        token = int(logits.argmax()) if cfg.greedy else sample(q, generator)
+        chain.tokens.append(token)
+        chain.q_rows.append(q)
+        chain.logit_rows.append(logits)
+        chain.accept.append(None)
+        chain.risk.append(None)
+        if token in eos_ids:
+            chain.stop_reason = "eos"
+            return chain
+        if len(chain.tokens) >= gamma_max:
+            chain.stop_reason = "gamma_max"
+            return chain
+        out, hidden = draft.advance_with_hidden(ids + chain.tokens, need=1)
+        a = head.predict(hidden[-1])
+        keep *= a
+        chain.accept[-1], chain.risk[-1] = a, 1.0 - keep
+        if 1.0 - keep > threshold:
+            chain.stop_reason = "threshold"
+            return chain
+        logits = out[-1]
+
+
+class SpecDecPP(Method):
+    name = "specdec++"
+    uses_draft = True
+
+    def __init__(self, threshold: float | None = None, gamma_max: int = 16, gamma: int = 2) -> None:
+        if threshold is not None and not 0.0 < threshold < 1.0:
+            raise SpecUIError(f"threshold must be in (0, 1), got {threshold}")
+        if gamma_max < 1:
+            raise SpecUIError(f"gamma max must be >= 1, got {gamma_max}")
+        self.threshold = threshold  # None: the head's tuned threshold
+        self.gamma_max = gamma_max
+        self.fallback = Speculative(gamma=gamma)  # when no head can be used
+        self._told = False
+
+    def step(self, ctx: DecodeContext) -> StepResult:
+        assert ctx.draft is not None
+        head = ctx.draft.acceptance_head
+        if head is None:
+            result = self.fallback.step(ctx)
+            if not self._told:
+                self._told = True
+                result.notes.append(f"specdec++ runs as speculative with fixed gamma {self.fallback.gamma}: "
+                                    f"{ctx.draft.head_problem}")
+            return result
+        cfg = ctx.sampling
+        threshold = self.threshold if self.threshold is not None else float(
+            ctx.draft.head_config.get("threshold", DEFAULT_THRESHOLD))
+        gamma_max = max(0, min(self.gamma_max, ctx.remaining - 1, ctx.room))
+        with ctx.timer.phase("draft"):
+            chain = draft_adaptive(ctx.draft, head, ctx.ids, threshold, gamma_max, cfg, ctx.generator,
+                                   ctx.eos_ids)
+        drafts = chain.tokens
+        q = torch.stack(chain.q_rows) if drafts else None
+        with ctx.timer.phase("verify"):
+            p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
+            p = warp(p_logits, cfg)
+            verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
+        p_shown = shown_probs(p_logits, p, cfg)
+        q_shown = shown_probs(torch.stack(chain.logit_rows), q, cfg) if drafts else p_shown
+        nodes = chain_nodes(drafts, verdict, q_shown, p_shown)
+        for node, a, risk in zip(nodes, chain.accept, chain.risk):
+            node.accept_pred, node.reject_pred = a, risk
+        return StepResult(
+            tokens=drafts[: verdict.accepted] + [verdict.next_token],
+            from_draft=[True] * verdict.accepted + [False],
+            nodes=nodes,
+            drafted=len(drafts),
+            accepted=verdict.accepted,
+            gamma=len(drafts),
+            threshold=threshold,
+            stop_reason=chain.stop_reason,
+        )

@@ -1,0 +1,125 @@
+"""SpecDec++'s acceptance head (DESIGN.md 3.4): on the draft's last hidden state h_t (the
+input of its output layer, after it has read candidate token t), predict
+a_t = P(token t accepted | every candidate before it accepted).
+
+A D-layer ResNet of SiLU blocks (D = 0: one linear layer) and a sigmoid. Every block has its
+own weights (the seed's public code repeats one block object, so its layers share weights).
+
+A head folder holds config.json (depth, hidden size, the draft it was trained for, the
+tuned threshold) and head.safetensors; `load_head` refuses a head made for another draft."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specui.errors import SpecUIError
+
+TRAIN_COMMAND = "python -m specui.train head --draft DRAFT --out HEAD_FOLDER"
+HEAD_MARKER = "specui_acceptance_head"
+
+
+class ResidualSiLU(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.silu(self.linear(x))
+
+
+class AcceptanceHead(torch.nn.Module):
+    def __init__(self, hidden_size: int, depth: int = 1) -> None:
+        super().__init__()
+        if depth < 0:
+            raise SpecUIError(f"acceptance head depth must be >= 0, got {depth}")
+        self.hidden_size, self.depth = hidden_size, depth
+        self.blocks = torch.nn.ModuleList(ResidualSiLU(hidden_size) for _ in range(depth))  # one object each
+        self.out = torch.nn.Linear(hidden_size, 1)
+
+    def logit(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (...) logits of a_t."""
+        x = hidden.to(self.out.weight.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logit(hidden))
+
+    @torch.inference_mode()
+    def predict(self, hidden: torch.Tensor) -> float:
+        """a_t for one hidden state (H,)."""
+        return float(self(hidden.unsqueeze(0))[0])
+
+
+def draft_fingerprint(draft: torch.nn.Module) -> str:
+    """Who the draft is, independent of the dtype it runs in: its config, its source, and
+    the checksum of its stored weights when it came from a folder."""
+    cfg = draft.config
+    source = str(getattr(cfg, "_name_or_path", "") or "")
+    weights = Path(source) / "model.safetensors"
+    parts = [json.dumps({k: v for k, v in sorted(cfg.to_dict().items())
+                         if k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
+                                  "specui_draft", "model_type")}, sort_keys=True, default=str)]
+    if weights.is_file():
+        h = hashlib.sha1()
+        with weights.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        parts.append(h.hexdigest())
+    else:
+        parts.append(Path(source).name)
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def save_head(head: AcceptanceHead, folder: Path, draft_print: str, meta: dict) -> None:
+    """Write config.json + head.safetensors (float32) into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {HEAD_MARKER: 1, "hidden_size": head.hidden_size, "depth": head.depth,
+              "draft_fingerprint": draft_print, **meta}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(folder / "head.safetensors"), metadata={"format": "pt"})
+
+
+def read_head_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise SpecUIError(f"no acceptance head at {folder} (no config.json); train one with: {TRAIN_COMMAND}")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecUIError(f"the acceptance head config {path} is unreadable ({e}); retrain it with: "
+                          f"{TRAIN_COMMAND}") from None
+    if not isinstance(config, dict) or HEAD_MARKER not in config:
+        raise SpecUIError(f"{folder} is not an acceptance head folder; train one with: {TRAIN_COMMAND}")
+    return config
+
+
+def load_head(folder: str | Path, draft: torch.nn.Module) -> tuple[AcceptanceHead, dict]:
+    """The head in `folder` for this draft, on the draft's device (float32), and its config.
+    Raises SpecUIError naming the training command when it is missing, corrupt or made
+    for another draft."""
+    folder = Path(folder)
+    config = read_head_config(folder)
+    made_for, this = config.get("draft_fingerprint"), draft_fingerprint(draft)
+    if made_for != this:
+        raise SpecUIError(f"the acceptance head in {folder} was trained for another draft (fingerprint "
+                          f"{made_for}, this draft {this}); retrain it with: {TRAIN_COMMAND}")
+    hidden = int(draft.config.hidden_size)
+    if config.get("hidden_size") != hidden:
+        raise SpecUIError(f"the acceptance head in {folder} takes hidden size {config.get('hidden_size')}, "
+                          f"the draft has {hidden}; retrain it with: {TRAIN_COMMAND}")
+    try:
+        head = AcceptanceHead(hidden, int(config["depth"]))
+        head.load_state_dict(load_file(str(folder / "head.safetensors")))
+    except Exception as e:  # noqa: BLE001 - any failure to read the weights (safetensors' own errors too)
+        raise SpecUIError(f"the acceptance head in {folder} is corrupt ({type(e).__name__}: {str(e)[:200]}); "
+                          f"retrain it with: {TRAIN_COMMAND}") from None
+    device = next(draft.parameters()).device
+    return head.to(device=device, dtype=torch.float32).eval(), config

@@ -1,0 +1,189 @@
+"""`python -m specui.train head`: train SpecDec++'s acceptance head for a draft, choosing its
+depth D, mixing fraction r, rejection weight w_rej, label kind and default threshold H by a
+sweep, and ship it (config, weights, README with the sweep table, metrics, calibration plot).
+
+Selection: every head of the grid is scored by an exact greedy replay on a dev split of the
+training conversations (specui.train.acceptance), its best H found on a grid, and the time
+model T = t_draft x draft forwards + sum over target calls of t_target(call size), with the
+costs from the pair's measured cost profile (the dtype the app picks on this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+from specui.draft_model import load_draft
+from specui.engine.profile import cpu_model, get_profile
+from specui.engine.session import ModelSession
+from specui.heads import draft_fingerprint, save_head
+from specui.loading import LoadedModel, ModelSpec, load_model
+from specui.train import acceptance as acc
+from specui.train.data import AnswerSet
+
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+def add_parser(sub, common: argparse.ArgumentParser) -> None:
+    h = sub.add_parser("head", parents=[common], help="train SpecDec++'s acceptance head for a draft (with a sweep)")
+    h.add_argument("--draft", type=Path, required=True, help="the SpecUI draft folder the head is for")
+    h.add_argument("--out", type=Path, required=True, help="the head folder to write")
+    h.add_argument("--depths", default="0,1,2", help="ResNet depths D to sweep (0 = one linear layer)")
+    h.add_argument("--mixes", default="0.2,0.5", help="token-mixing fractions r (share of the target's tokens)")
+    h.add_argument("--rej-weights", default="1,3,6,12", help="BCE weights w_rej of rejections")
+    h.add_argument("--labels", default="soft,greedy",
+                   help="label kinds: soft = min(1, p/q) (the seed's), greedy = target argmax equals the token")
+    h.add_argument("--gamma-max", type=int, default=16)
+    h.add_argument("--epochs", type=int, default=3)
+    h.add_argument("--eval-mix", type=float, default=0.5, help="r of the held-out examples the BCE is measured on")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def split(answers: AnswerSet, every: int = 7) -> tuple[AnswerSet, AnswerSet]:
+    """(fit, dev): every `every`-th conversation is dev."""
+    fit, dev = AnswerSet(), AnswerSet()
+    for i in range(len(answers)):
+        part = dev if i % every == every - 1 else fit
+        for name in ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp"):
+            getattr(part, name).append(getattr(answers, name)[i])
+    return fit, dev
+
+
+def app_costs(args, draft) -> tuple[float, object, str]:
+    """Draft ms per token and target ms(k) from the cost profile of the target in the dtype
+    the app picks here (dtype auto) beside this draft."""
+    target = load_model(ModelSpec(args.target, dtype="auto", device=args.device))
+    profile, note = get_profile(ModelSession(target.model), ModelSession(draft))
+    desc = f"{cpu_model()}, target {str(target.model.dtype).replace('torch.', '')}; {note}"
+    return profile.draft(1), profile.target, desc
+
+
+def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout: AnswerSet, dev_answers, costs) -> list[dict]:
+    draft_ms, target_ms, _ = costs
+    rows = []
+    heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
+                                       args.work / f"head-heldout-r{args.eval_mix}.pt")
+    for mix in _floats(args.mixes):
+        feats = acc.build_features(draft, target.model, fit, mix, args.seed, args.work / f"head-fit-r{mix}.pt")
+        for depth, w_rej, labels in itertools.product([int(d) for d in _floats(args.depths)],
+                                                      _floats(args.rej_weights), args.labels.split(",")):
+            head = acc.train_head(feats, depth, w_rej, labels, epochs=args.epochs, seed=args.seed)
+            quality = acc.head_quality(head, heldout_feats, "soft")
+            values = acc.head_values(head, dev_answers)
+            best = max((acc.tokens_per_s(acc.replay_all(dev_answers, values, h, args.gamma_max), draft_ms,
+                                         target_ms), h) for h in THRESHOLDS)
+            rep = acc.replay_all(dev_answers, values, best[1], args.gamma_max)
+            rows.append(dict(mix=mix, depth=depth, w_rej=w_rej, labels=labels, examples=len(feats),
+                             heldout_bce=round(quality.bce, 4), heldout_kl=round(quality.kl, 4),
+                             threshold=best[1], dev_model_tokens_per_s=round(best[0], 2),
+                             dev_discard_rate=round(rep.discard_rate, 3),
+                             dev_verification_rate=round(rep.verification_rate, 3), head=head))
+            print(f"r={mix} D={depth} w_rej={w_rej} {labels}: BCE {quality.bce:.4f}, best H {best[1]}, "
+                  f"{best[0]:.2f} tok/s (model)", file=sys.stderr)
+    return rows
+
+
+def pareto_points(answers, values, gamma_max: int, costs) -> list[dict]:
+    draft_ms, target_ms, _ = costs
+    points = []
+    for g in range(1, 9):
+        rep = acc.replay_all(answers, None, 0.0, g)
+        points.append(dict(method="speculative", setting=f"gamma {g}", discard_rate=rep.discard_rate,
+                           verification_rate=rep.verification_rate,
+                           model_tokens_per_s=acc.tokens_per_s(rep, draft_ms, target_ms)))
+    for h in THRESHOLDS:
+        rep = acc.replay_all(answers, values, h, gamma_max)
+        points.append(dict(method="specdec++", setting=f"H {h}", discard_rate=rep.discard_rate,
+                           verification_rate=rep.verification_rate,
+                           model_tokens_per_s=acc.tokens_per_s(rep, draft_ms, target_ms)))
+    ar = acc.Replay(generated=1, verified=1, call_sizes=[1])
+    for p in points:
+        p["model_speedup"] = round(p["model_tokens_per_s"] / acc.tokens_per_s(ar, draft_ms, target_ms), 3)
+        p["discard_rate"], p["verification_rate"] = round(p["discard_rate"], 4), round(p["verification_rate"], 4)
+        p["model_tokens_per_s"] = round(p["model_tokens_per_s"], 2)
+    return points
+
+
+def figures(folder: Path, quality: acc.HeadQuality, points: list[dict]) -> None:
+    cal = go.Figure()
+    cal.add_scatter(x=[0, 1], y=[0, 1], mode="lines", line=dict(dash="dot", color="grey"), name="perfect")
+    cal.add_scatter(x=[c[0] for c in quality.calibration], y=[c[1] for c in quality.calibration],
+                    mode="lines+markers", name="head", text=[f"{c[2]} examples" for c in quality.calibration])
+    cal.update_layout(title="Acceptance head calibration (held-out)", xaxis_title="predicted a_t",
+                      yaxis_title="mean label min(1, p/q)", width=640, height=480)
+    cal.write_html(folder / "calibration.html", include_plotlyjs="cdn")
+    from specui.bench.png import html_to_png
+
+    html_to_png(cal, folder / "calibration.png")
+    pareto = go.Figure()
+    for method in ("speculative", "specdec++"):
+        pts = [p for p in points if p["method"] == method]
+        pareto.add_scatter(x=[p["discard_rate"] for p in pts], y=[p["verification_rate"] for p in pts],
+                           mode="lines+markers+text", name=method, text=[p["setting"] for p in pts],
+                           textposition="top right")
+    pareto.update_layout(title="Held-out greedy replay: discard rate vs verification rate",
+                         xaxis_title="discard rate D/N", yaxis_title="verification rate V/N", width=720, height=520)
+    pareto.write_html(folder / "pareto.html", include_plotlyjs="cdn")
+    html_to_png(pareto, folder / "pareto.png")
+
+
+def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, command: str) -> str:
+    lines = ["# SpecDec++ acceptance head for `smollm2-135m-draft`", "",
+             "Trained by `" + command + "` (resumable; data under --work).", "",
+             f"Chosen: D = {best['depth']}, r = {best['mix']}, w_rej = {best['w_rej']}, labels {best['labels']}, "
+             f"default threshold H = {best['threshold']} (the best of the sweep on the dev split).", "",
+             f"Time model from the cost profile: {costs_desc}.", "",
+             "## Sweep (dev split: greedy replay; BCE on held-out examples)", "",
+             "| r | D | w_rej | labels | examples | held-out BCE | KL | best H | model tok/s | D/N | V/N |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: -r["dev_model_tokens_per_s"]):
+        lines.append(f"| {r['mix']} | {r['depth']} | {r['w_rej']} | {r['labels']} | {r['examples']} | "
+                     f"{r['heldout_bce']} | {r['heldout_kl']} | {r['threshold']} | {r['dev_model_tokens_per_s']} | "
+                     f"{r['dev_discard_rate']} | {r['dev_verification_rate']} |")
+    lines += ["", "## Held-out greedy replay (the chosen head vs fixed gamma)", "",
+              "| method | setting | D/N | V/N | model speed-up over AR |", "|---|---|---|---|---|"]
+    lines += [f"| {p['method']} | {p['setting']} | {p['discard_rate']} | {p['verification_rate']} | "
+              f"{p['model_speedup']} |" for p in points]
+    lines += ["", "![calibration](calibration.png) ![pareto](pareto.png)", ""]
+    return "\n".join(lines)
+
+
+def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet) -> dict:
+    t0 = time.time()
+    draft = load_draft(args.draft, target.model, target.tokenizer)  # as the app runs it (float32, int8 kernels)
+    costs = app_costs(args, draft)
+    fit, dev = split(train_set)
+    dev_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(dev.prompt_ids, dev.answer_ids)]
+    rows = sweep(args, draft, target, fit, heldout, dev_answers, costs)
+    best = max(rows, key=lambda r: r["dev_model_tokens_per_s"])
+    heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
+                                       args.work / f"head-heldout-r{args.eval_mix}.pt")
+    quality = acc.head_quality(best["head"], heldout_feats, "soft")
+    held_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(heldout.prompt_ids, heldout.answer_ids)]
+    points = pareto_points(held_answers, acc.head_values(best["head"], held_answers), args.gamma_max, costs)
+    command = "python -m specui.train " + " ".join(sys.argv[1:])
+    meta = {k: best[k] for k in ("depth", "mix", "w_rej", "labels", "threshold")}
+    meta.update(gamma_max=args.gamma_max, draft=args.draft.name)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_head(best["head"], tmp, draft_fingerprint(draft), meta)
+    plain_rows = [{k: v for k, v in r.items() if k != "head"} for r in rows]
+    metrics = dict(heldout_bce=quality.bce, heldout_kl=quality.kl, calibration=quality.calibration,
+                   heldout_replay=points, sweep=plain_rows, costs=costs[2], command=command,
+                   train_minutes=(time.time() - t0) / 60)
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    (tmp / "README.md").write_text(readme(plain_rows, best, points, costs[2], command))
+    figures(tmp, quality, points)
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    tmp.replace(args.out)
+    return {k: v for k, v in metrics.items() if k not in ("sweep", "calibration", "heldout_replay")} | meta
