@@ -26,7 +26,7 @@ class ChatSettings:
     width_threshold: float | None = None  # dsbd: dynamic width threshold t (None: fixed width)
     min_width: int = 1  # dsbd: W_min of the dynamic width
     memory_mode: bool = False  # dsbd: continue from the best output beam only (one KV cache)
-    threshold: float | None = None  # specdec++: stop when P(a candidate is rejected) exceeds it (None: the head's tuned one)
+    threshold: float | None = None  # specdec++: stop once P(a candidate is rejected) exceeds it (None: head's)
     gamma_max: int = 16  # specdec++: the most candidates per step
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
