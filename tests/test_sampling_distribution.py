@@ -86,3 +86,27 @@ def test_same_seed_same_output(pair):
     a = engine.generate(req(), make_method("speculative", gamma=3)).run().output_ids
     b = engine.generate(req(), make_method("speculative", gamma=3)).run().output_ids
     assert a == b
+
+
+def test_specdec_sampling_matches_target_distribution(pair):
+    """SpecDec++'s stop rule reads only the draft (its hidden state through the head), so any
+    head keeps sampling exact. Three new tokens, so the first chain may hold 2 candidates; the
+    head (a_t near 1/2 against H = 1/2) stops it after one candidate in some runs and not in
+    others; the first two tokens must follow the target's P(x1, x2)."""
+    from specui.heads import AcceptanceHead
+
+    target, draft = pair
+    torch.manual_seed(3)
+    head = AcceptanceHead(draft.config.hidden_size, depth=1).double().eval()
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[], acceptance_head=head)
+    cfg = SamplingConfig(temperature=1.0, top_k=6)
+    counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=2), 0)
+    lengths = set()
+    for seed in range(RUNS):
+        sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed=seed)
+        gen = engine.generate(GenerationRequest(list(PROMPT), 3, sampling),
+                              make_method("specdec++", threshold=0.5, gamma_max=4)).run()
+        counts[tuple(gen.output_ids[:2])] += 1
+        lengths.add(gen.steps[0].gamma)
+    assert lengths == {1, 2}
+    assert tv({k: v / RUNS for k, v in counts.items()}, exact(target, cfg)) < TV_BOUND

@@ -62,6 +62,8 @@ def _hover(node) -> str:
         parts.append(f"beam log-lik = {node.score:.3f}")
     if node.draft_score is not None:
         parts.append(f"draft log-lik = {node.draft_score:.3f}")
+    if node.accept_pred is not None:
+        parts.append(f"head a_t = {node.accept_pred:.3f} · P(some rejected) = {node.reject_pred:.3f}")
     return "<br>".join(parts)
 
 
@@ -155,13 +157,22 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
                          text=[f"layer {layer}" for _, layer, _ in widths], name="DSBD: width per layer",
                          hovertemplate="step %{x}, %{text}: width %{y}<extra></extra>", mode="markers",
                          marker=dict(symbol="diamond-open", size=9)))
+    if any(s.threshold is not None for s in steps):  # SpecDec++: the stop rule's input against H
+        risk = [max((n.reject_pred for n in s.nodes if n.reject_pred is not None), default=None) for s in steps]
+        data.append(dict(type="scatter", x=xs, y=risk, name="SpecDec++: P(some rejected) at stop", yaxis="y2",
+                         text=[s.stop_reason for s in steps], mode="markers", marker=dict(symbol="x"),
+                         hovertemplate="step %{x}: %{y:.3f} (stopped: %{text})<extra></extra>"))
+        data.append(dict(type="scatter", x=xs, y=[s.threshold for s in steps], name="threshold H", yaxis="y2",
+                         mode="lines", line=dict(dash="dash")))
     if any(c is not None for c in chosen):  # auto: what it chose, drafted tokens per step (0 = autoregressive)
         data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
                          text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
                          name="auto: drafted (0 = autoregressive)", mode="markers", marker=dict(symbol="square")))
-    return _figure(data, dict(height=260, margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
-                              legend=dict(orientation="h", y=1.2),
-                              title=dict(text="dynamic choices" if steps else "no steps yet")))
+    layout = dict(height=260, margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
+                  legend=dict(orientation="h", y=1.2), title=dict(text="dynamic choices" if steps else "no steps yet"))
+    if any(d.get("yaxis") == "y2" for d in data):
+        layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1], title=dict(text="probability"))
+    return _figure(data, layout)
 
 
 def timing_figure(steps: Sequence[StepTrace]) -> go.Figure:
@@ -246,7 +257,8 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
     choices = [f"{name} {value}" for name, value in (
         ("gamma", step.gamma), ("beam width", step.beam_width), ("tree nodes", step.tree_nodes),
         ("tree depth", step.tree_depth), ("widths per layer", step.layer_widths), ("stopped at layer", step.stop_layer),
-        ("E(A)", None if step.expected_accept is None else f"{step.expected_accept:.2f}")) if value is not None]
+        ("E(A)", None if step.expected_accept is None else f"{step.expected_accept:.2f}"),
+        ("threshold H", step.threshold), ("stopped by", step.stop_reason)) if value is not None]
     lines = [
         f"**step {step.index}** · {step.method} · drafted {step.drafted} · accepted {step.accepted} · "
         f"+{len(step.new_token_ids)} tokens {step.new_text!r}",
@@ -266,6 +278,10 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
             lines.append(f"| {i} | `{token}` | {n.parent} | {n.depth} | {n.status} | {_fmt(n.q)} | {_fmt(n.p)} "
                          f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} | {'' if n.beam is None else n.beam} "
                          f"| {_fmt(n.score)} / {_fmt(n.draft_score)} |")
+        head = [(i, n) for i, n in enumerate(step.nodes[:max_nodes]) if n.accept_pred is not None]
+        if head:  # SpecDec++: what the acceptance head said after each candidate
+            lines += ["", "| # | head a_t | P(some rejected) so far |", "|---|---|---|"]
+            lines += [f"| {i} | {_fmt(n.accept_pred)} | {_fmt(n.reject_pred)} |" for i, n in head]
         if len(step.nodes) > max_nodes:
             lines.append(f"\n… {len(step.nodes) - max_nodes} more nodes (see the JSON export)")
     return "\n".join(lines)
