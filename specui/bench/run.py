@@ -4,7 +4,8 @@
     python -m specui.bench.run --limit 10 --max-new-tokens 128 --repeats 3 \
         --methods autoregressive,auto,speculative:3,tree:eagle-25,opt-tree:25
 
-A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, dsbd:WIDTH, tree:PRESET, opt-tree:NODES;
+A method spec is name[:value]: speculative:GAMMA, beam:WIDTH, dsbd:WIDTH, tree:PRESET, opt-tree:NODES,
+specdec++:THRESHOLD;
 speculative:GAMMA@C also ends each chain after a draft token with probability below C.
 
 Built for a noisy machine: the CPU model and the pair's cost profile are printed first,
@@ -47,6 +48,8 @@ class Sample:
     seconds: float
     forwards: int = 0
     steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0
@@ -82,6 +85,14 @@ class Row:
         forwards = sum(s.forwards for s in self.all_samples)
         return sum(len(s.output) for s in self.all_samples) / forwards if forwards else None
 
+    def rates_dv(self) -> tuple[float, float] | None:
+        """SpecDec++'s discard rate D/N and verification rate V/N (our methods only)."""
+        samples = self.all_samples
+        n = sum(len(s.output) for s in samples)
+        if not n or not any(s.steps for s in samples):
+            return None
+        return (sum(s.drafted - s.accepted for s in samples) / n, sum(s.forwards for s in samples) / n)
+
     def split_ms(self) -> tuple[float, float, float] | None:
         """Mean draft / verify / other ms per step (our methods only)."""
         steps = sum(s.steps for s in self.all_samples)
@@ -106,7 +117,8 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
         t0 = time.perf_counter()
         request = GenerationRequest(prompt, n, sampling or SamplingConfig())
         gen = engine.generate(request, make_method(method, **params)).run()
-        s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps))
+        s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps),
+                   gen.stats.drafted, gen.stats.accepted)
         for step in gen.steps:
             s.draft_ms += step.draft_ms
             s.verify_ms += step.verify_ms
@@ -141,7 +153,7 @@ def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[..., Samp
 
 
 PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("width", int), "tree": ("preset", str),
-            "opt-tree": ("nodes", int)}
+            "opt-tree": ("nodes", int), "specdec++": ("threshold", float)}
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -204,7 +216,7 @@ def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
 def table(rows: list[Row], n_prompts: int) -> str:
     base = next((r for r in rows if r.name == AR), rows[0])
     lines = [f"{'method':34} {'dtype':16} {'tokens':>6} {'tok/s median (min-max)':>24} {'vs AR (min-max)':>18} "
-             f"{'tok/fwd':>7} {'draft/verify/other ms per step':>31} {'differs from AR':>15}"]
+             f"{'tok/fwd':>7} {'D/N':>5} {'V/N':>5} {'draft/verify/other ms per step':>31} {'differs from AR':>15}"]
     for row in rows:
         rates = row.rates
         ratios = [a / b for a, b in zip(rates, base.rates)]
@@ -214,7 +226,9 @@ def table(rows: list[Row], n_prompts: int) -> str:
         split = row.split_ms()
         split_s = f"{split[0]:6.1f} / {split[1]:6.1f} / {split[2]:5.1f}" if split else "-"
         differs = "-" if row is base else f"{row.divergent(base)}/{n_prompts}"
-        lines.append(f"{row.name:34} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} "
+        dv = row.rates_dv()
+        dv_s = f"{dv[0]:5.2f} {dv[1]:5.2f}" if dv else f"{'-':>5} {'-':>5}"
+        lines.append(f"{row.name:34} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} {dv_s} "
                      f"{split_s:>31} {differs:>15}")
     for row in rows:
         xs = [x for s in row.all_samples for x in s.expected]
@@ -231,7 +245,9 @@ def to_json(rows: list[Row]) -> list[dict]:
     for row in rows:
         rates, ratios = row.rates, [a / b for a, b in zip(row.rates, base.rates)]
         split = row.split_ms()
-        out.append(dict(method=row.name, dtype=row.dtype, tokens=row.tokens,
+        dv = row.rates_dv()
+        out.append(dict(method=row.name, discard_rate=dv[0] if dv else None,
+                        verification_rate=dv[1] if dv else None, dtype=row.dtype, tokens=row.tokens,
                         tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
                         tokens_per_s_max=max(rates), speedup=statistics.median(ratios),
                         speedup_min=min(ratios), speedup_max=max(ratios),
@@ -243,8 +259,9 @@ def to_json(rows: list[Row]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every bench shares: the pair, the prompts, lengths and rounds."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--target", default=BUNDLED)
     ap.add_argument("--draft", default="default")
     ap.add_argument("--dtype", default="auto", help="auto (measured on CPU), float32, bfloat16, float16")
@@ -254,6 +271,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="rounds over every prompt (median, min-max)")
+    return ap
+
+
+def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
+    """Load the pair and the prompts, print the machine, the pair and its cost profile."""
+    target = ModelSpec(args.target, args.dtype, args.device, args.quantization)
+    draft_src = default_draft_source() if args.draft == "default" else args.draft
+    draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
+    pair = load_pair(target, draft)
+    tok = pair.target.tokenizer
+    prompts = [build_prompt(tok, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
+    device = str(pair.target.device)
+    if pair.target.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name()})"
+    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device {device}")
+    print(f"target {pair.target.label}; draft {pair.draft.label if pair.draft else 'none'}")
+    for note in pair.notes:
+        print(note)
+    if pair.draft is not None and pair.head.head is None:
+        print(f"specdec++: {pair.head.problem}")
+    costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
+    print(costs.note)
+    if costs.profile is not None:
+        print(costs.profile.table())
+    print(f"\n{len(prompts)} prompts from {args.prompts}, max {args.max_new_tokens} new tokens, greedy, "
+          f"{args.repeats} rounds (rows interleaved prompt by prompt)")
+    return pair, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common_parser(__doc__.splitlines()[0])
     ap.add_argument("--methods", default="autoregressive,auto,speculative")
     ap.add_argument("--gamma", type=int, default=ChatSettings().gamma, help="gamma of a bare 'speculative'")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
@@ -262,26 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.max_new_tokens < 1:
         ap.error("--repeats and --max-new-tokens must be >= 1")
 
-    target = ModelSpec(args.target, args.dtype, args.device, args.quantization)
-    draft_src = default_draft_source() if args.draft == "default" else args.draft
-    draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
-    pair = load_pair(target, draft)
-    tok = pair.target.tokenizer
-    prompts = [build_prompt(tok, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
-
-    device = str(pair.target.device)
-    if pair.target.device.type == "cuda":
-        device += f" ({torch.cuda.get_device_name()})"
-    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device {device}")
-    print(f"target {pair.target.label}; draft {pair.draft.label if pair.draft else 'none'}")
-    for note in pair.notes:
-        print(note)
-    costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
-    print(costs.note)
-    if costs.profile is not None:
-        print(costs.profile.table())
-    print(f"\n{len(prompts)} prompts from {args.prompts}, max {args.max_new_tokens} new tokens, greedy, "
-          f"{args.repeats} rounds (rows interleaved prompt by prompt)")
+    pair, prompts = load_bench(args)
     rows = make_rows(pair, args.methods.split(","), args.gamma, not args.no_peers)
     bench(rows, prompts, args.max_new_tokens, args.repeats)
     print("\n" + table(rows, len(prompts)))
