@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="specdec++: stop drafting once the predicted P(some candidate is rejected) exceeds this "
                         "(default: the threshold tuned for the head)")
     g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="specdec++: the most candidates per step")
+    g.add_argument("--k-config", default=d.k_config,
+                   help="mcsd: candidates the draft samples under each node at each depth (e.g. 4,2,2,1,1)")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -110,7 +112,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
         preset=args.tree_preset, nodes=args.nodes, delta=args.delta, draft_width=args.draft_width,
         width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
-        threshold=args.threshold, gamma_max=args.gamma_max,
+        threshold=args.threshold, gamma_max=args.gamma_max, k_config=args.k_config,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 

@@ -28,6 +28,7 @@ class ChatSettings:
     memory_mode: bool = False  # dsbd: continue from the best output beam only (one KV cache)
     threshold: float | None = None  # specdec++: stop once P(a candidate is rejected) exceeds it (None: head's)
     gamma_max: int = 16  # specdec++: the most candidates per step
+    k_config: str = "4,2,2,1,1"  # mcsd: candidates per node at each depth
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
@@ -141,6 +142,8 @@ def check_settings(
         raise SpecUIError(f"node budget must be below the model's context window of {context_len:,} tokens")
     if settings.preset not in tree_presets:
         raise SpecUIError(f"unknown tree preset {settings.preset!r}; choose one of: {', '.join(tree_presets)}")
+    if not isinstance(settings.k_config, str):
+        raise SpecUIError(f"k-config must be text such as 4,2,2,1,1, got {settings.k_config!r}")
     if not isinstance(settings.memory_mode, bool):
         raise SpecUIError(f"memory mode must be true or false, got {settings.memory_mode!r}")
     if values["min_width"] > values["width"]:

@@ -93,3 +93,18 @@ def test_auto_greedy_equals_autoregressive_in_float32(bundled_pair, prompts):
         gen = run(engine, prompt, 48, "auto", probe_every=2, calibrate=False)
         assert gen.output_ids == reference
         assert all(s.choice for s in gen.steps)
+
+
+def test_specdec_with_the_shipped_head_equals_autoregressive(bundled_pair, prompts):
+    """The shipped acceptance head loads for the shipped draft (bundled_pair loads it by
+    default) and greedy SpecDec++ reproduces autoregressive decoding in float32, at the
+    tuned threshold and at a low and a high one."""
+    assert bundled_pair.head.head is not None, bundled_pair.head.problem
+    engine = bundled_pair.engine()
+    for prompt in prompts:
+        reference = run(engine, prompt, 40, "autoregressive").output_ids
+        for threshold in (None, 0.2, 0.9):
+            gen = run(engine, prompt, 40, "specdec++", threshold=threshold)
+            assert gen.output_ids == reference
+            assert all(s.threshold is not None and s.stop_reason for s in gen.steps)
+        assert max(s.gamma for s in gen.steps) > 2  # at H = 0.9 some chains run long

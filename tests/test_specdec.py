@@ -203,3 +203,20 @@ def test_unusable_heads_say_how_to_train_one(tiny_head_setup, tmp_path, capsys):
                      str(tmp_path / "missing"), "--method", "specdec++", "--prompt", "w1 w2", "--max-new-tokens", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "specdec++ needs an acceptance head" in err and "python -m specui.train head" in err
+
+
+def test_panels_show_the_head_and_the_threshold(tiny_target):
+    from specui.service import ChatService
+    from specui.ui.figures import choices_figure, step_markdown, tree_figure
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_llama(1, layers=1), eos_ids=[],
+                    acceptance_head=make_head(32, 1, bias=1.5))
+    gen = run(engine, PROMPTS[0], 16, "specdec++", threshold=0.6, gamma_max=5)
+    names = [t.name for t in choices_figure(gen.steps).data]
+    assert "threshold H" in names and "SpecDec++: P(some rejected) at stop" in names
+    assert "gamma (candidate length)" in names
+    hover = " ".join(t for trace in tree_figure(gen.steps[0]).data for t in (trace.hovertext or ()))
+    assert "head a_t" in hover
+    text = step_markdown(gen.steps[0])
+    assert "head a_t" in text and "threshold H 0.6" in text
+    assert ChatService.method_fields("specdec++") == {"threshold", "gamma_max", "gamma"}

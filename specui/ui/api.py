@@ -53,6 +53,7 @@ class ChatAPI:
         memory_mode: bool | None = None,
         threshold: float | None = None,
         gamma_max: int | None = None,
+        k_config: str | None = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
         "content": "..."}]). Every setting left empty takes the app's default (its command-line
@@ -64,7 +65,8 @@ class ChatAPI:
         given = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                      seed=seed, gamma=gamma, width=beam_width, preset=tree_preset, nodes=nodes, delta=delta,
                      draft_width=draft_width, width_threshold=width_threshold, min_width=min_width,
-                     memory_mode=memory_mode, threshold=threshold, gamma_max=gamma_max)
+                     memory_mode=memory_mode, threshold=threshold, gamma_max=gamma_max,
+                     k_config=k_config)
         defaults = self.page.defaults
         try:
             settings = settings_from_values(method or defaults.method,

@@ -18,13 +18,15 @@ DESCRIPTIONS = {
                  "stays under the threshold, then verifies as speculative (lossless)",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
+    "mcsd": "MCSD: the draft samples k_i candidates under every node at depth i (k-config), the target "
+            "verifies the tree in one forward with multi-candidate rejection sampling (lossless)",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
 }
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
                   "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode",
-                  "threshold", "gamma_max")
+                  "threshold", "gamma_max", "k_config")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -58,6 +60,8 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
                                     "exceeds H (higher: longer chains); empty = the value tuned for the head"),
         "gamma_max": gr.Slider(1, 32, value=defaults.gamma_max, step=1, label="gamma max",
                                info="specdec++: the most candidates per step"),
+        "k_config": gr.Textbox(value=defaults.k_config, label="k-config",
+                               info="mcsd: candidates sampled under each node at depth 1, 2, ... (e.g. 4,2,2,1,1)"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",

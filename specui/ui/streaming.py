@@ -72,11 +72,11 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
     seed = raw.get("seed")
     if isinstance(seed, (int, float)) and not isinstance(seed, bool) and seed == seed and seed < 0:
         raw["seed"] = None
-    for name in ("delta", "width_threshold", "draft_width"):  # 0 or empty: measured / off / 2 W_L
+    for name in ("delta", "width_threshold", "draft_width", "threshold"):  # 0 or empty: measured / off / 2 W_L
         if raw.get(name) in (0, 0.0, ""):
             raw[name] = None
     fields = {name: coerce(name, raw[name]) for name in RANGES if name in raw}
-    for name in ("preset", "system"):
+    for name in ("preset", "system", "k_config"):
         if name in raw and raw[name] is not None:
             if not isinstance(raw[name], str):
                 raise SpecUIError(f"{name} must be text, got {raw[name]!r}")

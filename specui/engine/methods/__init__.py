@@ -10,13 +10,14 @@ from specui.engine.methods.auto import Auto
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.beam import Beam
 from specui.engine.methods.dsbd import DSBD
+from specui.engine.methods.mcsd import MCSD
 from specui.engine.methods.specdec import SpecDecPP
 from specui.engine.methods.speculative import Speculative
 from specui.engine.methods.tree import OptTree, StaticTree
 from specui.errors import SpecUIError
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Auto, Autoregressive, Beam, DSBD, SpecDecPP, Speculative, StaticTree, OptTree)
+    cls.name: cls for cls in (Auto, Autoregressive, Beam, DSBD, MCSD, SpecDecPP, Speculative, StaticTree, OptTree)
 }
 
 

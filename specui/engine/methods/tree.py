@@ -101,7 +101,7 @@ class TreeMethod(Method):
         with ctx.timer.phase("verify"):
             logits = ctx.target.forward_tree(ctx.ids, tree)
             p = warp(logits, cfg)
-            verdict = verify_tree(tree, p, cfg, ctx.generator)
+            verdict = verify_tree(tree, p, cfg, ctx.generator, self.verify_rows())
         # 4. commit the accepted path (the loop appends the tokens)
         ctx.target.commit_path(tree, verdict.path)
         if drafted:
@@ -117,6 +117,11 @@ class TreeMethod(Method):
 
     def pending_notes(self) -> list[str]:
         return []
+
+    def verify_rows(self) -> dict[int, torch.Tensor] | None:
+        """q~ each node's children were drawn from i.i.d. (MCSD: multi-candidate verification);
+        None when children are chosen deterministically (top-k)."""
+        return None
 
 
 def tree_nodes(tree: TokenTree, verdict: TreeVerdict, p_shown: torch.Tensor) -> list[NodeTrace]:
