@@ -315,3 +315,15 @@ def test_measure_profile_draws_the_cost_profile(page, tmp_path):
     assert [t.name for t in fig.data][-1] == "draft, one layer of width w"
     outs = list(page.respond(None, "w1 w2 w3", [], "auto", *values()))
     assert outs[-1][1][-1]["role"] == "assistant"
+
+
+def test_specdec_without_a_head_falls_back_with_a_visible_note(page):
+    """The tiny pair has no acceptance head: the page runs fixed gamma and says why (with the
+    training command), and the other methods are untouched."""
+    last = list(page.respond(None, "w1 w2 w3", [], "specdec++", *values(gamma=2)))[-1]
+    assert last[1][-1]["role"] == "assistant" and last[1][-1]["content"]
+    assert "runs as speculative with fixed gamma 2" in last[6] and "python -m specui.train head" in last[6]
+    updates = dict(zip(SETTING_FIELDS, page.method_changed("specdec++")[1:]))
+    assert updates["threshold"]["visible"] and updates["gamma_max"]["visible"] and not updates["nodes"]["visible"]
+    updates = dict(zip(SETTING_FIELDS, page.method_changed("mcsd")[1:]))
+    assert updates["k_config"]["visible"] and not updates["threshold"]["visible"]
