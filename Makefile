@@ -37,7 +37,7 @@ cli: setup
 
 test: setup-test
 	$(PY) -m ruff check specui app.py tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=12
 
 bench: setup
 	$(PY) -m specui.bench.run $(ARGS)

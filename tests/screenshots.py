@@ -1,5 +1,5 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py [dsbd]   (dsbd: only the DSBD forest)"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec]   (only that method's panel)"""
 
 from __future__ import annotations
 
@@ -38,6 +38,18 @@ def dsbd_forest(page: tb.Page) -> None:
     shoot(page, "dsbd-forest", "#step-tree")
 
 
+def specdec_choices(page: tb.Page) -> None:
+    """SpecDec++'s dynamic choices: the length chosen per step, the risk at the stop, H."""
+    page.choose("method", "specdec++")
+    page.set_number("set-max_new_tokens", 120)
+    page.send("Explain in three sentences how a rainbow forms.")
+    page.wait_done(1, timeout=240)
+    time.sleep(2)
+    page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
+    time.sleep(1)
+    shoot(page, "specdec-choices", "#choices")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
@@ -45,6 +57,9 @@ def main() -> None:
     try:
         if sys.argv[1:] == ["dsbd"]:
             dsbd_forest(page)
+            return
+        if sys.argv[1:] == ["specdec"]:
+            specdec_choices(page)
             return
         page.choose("method", "opt-tree")
         page.set_number("set-max_new_tokens", 80)

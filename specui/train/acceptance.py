@@ -259,7 +259,9 @@ def replay(match: list[bool], accept: list[float] | None, wrong_accept: dict[int
             drafted += 1
             if not match[t]:
                 wrong = True
-                if accept is not None:  # drafts after the wrong one: estimated with its a_t
+                if accept is None:  # a fixed chain is drafted to its end whatever it holds
+                    drafted = gamma_max
+                else:  # drafts after the wrong one: estimated with its a_t
                     a = wrong_accept[t]
                     while drafted < gamma_max:
                         keep *= a

@@ -27,7 +27,7 @@ from specui.loading import LoadedModel, ModelSpec, load_model
 from specui.train import acceptance as acc
 from specui.train.data import AnswerSet
 
-THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99)
 
 
 def add_parser(sub, common: argparse.ArgumentParser) -> None:
