@@ -32,29 +32,50 @@ class ResidualSiLU(torch.nn.Module):
         return x + torch.nn.functional.silu(self.linear(x))
 
 
+Q_STATS = 9  # entropy + top-8 probabilities of the q~ a candidate was drawn from
+
+
+def q_stats(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) raw draft logits -> (..., Q_STATS): the entropy and the 8 largest
+    probabilities of softmax(logits) (the same in training and at inference)."""
+    logp = logits.float().log_softmax(-1)
+    prob = logp.exp()
+    entropy = -(prob * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
+    return torch.cat([entropy, prob.topk(Q_STATS - 1, dim=-1).values], -1)
+
+
 class AcceptanceHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, depth: int = 1) -> None:
+    """With `use_q` the head also reads q_stats of the distribution the candidate was drawn
+    from (embedded linearly and added to the hidden state): the hidden state after reading a
+    token says little about how sure the draft was when it chose it."""
+
+    def __init__(self, hidden_size: int, depth: int = 1, use_q: bool = False) -> None:
         super().__init__()
         if depth < 0:
             raise SpecUIError(f"acceptance head depth must be >= 0, got {depth}")
-        self.hidden_size, self.depth = hidden_size, depth
+        self.hidden_size, self.depth, self.use_q = hidden_size, depth, use_q
+        self.q_embed = torch.nn.Linear(Q_STATS, hidden_size) if use_q else None
         self.blocks = torch.nn.ModuleList(ResidualSiLU(hidden_size) for _ in range(depth))  # one object each
         self.out = torch.nn.Linear(hidden_size, 1)
 
-    def logit(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (...) logits of a_t."""
+    def logit(self, hidden: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) [and (..., Q_STATS)] -> (...) logits of a_t."""
         x = hidden.to(self.out.weight.dtype)
+        if self.q_embed is not None:
+            x = x + self.q_embed(stats.to(x.dtype))
         for block in self.blocks:
             x = block(x)
         return self.out(x).squeeze(-1)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logit(hidden))
+    def forward(self, hidden: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logit(hidden, stats))
 
     @torch.inference_mode()
-    def predict(self, hidden: torch.Tensor) -> float:
-        """a_t for one hidden state (H,)."""
-        return float(self(hidden.unsqueeze(0))[0])
+    def predict(self, hidden: torch.Tensor, draft_logits: torch.Tensor) -> float:
+        """a_t for one candidate: the draft's hidden state (H,) after reading it, and the raw
+        draft logits (V,) it was drawn from."""
+        stats = q_stats(draft_logits).unsqueeze(0) if self.use_q else None
+        return float(self(hidden.unsqueeze(0), stats)[0])
 
 
 def draft_fingerprint(draft: torch.nn.Module) -> str:
@@ -80,7 +101,7 @@ def draft_fingerprint(draft: torch.nn.Module) -> str:
 def save_head(head: AcceptanceHead, folder: Path, draft_print: str, meta: dict) -> None:
     """Write config.json + head.safetensors (float32) into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {HEAD_MARKER: 1, "hidden_size": head.hidden_size, "depth": head.depth,
+    config = {HEAD_MARKER: 1, "hidden_size": head.hidden_size, "depth": head.depth, "use_q": head.use_q,
               "draft_fingerprint": draft_print, **meta}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
@@ -116,7 +137,7 @@ def load_head(folder: str | Path, draft: torch.nn.Module) -> tuple[AcceptanceHea
         raise SpecUIError(f"the acceptance head in {folder} takes hidden size {config.get('hidden_size')}, "
                           f"the draft has {hidden}; retrain it with: {TRAIN_COMMAND}")
     try:
-        head = AcceptanceHead(hidden, int(config["depth"]))
+        head = AcceptanceHead(hidden, int(config["depth"]), bool(config.get("use_q", False)))
         head.load_state_dict(load_file(str(folder / "head.safetensors")))
     except Exception as e:  # noqa: BLE001 - any failure to read the weights (safetensors' own errors too)
         raise SpecUIError(f"the acceptance head in {folder} is corrupt ({type(e).__name__}: {str(e)[:200]}); "

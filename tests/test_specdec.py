@@ -149,7 +149,7 @@ def test_head_training_end_to_end(tiny_head_setup):
     config = json.loads((out / "config.json").read_text())
     assert config["depth"] in (0, 1) and config["w_rej"] in (1, 3) and 0 < config["threshold"] < 1
     metrics = json.loads((out / "metrics.json").read_text())
-    assert len(metrics["sweep"]) == 4 and metrics["heldout_bce"] > 0
+    assert len(metrics["sweep"]) == 8 and metrics["heldout_bce"] > 0  # D x w_rej x inputs (hidden, hidden+q)
     assert {p["method"] for p in metrics["heldout_replay"]} == {"speculative", "specdec++"}
     assert "| r | D | w_rej |" in (out / "README.md").read_text()
     feats = acc.Features.load(root / "work" / "head-fit-r0.5.pt")

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specui.heads import AcceptanceHead
+from specui.heads import AcceptanceHead, q_stats
 from specui.train.data import AnswerSet
 from specui.train.trainer import TrainConfig, train
 
-TOPK_STATS = 8  # top probabilities of q kept per example
+TOPK_STATS = 8  # top probabilities of q kept per example (heads.Q_STATS - 1)
 
 
 @torch.inference_mode()
@@ -70,6 +70,11 @@ class Features:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.done.extend(other.done)
 
+    @property
+    def stats(self) -> torch.Tensor:
+        """(n, Q_STATS): heads.q_stats of the q each token was drawn from."""
+        return torch.cat([self.entropy[:, None], self.q_top], -1)
+
     def labels(self, kind: str) -> torch.Tensor:
         return self.soft if kind == "soft" else self.greedy
 
@@ -82,13 +87,6 @@ class Features:
     @classmethod
     def load(cls, path: Path) -> Features:
         return cls(**torch.load(path, weights_only=True))
-
-
-def _q_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = logits.log_softmax(-1)
-    prob = logp.exp()
-    entropy = -(prob * logp.nan_to_num(neginf=0.0)).sum(-1)
-    return entropy, prob.topk(TOPK_STATS, dim=-1).values
 
 
 def sequence_features(draft, target, prompt: list[int], answer: list[int], mix: float,
@@ -107,7 +105,8 @@ def sequence_features(draft, target, prompt: list[int], answer: list[int], mix: 
     p = p_logits[:n, : q2_logits.shape[-1]].softmax(-1)[rows, zt]
     soft = torch.where(q > 0, (p / q.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(q))
     greedy = (p_logits[:n].argmax(-1) == zt).float()
-    entropy, q_top = _q_stats(q2_logits[:n])
+    stats = q_stats(q2_logits[:n])
+    entropy, q_top = stats[:, 0], stats[:, 1:]
     at = ~from_target
     return Features(hidden[1:][at].half(), soft[at], greedy[at], entropy[at], q_top[at])
 
@@ -133,28 +132,29 @@ def build_features(draft, target, answers: AnswerSet, mix: float, seed: int, pat
 
 
 # --- training -------------------------------------------------------------------------------------
-def head_loss(head: AcceptanceHead, hidden: torch.Tensor, label: torch.Tensor, w_rej: float) -> torch.Tensor:
+def head_loss(head: AcceptanceHead, hidden: torch.Tensor, stats: torch.Tensor, label: torch.Tensor,
+              w_rej: float) -> torch.Tensor:
     """Weighted BCE with soft labels: w_acc = 1 on the accepted part, w_rej on the rejected part."""
-    logit = head.logit(hidden.float())
+    logit = head.logit(hidden.float(), stats)
     logsig = torch.nn.functional.logsigmoid
     return -(label * logsig(logit) + w_rej * (1.0 - label) * logsig(-logit)).mean()
 
 
-def batches(feats: Features, labels: str, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(feats: Features, labels: str, size: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     order = torch.randperm(len(feats), generator=torch.Generator().manual_seed(seed))
-    y = feats.labels(labels)
-    return [(feats.hidden[idx], y[idx]) for idx in order.split(size)]
+    y, stats = feats.labels(labels), feats.stats
+    return [(feats.hidden[idx], stats[idx], y[idx]) for idx in order.split(size)]
 
 
-def train_head(feats: Features, depth: int, w_rej: float, labels: str = "soft", epochs: int = 3,
-               lr: float = 1e-3, batch_size: int = 512, seed: int = 0,
+def train_head(feats: Features, depth: int, w_rej: float, labels: str = "soft", use_q: bool = False,
+               epochs: int = 3, lr: float = 1e-3, batch_size: int = 512, seed: int = 0,
                checkpoint: Path | None = None) -> AcceptanceHead:
     torch.manual_seed(seed)
-    head = AcceptanceHead(feats.hidden.shape[1], depth)
+    head = AcceptanceHead(feats.hidden.shape[1], depth, use_q)
     data = batches(feats, labels, batch_size, seed)
     cfg = TrainConfig(epochs=epochs, lr=lr, seed=seed, warmup_steps=min(20, len(data)), checkpoint=checkpoint)
-    train(head, data, lambda b: head_loss(head, b[0], b[1], w_rej), cfg,
-          desc=f"head D={depth} w_rej={w_rej} {labels}")
+    train(head, data, lambda b: head_loss(head, b[0], b[1], b[2], w_rej), cfg,
+          desc=f"head D={depth} w_rej={w_rej} {labels}{' +q' if use_q else ''}")
     return head.eval()
 
 
@@ -168,7 +168,7 @@ class HeadQuality:
 @torch.no_grad()
 def head_quality(head: AcceptanceHead, feats: Features, labels: str = "soft", bins: int = 10) -> HeadQuality:
     y = feats.labels(labels).double()
-    a = head(feats.hidden.float()).double().clamp(1e-7, 1 - 1e-7)
+    a = head(feats.hidden.float(), feats.stats).double().clamp(1e-7, 1 - 1e-7)
     bce = -(y * a.log() + (1 - y) * (1 - a).log()).mean()
     yc = y.clamp(1e-7, 1 - 1e-7)
     entropy = -(yc * yc.log() + (1 - yc) * (1 - yc).log()).mean()
@@ -188,6 +188,7 @@ class GreedyAnswer:
     match: list[bool]
     hidden_true: torch.Tensor  # (T, H)
     hidden_wrong: dict[int, torch.Tensor]
+    stats: torch.Tensor  # (T, Q_STATS): q_stats of the draft's q at each position (true and wrong alike)
 
 
 @torch.inference_mode()
@@ -212,7 +213,7 @@ def greedy_answer(draft, prompt: list[int], answer: list[int]) -> GreedyAnswer:
                                  attention_mask=mask[None, None].to(draft.device),
                                  position_ids=torch.tensor([positions], device=draft.device))
         hidden_wrong = dict(zip(wrong, side))
-    return GreedyAnswer(match, hidden[1:], hidden_wrong)
+    return GreedyAnswer(match, hidden[1:], hidden_wrong, q_stats(logits[:n]))
 
 
 @dataclass
@@ -292,11 +293,12 @@ def replay(match: list[bool], accept: list[float] | None, wrong_accept: dict[int
 def head_values(head: AcceptanceHead, answers: Iterable[GreedyAnswer]) -> list[tuple[list[float], dict[int, float]]]:
     values = []
     for ans in answers:
-        true = head(ans.hidden_true.float()).tolist()
+        true = head(ans.hidden_true.float(), ans.stats).tolist()
         wrong = {}
         if ans.hidden_wrong:
             keys = list(ans.hidden_wrong)
-            wrong = dict(zip(keys, head(torch.stack([ans.hidden_wrong[k] for k in keys]).float()).tolist()))
+            hidden = torch.stack([ans.hidden_wrong[k] for k in keys]).float()
+            wrong = dict(zip(keys, head(hidden, ans.stats[keys]).tolist()))
         values.append((true, wrong))
     return values
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from specui.chat import stop_token_ids
 from specui.draft_model import load_draft
+from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.profile import cpu_model, get_profile
 from specui.engine.session import ModelSession
 from specui.heads import draft_fingerprint, save_head
@@ -39,6 +41,9 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:
     h.add_argument("--rej-weights", default="1,3,6,12", help="BCE weights w_rej of rejections")
     h.add_argument("--labels", default="soft,greedy",
                    help="label kinds: soft = min(1, p/q) (the seed's), greedy = target argmax equals the token")
+    h.add_argument("--inputs", default="hidden,hidden+q",
+                   help="head inputs: hidden = the draft's hidden state (the seed's); hidden+q = also the "
+                        "entropy and top-8 probabilities of the q the candidate was drawn from")
     h.add_argument("--gamma-max", type=int, default=16)
     h.add_argument("--epochs", type=int, default=3)
     h.add_argument("--eval-mix", type=float, default=0.5, help="r of the held-out examples the BCE is measured on")
@@ -58,13 +63,29 @@ def split(answers: AnswerSet, every: int = 7) -> tuple[AnswerSet, AnswerSet]:
     return fit, dev
 
 
-def app_costs(args, draft) -> tuple[float, object, str]:
-    """Draft ms per token and target ms(k) from the cost profile of the target in the dtype
-    the app picks here (dtype auto) beside this draft."""
+def app_costs(args, draft, prompts: list[list[int]]) -> tuple[float, object, str]:
+    """Draft ms per token and target ms(k) for the pair as the app runs it (target in dtype
+    auto beside this draft): the cost profile, scaled to what the decoding loop measures
+    (speculative decoding of a few dev prompts at gamma 1, 3 and 6: the loop's draft forward
+    per token and target call of k tokens cost more than the profile's isolated forwards)."""
     target = load_model(ModelSpec(args.target, dtype="auto", device=args.device))
     profile, note = get_profile(ModelSession(target.model), ModelSession(draft))
-    desc = f"{cpu_model()}, target {str(target.model.dtype).replace('torch.', '')}; {note}"
-    return profile.draft(1), profile.target, desc
+    engine = Engine(target.model, target.tokenizer, draft=draft,
+                    eos_ids=stop_token_ids(target.tokenizer, target.model.generation_config))
+    draft_ms = drafted = 0.0
+    seen: list[tuple[int, float]] = []  # (call size k, measured ms)
+    for gamma in (1, 3, 6):
+        for prompt in prompts:
+            gen = engine.generate(GenerationRequest(list(prompt), 48), make_method("speculative", gamma=gamma)).run()
+            for step in gen.steps[1:]:  # the first step feeds the prompt's last token too
+                draft_ms, drafted = draft_ms + step.draft_ms, drafted + step.drafted
+                seen.append((step.drafted + 1, step.verify_ms))
+    d_scale = (draft_ms / max(1.0, drafted)) / profile.draft(1)
+    t_scale = sum(ms for _, ms in seen) / sum(profile.target(k) for k, _ in seen)
+    desc = (f"{cpu_model()}, target {str(target.model.dtype).replace('torch.', '')}; {note}; scaled to the loop: "
+            f"draft x{d_scale:.2f} ({profile.draft(1) * d_scale:.1f} ms per token), target x{t_scale:.2f} "
+            f"({profile.target(1) * t_scale:.1f} ms for 1 token, {profile.target(7) * t_scale:.1f} ms for 7)")
+    return profile.draft(1) * d_scale, lambda k: profile.target(k) * t_scale, desc
 
 
 def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout: AnswerSet, dev_answers, costs) -> list[dict]:
@@ -74,20 +95,22 @@ def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout: AnswerSet, 
                                        args.work / f"head-heldout-r{args.eval_mix}.pt")
     for mix in _floats(args.mixes):
         feats = acc.build_features(draft, target.model, fit, mix, args.seed, args.work / f"head-fit-r{mix}.pt")
-        for depth, w_rej, labels in itertools.product([int(d) for d in _floats(args.depths)],
-                                                      _floats(args.rej_weights), args.labels.split(",")):
-            head = acc.train_head(feats, depth, w_rej, labels, epochs=args.epochs, seed=args.seed)
+        for depth, w_rej, labels, inputs in itertools.product(
+                [int(d) for d in _floats(args.depths)], _floats(args.rej_weights), args.labels.split(","),
+                args.inputs.split(",")):
+            head = acc.train_head(feats, depth, w_rej, labels, inputs == "hidden+q", epochs=args.epochs,
+                                  seed=args.seed)
             quality = acc.head_quality(head, heldout_feats, "soft")
             values = acc.head_values(head, dev_answers)
             best = max((acc.tokens_per_s(acc.replay_all(dev_answers, values, h, args.gamma_max), draft_ms,
                                          target_ms), h) for h in THRESHOLDS)
             rep = acc.replay_all(dev_answers, values, best[1], args.gamma_max)
-            rows.append(dict(mix=mix, depth=depth, w_rej=w_rej, labels=labels, examples=len(feats),
+            rows.append(dict(mix=mix, depth=depth, w_rej=w_rej, labels=labels, inputs=inputs, examples=len(feats),
                              heldout_bce=round(quality.bce, 4), heldout_kl=round(quality.kl, 4),
                              threshold=best[1], dev_model_tokens_per_s=round(best[0], 2),
                              dev_discard_rate=round(rep.discard_rate, 3),
                              dev_verification_rate=round(rep.verification_rate, 3), head=head))
-            print(f"r={mix} D={depth} w_rej={w_rej} {labels}: BCE {quality.bce:.4f}, best H {best[1]}, "
+            print(f"r={mix} D={depth} w_rej={w_rej} {labels} {inputs}: BCE {quality.bce:.4f}, best H {best[1]}, "
                   f"{best[0]:.2f} tok/s (model)", file=sys.stderr)
     return rows
 
@@ -140,13 +163,14 @@ def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, co
     lines = ["# SpecDec++ acceptance head for `smollm2-135m-draft`", "",
              "Trained by `" + command + "` (resumable; data under --work).", "",
              f"Chosen: D = {best['depth']}, r = {best['mix']}, w_rej = {best['w_rej']}, labels {best['labels']}, "
+             f"inputs {best['inputs']}, "
              f"default threshold H = {best['threshold']} (the best of the sweep on the dev split).", "",
              f"Time model from the cost profile: {costs_desc}.", "",
              "## Sweep (dev split: greedy replay; BCE on held-out examples)", "",
-             "| r | D | w_rej | labels | examples | held-out BCE | KL | best H | model tok/s | D/N | V/N |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| r | D | w_rej | labels | inputs | examples | held-out BCE | KL | best H | model tok/s | D/N | V/N |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["dev_model_tokens_per_s"]):
-        lines.append(f"| {r['mix']} | {r['depth']} | {r['w_rej']} | {r['labels']} | {r['examples']} | "
+        lines.append(f"| {r['mix']} | {r['depth']} | {r['w_rej']} | {r['labels']} | {r['inputs']} | {r['examples']} | "
                      f"{r['heldout_bce']} | {r['heldout_kl']} | {r['threshold']} | {r['dev_model_tokens_per_s']} | "
                      f"{r['dev_discard_rate']} | {r['dev_verification_rate']} |")
     lines += ["", "## Held-out greedy replay (the chosen head vs fixed gamma)", "",
@@ -160,8 +184,9 @@ def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, co
 def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet) -> dict:
     t0 = time.time()
     draft = load_draft(args.draft, target.model, target.tokenizer)  # as the app runs it (float32, int8 kernels)
-    costs = app_costs(args, draft)
     fit, dev = split(train_set)
+    costs = app_costs(args, draft, dev.prompt_ids[:3])
+    print(f"time model: {costs[2]}", file=sys.stderr)
     dev_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(dev.prompt_ids, dev.answer_ids)]
     rows = sweep(args, draft, target, fit, heldout, dev_answers, costs)
     best = max(rows, key=lambda r: r["dev_model_tokens_per_s"])
@@ -171,7 +196,7 @@ def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet
     held_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(heldout.prompt_ids, heldout.answer_ids)]
     points = pareto_points(held_answers, acc.head_values(best["head"], held_answers), args.gamma_max, costs)
     command = "python -m specui.train " + " ".join(sys.argv[1:])
-    meta = {k: best[k] for k in ("depth", "mix", "w_rej", "labels", "threshold")}
+    meta = {k: best[k] for k in ("depth", "mix", "w_rej", "labels", "inputs", "threshold")}
     meta.update(gamma_max=args.gamma_max, draft=args.draft.name)
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -63,7 +63,7 @@ def draft_adaptive(
             chain.stop_reason = "gamma_max"
             return chain
         out, hidden = draft.advance_with_hidden(ids + chain.tokens, need=1)
-        a = head.predict(hidden[-1])
+        a = head.predict(hidden[-1], logits)
         keep *= a
         chain.accept[-1], chain.risk[-1] = a, 1.0 - keep
         if 1.0 - keep > threshold:
