@@ -11,6 +11,7 @@ from specui.errors import SpecUIError
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
 HELDOUT = PROMPTS_DIR / "heldout.jsonl"
 TRAIN = PROMPTS_DIR / "train.jsonl"
+DEV = PROMPTS_DIR / "dev.jsonl"  # for choosing settings (SpecDec++'s head and H); never trained on
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from specui.bench.prompts import DEV, load_prompts
 from specui.chat import stop_token_ids
 from specui.draft_model import load_draft
 from specui.engine import Engine, GenerationRequest, make_method
@@ -27,7 +28,7 @@ from specui.engine.session import ModelSession
 from specui.heads import draft_fingerprint, save_head
 from specui.loading import LoadedModel, ModelSpec, load_model
 from specui.train import acceptance as acc
-from specui.train.data import AnswerSet
+from specui.train.data import AnswerSet, collect
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99)
 
@@ -44,6 +45,8 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:
     h.add_argument("--inputs", default="hidden,hidden+q",
                    help="head inputs: hidden = the draft's hidden state (the seed's); hidden+q = also the "
                         "entropy and top-8 probabilities of the q the candidate was drawn from")
+    h.add_argument("--dev-prompts", default=str(DEV),
+                   help="prompts the draft never saw, for choosing the head and H (empty: every 7th training answer)")
     h.add_argument("--gamma-max", type=int, default=16)
     h.add_argument("--epochs", type=int, default=3)
     h.add_argument("--eval-mix", type=float, default=0.5, help="r of the held-out examples the BCE is measured on")
@@ -51,6 +54,20 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def dev_answers_for(args, target: LoadedModel, train_set: AnswerSet) -> tuple[AnswerSet, AnswerSet]:
+    """(fit, dev): the target's answers to --dev-prompts (prompts the draft was not trained
+    on: on its own training prompts it agrees with the target far more often than on new
+    ones, which would favour long chains), or a split of the training answers."""
+    if not args.dev_prompts:
+        return split(train_set)
+    path = Path(args.dev_prompts)
+    tok, model = target.tokenizer, target.model
+    eos = stop_token_ids(tok, model.generation_config)
+    dev = collect(model, tok, load_prompts(path), eos, args.work / f"{path.stem}-greedy.pt",
+                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
+    return train_set, dev
 
 
 def split(answers: AnswerSet, every: int = 7) -> tuple[AnswerSet, AnswerSet]:
@@ -184,7 +201,7 @@ def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, co
 def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet) -> dict:
     t0 = time.time()
     draft = load_draft(args.draft, target.model, target.tokenizer)  # as the app runs it (float32, int8 kernels)
-    fit, dev = split(train_set)
+    fit, dev = dev_answers_for(args, target, train_set)
     costs = app_costs(args, draft, dev.prompt_ids[:3])
     print(f"time model: {costs[2]}", file=sys.stderr)
     dev_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(dev.prompt_ids, dev.answer_ids)]
