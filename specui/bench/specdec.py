@@ -27,7 +27,7 @@ def pareto_figure(results: list[dict], title: str) -> go.Figure:
                      key=lambda r: r["discard_rate"])
         fig.add_scatter(x=[p["discard_rate"] for p in pts], y=[p["verification_rate"] for p in pts],
                         mode="lines+markers+text", name=prefix, textposition="top right",
-                        text=[p["method"].removeprefix(prefix).strip() for p in pts],
+                        text=[p["method"].removeprefix(prefix).strip() or "tuned H" for p in pts],
                         customdata=[round(p["tokens_per_s"], 2) for p in pts],
                         hovertemplate="D/N %{x:.3f}, V/N %{y:.3f}: %{customdata} tok/s<extra>%{text}</extra>")
     fig.update_layout(title=title, xaxis_title="discard rate D/N (drafted tokens thrown away per token)",

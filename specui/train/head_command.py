@@ -2,10 +2,11 @@
 depth D, mixing fraction r, rejection weight w_rej, label kind and default threshold H by a
 sweep, and ship it (config, weights, README with the sweep table, metrics, calibration plot).
 
-Selection: every head of the grid is scored by an exact greedy replay on a dev split of the
-training conversations (specui.train.acceptance), its best H found on a grid, and the time
-model T = t_draft x draft forwards + sum over target calls of t_target(call size), with the
-costs from the pair's measured cost profile (the dtype the app picks on this machine)."""
+Selection: every head of the grid is scored by an exact greedy replay on the target's answers
+to prompts the draft never saw (assets/prompts/dev.jsonl; specui.train.acceptance), its best H
+found on a grid, with the time model T = t_draft x draft forwards + sum over target calls of
+t_target(call size): the pair's measured cost profile (the dtype the app picks on this
+machine) scaled to what the decoding loop measures."""
 
 from __future__ import annotations
 
@@ -181,9 +182,9 @@ def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, co
              "Trained by `" + command + "` (resumable; data under --work).", "",
              f"Chosen: D = {best['depth']}, r = {best['mix']}, w_rej = {best['w_rej']}, labels {best['labels']}, "
              f"inputs {best['inputs']}, "
-             f"default threshold H = {best['threshold']} (the best of the sweep on the dev split).", "",
+             f"default threshold H = {best['threshold']} (the best of the sweep on the dev prompts).", "",
              f"Time model from the cost profile: {costs_desc}.", "",
-             "## Sweep (dev split: greedy replay; BCE on held-out examples)", "",
+             "## Sweep (dev prompts: greedy replay; BCE on held-out examples)", "",
              "| r | D | w_rej | labels | inputs | examples | held-out BCE | KL | best H | model tok/s | D/N | V/N |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["dev_model_tokens_per_s"]):
