@@ -47,14 +47,24 @@ def q_stats(logits: torch.Tensor) -> torch.Tensor:
 class AcceptanceHead(torch.nn.Module):
     """With `use_q` the head also reads q_stats of the distribution the candidate was drawn
     from (embedded linearly and added to the hidden state): the hidden state after reading a
-    token says little about how sure the draft was when it chose it."""
+    token says little about how sure the draft was when it chose it.
 
-    def __init__(self, hidden_size: int, depth: int = 1, use_q: bool = False) -> None:
+    `reads`: "after" (the seed's) = the hidden state after the draft has read the candidate,
+    which costs one more draft forward per chain (the forward that reads the last candidate);
+    "before" = the hidden state that gave q~ for the candidate, with q_stats and q~(candidate)
+    (use_q implied): the stop is decided before the candidate is fed, so a chain costs exactly
+    one draft forward per candidate, as a fixed chain does."""
+
+    def __init__(self, hidden_size: int, depth: int = 1, use_q: bool = False, reads: str = "after") -> None:
         super().__init__()
         if depth < 0:
             raise SpecUIError(f"acceptance head depth must be >= 0, got {depth}")
-        self.hidden_size, self.depth, self.use_q = hidden_size, depth, use_q
-        self.q_embed = torch.nn.Linear(Q_STATS, hidden_size) if use_q else None
+        if reads not in ("after", "before"):
+            raise SpecUIError(f"an acceptance head reads the hidden state 'after' or 'before' the candidate, "
+                              f"got {reads!r}")
+        use_q = use_q or reads == "before"
+        self.hidden_size, self.depth, self.use_q, self.reads = hidden_size, depth, use_q, reads
+        self.q_embed = torch.nn.Linear(Q_STATS + (reads == "before"), hidden_size) if use_q else None
         self.blocks = torch.nn.ModuleList(ResidualSiLU(hidden_size) for _ in range(depth))  # one object each
         self.out = torch.nn.Linear(hidden_size, 1)
 
@@ -71,10 +81,16 @@ class AcceptanceHead(torch.nn.Module):
         return torch.sigmoid(self.logit(hidden, stats))
 
     @torch.inference_mode()
-    def predict(self, hidden: torch.Tensor, draft_logits: torch.Tensor) -> float:
-        """a_t for one candidate: the draft's hidden state (H,) after reading it, and the raw
-        draft logits (V,) it was drawn from."""
-        stats = q_stats(draft_logits).unsqueeze(0) if self.use_q else None
+    def predict(self, hidden: torch.Tensor, draft_logits: torch.Tensor, token: int) -> float:
+        """a_t for one candidate `token`: the draft's hidden state (H,) (after reading it, or
+        the one that gave its q~, as `reads` says), and the raw draft logits (V,) it was
+        drawn from."""
+        stats = None
+        if self.use_q:
+            stats = q_stats(draft_logits)
+            if self.reads == "before":
+                stats = torch.cat([stats, draft_logits.float().softmax(-1)[token].reshape(1)])
+            stats = stats.unsqueeze(0)
         return float(self(hidden.unsqueeze(0), stats)[0])
 
 
@@ -102,6 +118,7 @@ def save_head(head: AcceptanceHead, folder: Path, draft_print: str, meta: dict) 
     """Write config.json + head.safetensors (float32) into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {HEAD_MARKER: 1, "hidden_size": head.hidden_size, "depth": head.depth, "use_q": head.use_q,
+              "reads": head.reads,
               "draft_fingerprint": draft_print, **meta}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
@@ -137,7 +154,8 @@ def load_head(folder: str | Path, draft: torch.nn.Module) -> tuple[AcceptanceHea
         raise SpecUIError(f"the acceptance head in {folder} takes hidden size {config.get('hidden_size')}, "
                           f"the draft has {hidden}; retrain it with: {TRAIN_COMMAND}")
     try:
-        head = AcceptanceHead(hidden, int(config["depth"]), bool(config.get("use_q", False)))
+        head = AcceptanceHead(hidden, int(config["depth"]), bool(config.get("use_q", False)),
+                              str(config.get("reads", "after")))
         head.load_state_dict(load_file(str(folder / "head.safetensors")))
     except Exception as e:  # noqa: BLE001 - any failure to read the weights (safetensors' own errors too)
         raise SpecUIError(f"the acceptance head in {folder} is corrupt ({type(e).__name__}: {str(e)[:200]}); "

@@ -24,9 +24,9 @@ from specui.train.distill import build_draft, choose_head_tokens
 PROMPTS = [[1, 5, 9, 13, 7], [1, 40, 41, 3], [1, 17, 22, 22, 9, 60, 33, 12]]
 
 
-def make_head(hidden: int, depth: int, bias: float, seed: int = 0) -> AcceptanceHead:
+def make_head(hidden: int, depth: int, bias: float, seed: int = 0, reads: str = "after") -> AcceptanceHead:
     torch.manual_seed(seed)
-    head = AcceptanceHead(hidden, depth).double()
+    head = AcceptanceHead(hidden, depth, reads=reads).double()
     with torch.no_grad():
         head.out.bias.fill_(bias)
     return head.eval()
@@ -47,12 +47,13 @@ def test_head_blocks_have_their_own_weights():
     assert AcceptanceHead(16, depth=0)(torch.zeros(4, 16)).shape == (4,)  # D = 0: one linear layer
 
 
+@pytest.mark.parametrize("reads", ["after", "before"])
 @pytest.mark.parametrize("threshold,gamma_max", [(0.2, 4), (0.6, 8), (0.9, 16)])
-def test_greedy_specdec_equals_autoregressive(tiny_target, threshold, gamma_max):
+def test_greedy_specdec_equals_autoregressive(tiny_target, threshold, gamma_max, reads):
     from test_greedy_equivalence import near_copy
 
     for draft in (tiny_llama(1, layers=1), near_copy(tiny_target, 0.003, 7)):
-        head = make_head(32, 2, bias=2.0)
+        head = make_head(32, 2, bias=2.0, reads=reads)
         engine = Engine(tiny_target, TinyTokenizer(), draft=draft, eos_ids=[EOS], acceptance_head=head)
         for prompt in PROMPTS:
             reference = run(engine, prompt, 40, "autoregressive").output_ids
@@ -91,20 +92,21 @@ def test_stats_report_discard_and_verification_rates(tiny_engine):
     assert d["verification_rate"] == pytest.approx(stats.target_forwards / stats.new_tokens, abs=1e-4)
 
 
-def test_replay_counts_match_the_engine(tiny_target):
+@pytest.mark.parametrize("reads", ["after", "before"])
+def test_replay_counts_match_the_engine(tiny_target, reads):
     """The sweep's greedy replay along the target's greedy answer predicts exactly the target
     calls and accepted tokens the engine makes (same head, same threshold)."""
     from test_greedy_equivalence import near_copy
 
     draft = near_copy(tiny_target, 0.01, 3)
-    head = make_head(32, 1, bias=1.0, seed=4)
+    head = make_head(32, 1, bias=1.0, seed=4, reads=reads)
     engine = Engine(tiny_target, TinyTokenizer(), draft=draft, eos_ids=[], acceptance_head=head)
     for prompt in PROMPTS:
         for threshold, gamma_max in ((0.5, 8), (0.8, 5)):
             gen = run(engine, prompt, 40, "specdec++", threshold=threshold, gamma_max=gamma_max)
             answer = acc.greedy_answer(draft, list(prompt), gen.output_ids)
             values = acc.head_values(head, [answer])
-            rep = acc.replay(answer.match, values[0][0], values[0][1], threshold, gamma_max)
+            rep = acc.replay(answer.match, values[0][0], values[0][1], threshold, gamma_max, reads == "after")
             # the replay ends at the answer's last token; the engine's last chain is cut by max_new_tokens
             assert abs(rep.verified - gen.stats.target_forwards) <= 1
             assert rep.generated == len(gen.output_ids)
@@ -149,10 +151,11 @@ def test_head_training_end_to_end(tiny_head_setup):
     config = json.loads((out / "config.json").read_text())
     assert config["depth"] in (0, 1) and config["w_rej"] in (1, 3) and 0 < config["threshold"] < 1
     metrics = json.loads((out / "metrics.json").read_text())
-    assert len(metrics["sweep"]) == 8 and metrics["heldout_bce"] > 0  # D x w_rej x inputs (hidden, hidden+q)
+    # D x w_rej x (hidden after, hidden+q after, hidden+q before)
+    assert len(metrics["sweep"]) == 12 and metrics["heldout_bce"] > 0
     assert {p["method"] for p in metrics["heldout_replay"]} == {"speculative", "specdec++"}
     assert "| r | D | w_rej |" in (out / "README.md").read_text()
-    feats = acc.Features.load(root / "work" / "head-fit-r0.5.pt")
+    feats = acc.Features.load(root / "work" / "head-fit-r0.5-v2.pt")
     assert len(feats) > 0 and float(feats.soft.min()) >= 0 and float(feats.soft.max()) <= 1
     assert len(set(feats.done)) == len(feats.done) == 18  # 21 conversations, every 7th is dev
     pair = load_pair(ModelSpec(str(folder), dtype="float32"), ModelSpec(str(root / "draft"), dtype="float32"),

@@ -50,7 +50,9 @@ def forward_hidden(model, ids: list[int], keep: int, attention_mask=None, positi
 class Features:
     """One example per draft position: head input, labels, q's entropy and top probabilities."""
 
-    hidden: torch.Tensor  # (n, H) float16
+    hidden: torch.Tensor  # (n, H) float16, after the draft read the token
+    hidden_before: torch.Tensor  # (n, H) float16, the hidden state that gave q~ for the token
+    q_token: torch.Tensor  # (n,) q~ of the token itself
     soft: torch.Tensor  # (n,) min(1, p/q)
     greedy: torch.Tensor  # (n,) 1 if the target's argmax is the token
     entropy: torch.Tensor  # (n,)
@@ -62,11 +64,12 @@ class Features:
 
     @classmethod
     def empty(cls, hidden_size: int) -> Features:
-        return cls(torch.zeros(0, hidden_size, dtype=torch.float16), torch.zeros(0), torch.zeros(0), torch.zeros(0),
+        empty = torch.zeros(0, hidden_size, dtype=torch.float16)
+        return cls(empty, empty.clone(), torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0),
                    torch.zeros(0, TOPK_STATS))
 
     def append(self, other: Features) -> None:
-        for name in ("hidden", "soft", "greedy", "entropy", "q_top"):
+        for name in ("hidden", "hidden_before", "q_token", "soft", "greedy", "entropy", "q_top"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.done.extend(other.done)
 
@@ -74,6 +77,12 @@ class Features:
     def stats(self) -> torch.Tensor:
         """(n, Q_STATS): heads.q_stats of the q each token was drawn from."""
         return torch.cat([self.entropy[:, None], self.q_top], -1)
+
+    def inputs(self, reads: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A head's (hidden, stats) inputs: see heads.AcceptanceHead `reads`."""
+        if reads == "before":
+            return self.hidden_before, torch.cat([self.stats, self.q_token[:, None]], -1)
+        return self.hidden, self.stats
 
     def labels(self, kind: str) -> torch.Tensor:
         return self.soft if kind == "soft" else self.greedy
@@ -108,7 +117,8 @@ def sequence_features(draft, target, prompt: list[int], answer: list[int], mix: 
     stats = q_stats(q2_logits[:n])
     entropy, q_top = stats[:, 0], stats[:, 1:]
     at = ~from_target
-    return Features(hidden[1:][at].half(), soft[at], greedy[at], entropy[at], q_top[at])
+    return Features(hidden[1:][at].half(), hidden[:-1][at].half(), q[at], soft[at], greedy[at], entropy[at],
+                    q_top[at])
 
 
 def build_features(draft, target, answers: AnswerSet, mix: float, seed: int, path: Path | None = None,
@@ -140,21 +150,22 @@ def head_loss(head: AcceptanceHead, hidden: torch.Tensor, stats: torch.Tensor, l
     return -(label * logsig(logit) + w_rej * (1.0 - label) * logsig(-logit)).mean()
 
 
-def batches(feats: Features, labels: str, size: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+def batches(feats: Features, labels: str, reads: str, size: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
     order = torch.randperm(len(feats), generator=torch.Generator().manual_seed(seed))
-    y, stats = feats.labels(labels), feats.stats
-    return [(feats.hidden[idx], stats[idx], y[idx]) for idx in order.split(size)]
+    y = feats.labels(labels)
+    hidden, stats = feats.inputs(reads)
+    return [(hidden[idx], stats[idx], y[idx]) for idx in order.split(size)]
 
 
 def train_head(feats: Features, depth: int, w_rej: float, labels: str = "soft", use_q: bool = False,
-               epochs: int = 3, lr: float = 1e-3, batch_size: int = 512, seed: int = 0,
+               reads: str = "after", epochs: int = 3, lr: float = 1e-3, batch_size: int = 512, seed: int = 0,
                checkpoint: Path | None = None) -> AcceptanceHead:
     torch.manual_seed(seed)
-    head = AcceptanceHead(feats.hidden.shape[1], depth, use_q)
-    data = batches(feats, labels, batch_size, seed)
+    head = AcceptanceHead(feats.hidden.shape[1], depth, use_q, reads)
+    data = batches(feats, labels, reads, batch_size, seed)
     cfg = TrainConfig(epochs=epochs, lr=lr, seed=seed, warmup_steps=min(20, len(data)), checkpoint=checkpoint)
     train(head, data, lambda b: head_loss(head, b[0], b[1], b[2], w_rej), cfg,
-          desc=f"head D={depth} w_rej={w_rej} {labels}{' +q' if use_q else ''}")
+          desc=f"head D={depth} w_rej={w_rej} {labels}{' +q' if use_q else ''} {reads}")
     return head.eval()
 
 
@@ -168,7 +179,8 @@ class HeadQuality:
 @torch.no_grad()
 def head_quality(head: AcceptanceHead, feats: Features, labels: str = "soft", bins: int = 10) -> HeadQuality:
     y = feats.labels(labels).double()
-    a = head(feats.hidden.float(), feats.stats).double().clamp(1e-7, 1 - 1e-7)
+    hidden, stats = feats.inputs(head.reads)
+    a = head(hidden.float(), stats).double().clamp(1e-7, 1 - 1e-7)
     bce = -(y * a.log() + (1 - y) * (1 - a).log()).mean()
     yc = y.clamp(1e-7, 1 - 1e-7)
     entropy = -(yc * yc.log() + (1 - yc) * (1 - yc).log()).mean()
@@ -189,6 +201,7 @@ class GreedyAnswer:
     hidden_true: torch.Tensor  # (T, H)
     hidden_wrong: dict[int, torch.Tensor]
     stats: torch.Tensor  # (T, Q_STATS): q_stats of the draft's q at each position (true and wrong alike)
+    hidden_before: torch.Tensor  # (T, H): the hidden state that gave q at each position
 
 
 @torch.inference_mode()
@@ -213,7 +226,7 @@ def greedy_answer(draft, prompt: list[int], answer: list[int]) -> GreedyAnswer:
                                  attention_mask=mask[None, None].to(draft.device),
                                  position_ids=torch.tensor([positions], device=draft.device))
         hidden_wrong = dict(zip(wrong, side))
-    return GreedyAnswer(match, hidden[1:], hidden_wrong, q_stats(logits[:n]))
+    return GreedyAnswer(match, hidden[1:], hidden_wrong, q_stats(logits[:n]), hidden[:-1])
 
 
 @dataclass
@@ -248,10 +261,11 @@ class Replay:
 
 
 def replay(match: list[bool], accept: list[float] | None, wrong_accept: dict[int, float] | None,
-           threshold: float, gamma_max: int) -> Replay:
+           threshold: float, gamma_max: int, extra_forward: bool = True) -> Replay:
     """Greedy decoding of one answer (its last token is the end) with a fixed chain of
     gamma_max (accept None) or SpecDec++'s stop rule (accept[t]: a_t of the true token t;
-    wrong_accept[t]: a_t of the draft's wrong token at t)."""
+    wrong_accept[t]: a_t of the draft's wrong token at t). `extra_forward`: the head reads
+    the hidden state after each candidate (the seed's), which costs a draft forward more."""
     n, s, out = len(match), 0, Replay()
     while s < n:
         drafted, accepted, keep, evaluated, wrong = 0, 0, 1.0, 0, False
@@ -283,7 +297,7 @@ def replay(match: list[bool], accept: list[float] | None, wrong_accept: dict[int
         out.generated += new
         out.discarded += drafted - accepted
         out.verified += 1
-        out.draft_forwards += drafted if accept is None else 1 + evaluated if drafted else 0
+        out.draft_forwards += (1 + evaluated if drafted else 0) if accept is not None and extra_forward else drafted
         out.call_sizes.append(drafted + 1)
         s += new
     return out
@@ -293,6 +307,11 @@ def replay(match: list[bool], accept: list[float] | None, wrong_accept: dict[int
 def head_values(head: AcceptanceHead, answers: Iterable[GreedyAnswer]) -> list[tuple[list[float], dict[int, float]]]:
     values = []
     for ans in answers:
+        if head.reads == "before":  # the draft's greedy guess at t, right or wrong: the same inputs
+            stats = torch.cat([ans.stats, ans.stats[:, 1:2]], -1)  # q~(guess) = the top probability
+            true = head(ans.hidden_before.float(), stats).tolist()
+            values.append((true, {t: true[t] for t in range(len(true)) if not ans.match[t]}))
+            continue
         true = head(ans.hidden_true.float(), ans.stats).tolist()
         wrong = {}
         if ans.hidden_wrong:
@@ -303,11 +322,12 @@ def head_values(head: AcceptanceHead, answers: Iterable[GreedyAnswer]) -> list[t
     return values
 
 
-def replay_all(answers: list[GreedyAnswer], values, threshold: float, gamma_max: int) -> Replay:
+def replay_all(answers: list[GreedyAnswer], values, threshold: float, gamma_max: int,
+               extra_forward: bool = True) -> Replay:
     total = Replay()
     for i, ans in enumerate(answers):
         accept, wrong = values[i] if values is not None else (None, None)
-        total.add(replay(ans.match, accept, wrong, threshold, gamma_max))
+        total.add(replay(ans.match, accept, wrong, threshold, gamma_max, extra_forward))
     return total
 
 

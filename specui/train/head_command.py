@@ -48,6 +48,9 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:
                         "entropy and top-8 probabilities of the q the candidate was drawn from")
     h.add_argument("--dev-prompts", default=str(DEV),
                    help="prompts the draft never saw, for choosing the head and H (empty: every 7th training answer)")
+    h.add_argument("--reads", default="after,before",
+                   help="after = the hidden state after the draft read the candidate (the seed's; a draft forward "
+                        "more per chain); before = the one that gave q for it, with q's statistics (no extra forward)")
     h.add_argument("--gamma-max", type=int, default=16)
     h.add_argument("--epochs", type=int, default=3)
     h.add_argument("--eval-mix", type=float, default=0.5, help="r of the held-out examples the BCE is measured on")
@@ -110,30 +113,34 @@ def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout: AnswerSet, 
     draft_ms, target_ms, _ = costs
     rows = []
     heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
-                                       args.work / f"head-heldout-r{args.eval_mix}.pt")
+                                       args.work / f"head-heldout-r{args.eval_mix}-v2.pt")
     for mix in _floats(args.mixes):
-        feats = acc.build_features(draft, target.model, fit, mix, args.seed, args.work / f"head-fit-r{mix}.pt")
-        for depth, w_rej, labels, inputs in itertools.product(
+        feats = acc.build_features(draft, target.model, fit, mix, args.seed, args.work / f"head-fit-r{mix}-v2.pt")
+        for depth, w_rej, labels, inputs, reads in itertools.product(
                 [int(d) for d in _floats(args.depths)], _floats(args.rej_weights), args.labels.split(","),
-                args.inputs.split(",")):
-            head = acc.train_head(feats, depth, w_rej, labels, inputs == "hidden+q", epochs=args.epochs,
+                args.inputs.split(","), args.reads.split(",")):
+            if reads == "before" and inputs == "hidden":
+                continue  # a head that reads before the candidate always reads q's statistics too
+            head = acc.train_head(feats, depth, w_rej, labels, inputs == "hidden+q", reads, epochs=args.epochs,
                                   seed=args.seed)
             quality = acc.head_quality(head, heldout_feats, "soft")
             values = acc.head_values(head, dev_answers)
-            best = max((acc.tokens_per_s(acc.replay_all(dev_answers, values, h, args.gamma_max), draft_ms,
+            extra = reads == "after"
+            best = max((acc.tokens_per_s(acc.replay_all(dev_answers, values, h, args.gamma_max, extra), draft_ms,
                                          target_ms), h) for h in THRESHOLDS)
-            rep = acc.replay_all(dev_answers, values, best[1], args.gamma_max)
-            rows.append(dict(mix=mix, depth=depth, w_rej=w_rej, labels=labels, inputs=inputs, examples=len(feats),
+            rep = acc.replay_all(dev_answers, values, best[1], args.gamma_max, extra)
+            rows.append(dict(mix=mix, depth=depth, w_rej=w_rej, labels=labels, inputs=inputs, reads=reads,
+                             examples=len(feats),
                              heldout_bce=round(quality.bce, 4), heldout_kl=round(quality.kl, 4),
                              threshold=best[1], dev_model_tokens_per_s=round(best[0], 2),
                              dev_discard_rate=round(rep.discard_rate, 3),
                              dev_verification_rate=round(rep.verification_rate, 3), head=head))
-            print(f"r={mix} D={depth} w_rej={w_rej} {labels} {inputs}: BCE {quality.bce:.4f}, best H {best[1]}, "
-                  f"{best[0]:.2f} tok/s (model)", file=sys.stderr)
+            print(f"r={mix} D={depth} w_rej={w_rej} {labels} {inputs} {reads}: BCE {quality.bce:.4f}, "
+                  f"best H {best[1]}, {best[0]:.2f} tok/s (model)", file=sys.stderr)
     return rows
 
 
-def pareto_points(answers, values, gamma_max: int, costs) -> list[dict]:
+def pareto_points(answers, values, gamma_max: int, costs, extra_forward: bool) -> list[dict]:
     draft_ms, target_ms, _ = costs
     points = []
     for g in range(1, 9):
@@ -142,7 +149,7 @@ def pareto_points(answers, values, gamma_max: int, costs) -> list[dict]:
                            verification_rate=rep.verification_rate,
                            model_tokens_per_s=acc.tokens_per_s(rep, draft_ms, target_ms)))
     for h in THRESHOLDS:
-        rep = acc.replay_all(answers, values, h, gamma_max)
+        rep = acc.replay_all(answers, values, h, gamma_max, extra_forward)
         points.append(dict(method="specdec++", setting=f"H {h}", discard_rate=rep.discard_rate,
                            verification_rate=rep.verification_rate,
                            model_tokens_per_s=acc.tokens_per_s(rep, draft_ms, target_ms)))
@@ -181,14 +188,16 @@ def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, co
     lines = ["# SpecDec++ acceptance head for `smollm2-135m-draft`", "",
              "Trained by `" + command + "` (resumable; data under --work).", "",
              f"Chosen: D = {best['depth']}, r = {best['mix']}, w_rej = {best['w_rej']}, labels {best['labels']}, "
-             f"inputs {best['inputs']}, "
+             f"inputs {best['inputs']}, reads the hidden state {best['reads']} the candidate, "
              f"default threshold H = {best['threshold']} (the best of the sweep on the dev prompts).", "",
              f"Time model from the cost profile: {costs_desc}.", "",
              "## Sweep (dev prompts: greedy replay; BCE on held-out examples)", "",
-             "| r | D | w_rej | labels | inputs | examples | held-out BCE | KL | best H | model tok/s | D/N | V/N |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| r | D | w_rej | labels | inputs | reads | examples | held-out BCE | KL | best H | model tok/s "
+             "| D/N | V/N |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -r["dev_model_tokens_per_s"]):
-        lines.append(f"| {r['mix']} | {r['depth']} | {r['w_rej']} | {r['labels']} | {r['inputs']} | {r['examples']} | "
+        lines.append(f"| {r['mix']} | {r['depth']} | {r['w_rej']} | {r['labels']} | {r['inputs']} | "
+                     f"{r.get('reads', 'after')} | {r['examples']} | "
                      f"{r['heldout_bce']} | {r['heldout_kl']} | {r['threshold']} | {r['dev_model_tokens_per_s']} | "
                      f"{r['dev_discard_rate']} | {r['dev_verification_rate']} |")
     lines += ["", "## Held-out greedy replay (the chosen head vs fixed gamma)", "",
@@ -209,12 +218,13 @@ def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet
     rows = sweep(args, draft, target, fit, heldout, dev_answers, costs)
     best = max(rows, key=lambda r: r["dev_model_tokens_per_s"])
     heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
-                                       args.work / f"head-heldout-r{args.eval_mix}.pt")
+                                       args.work / f"head-heldout-r{args.eval_mix}-v2.pt")
     quality = acc.head_quality(best["head"], heldout_feats, "soft")
     held_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(heldout.prompt_ids, heldout.answer_ids)]
-    points = pareto_points(held_answers, acc.head_values(best["head"], held_answers), args.gamma_max, costs)
+    points = pareto_points(held_answers, acc.head_values(best["head"], held_answers), args.gamma_max, costs,
+                           best["reads"] == "after")
     command = "python -m specui.train " + " ".join(sys.argv[1:])
-    meta = {k: best[k] for k in ("depth", "mix", "w_rej", "labels", "inputs", "threshold")}
+    meta = {k: best[k] for k in ("depth", "mix", "w_rej", "labels", "inputs", "reads", "threshold")}
     meta.update(gamma_max=args.gamma_max, draft=args.draft.name)
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -5,9 +5,11 @@ that at least one candidate is rejected, 1 - prod_{i<=t} a_i, exceeds the thresh
 or at gamma_max. Verification is `speculative`'s, so the method is lossless: the stop depends
 on the draft alone.
 
-The head reads the hidden state the draft computes when it reads token t, the same forward
-that gives q~ for token t + 1; so the chain costs one draft forward per candidate, as a fixed
-chain does, plus one for the last candidate's a_t (kept in the draft's cache when accepted).
+The seed's head ("after") reads the hidden state the draft computes when it reads token t,
+the same forward that gives q~ for token t + 1; so the chain costs one draft forward per
+candidate, as a fixed chain does, plus one for the last candidate's a_t (kept in the draft's
+cache when accepted). A "before" head reads the hidden state that gave q~ for token t (with
+q~'s entropy, top probabilities and q~(t)) and decides before t is fed: no extra forward.
 
 Without a usable head (missing, made for another draft, corrupt) the method decodes as
 `speculative` with the fixed gamma and says so in the step's notes."""
@@ -46,8 +48,18 @@ def draft_adaptive(
     if gamma_max <= 0:
         chain.stop_reason = "no room"
         return chain
-    logits = draft.advance(ids, need=1)[-1]
-    keep = 1.0
+    before = getattr(head, "reads", "after") == "before"
+    out, hidden = draft.advance_with_hidden(ids, need=1)
+    logits, keep = out[-1], 1.0
+
+    def judge(h: torch.Tensor, row: torch.Tensor, token: int) -> bool:
+        """Record a_t and the running risk; True when the risk passed the threshold."""
+        nonlocal keep
+        a = head.predict(h, row, token)
+        keep *= a
+        chain.accept[-1], chain.risk[-1] = a, 1.0 - keep
+        return 1.0 - keep > threshold
+
     while True:
         q = warp(logits, cfg)
         token = int(logits.argmax()) if cfg.greedy else sample(q, generator)
@@ -59,14 +71,14 @@ def draft_adaptive(
         if token in eos_ids:
             chain.stop_reason = "eos"
             return chain
+        if before and judge(hidden[-1], logits, token):  # decided before the candidate is fed
+            chain.stop_reason = "threshold"
+            return chain
         if len(chain.tokens) >= gamma_max:
             chain.stop_reason = "gamma_max"
             return chain
         out, hidden = draft.advance_with_hidden(ids + chain.tokens, need=1)
-        a = head.predict(hidden[-1], logits)
-        keep *= a
-        chain.accept[-1], chain.risk[-1] = a, 1.0 - keep
-        if 1.0 - keep > threshold:
+        if not before and judge(hidden[-1], logits, token):  # the seed's: after the draft read it
             chain.stop_reason = "threshold"
             return chain
         logits = out[-1]
