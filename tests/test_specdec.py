@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import EOS, TinyTokenizer, save_tiny_model, tiny_llama
+from test_train import write_prompts
 
 from specui.bench.prompts import load_prompts
 from specui.chat import stop_token_ids
@@ -115,14 +116,6 @@ def test_replay_counts_match_the_engine(tiny_target, reads):
             assert abs(fixed.verified - spec.target_forwards) <= 1
             # the engine cuts its last chains to the tokens left (gamma <= remaining - 1); the replay does not
             assert abs(fixed.discarded - (spec.drafted - spec.accepted)) <= 2 * 3
-
-
-def write_prompts(path, n, prefix, offset=0):
-    rows = [{"id": f"{prefix}-{i}", "category": "chat",
-             "messages": [{"role": "user", "content": " ".join(f"w{(i * 5 + j + offset) % 50}" for j in range(4))}]}
-            for i in range(n)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from specui.heads import AcceptanceHead, q_stats
-from specui.train.data import AnswerSet
+from specui.train.data import AnswerSet, SavedFields
 from specui.train.trainer import TrainConfig, train
 
 TOPK_STATS = 8  # top probabilities of q kept per example (heads.Q_STATS - 1)
@@ -47,7 +47,7 @@ def forward_hidden(model, ids: list[int], keep: int, attention_mask=None, positi
 
 
 @dataclass
-class Features:
+class Features(SavedFields):
     """One example per draft position: head input, labels, q's entropy and top probabilities."""
 
     hidden: torch.Tensor  # (n, H) float16, after the draft read the token
@@ -86,16 +86,6 @@ class Features:
 
     def labels(self, kind: str) -> torch.Tensor:
         return self.soft if kind == "soft" else self.greedy
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.__dict__, tmp)
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> Features:
-        return cls(**torch.load(path, weights_only=True))
 
 
 def sequence_features(draft, target, prompt: list[int], answer: list[int], mix: float,

@@ -17,8 +17,23 @@ from specui.chat import build_prompt
 from specui.errors import SpecUIError
 
 
+class SavedFields:
+    """save / load for a dataclass of tensors and lists: its fields in one torch file,
+    written to a temporary name first (an interrupted save never leaves half a file)."""
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.__dict__, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path):
+        return cls(**torch.load(path, weights_only=True))
+
+
 @dataclass
-class AnswerSet:
+class AnswerSet(SavedFields):
     """Conversations the target answered, with its top-k distribution along each answer.
     topk_ids[i], topk_logp[i]: (len(answer_ids[i]), k); row t is the target's distribution
     for answer token t given the prompt and answer[:t]."""
@@ -39,16 +54,6 @@ class AnswerSet:
     def extend(self, other: AnswerSet) -> None:
         for name in ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp"):
             getattr(self, name).extend(getattr(other, name))
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(self.__dict__, tmp)
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> AnswerSet:
-        return cls(**torch.load(path, weights_only=True))
 
 
 def check_chat_model(tokenizer: PreTrainedTokenizerBase) -> None:
