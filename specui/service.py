@@ -3,6 +3,7 @@ Generation on the loaded pair; converts engine failures into user-facing message
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import inspect
@@ -61,10 +62,8 @@ def _release_freed_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
-        pass
 
 
 class ChatService:

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
+from collections import deque
 
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.bench.run import parse_method
@@ -41,8 +42,7 @@ def ui_values(settings: ChatSettings) -> list:
 def direct(service: ChatService, prompt: str, settings: ChatSettings) -> tuple[float, str, float]:
     t0 = time.perf_counter()
     generation, _ = service.start([{"role": "user", "content": prompt}], settings)
-    for _ in service.stream(generation):
-        pass
+    deque(service.stream(generation), maxlen=0)  # run it to the end
     return time.perf_counter() - t0, generation.text, generation.stats.tokens_per_s
 
 

@@ -7,6 +7,7 @@ Every method that chooses a size reads this one plain object (OPT-Tree's mu, `au
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -115,12 +116,10 @@ def _interp(row: dict[int, float], k: int) -> float:
 
 # -- keys and the disk cache ---------------------------------------------------------------
 def cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):  # no /proc (macOS, Windows)
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 
