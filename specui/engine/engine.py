@@ -41,7 +41,10 @@ class Engine:
         self.draft = ModelSession(draft, vocab) if draft is not None else None
         if self.draft is not None:  # SpecDec++ reads its head from the draft's session
             self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
-            self.draft.head_problem = head_problem or self.draft.head_problem if acceptance_head is None else ""
+            if acceptance_head is not None:
+                self.draft.head_problem = ""
+            elif head_problem:
+                self.draft.head_problem = head_problem
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.context_len = context_len or _context_len(target)

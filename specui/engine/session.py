@@ -7,13 +7,26 @@ returns the logits asked for, `commit` crops back to the longest prefix that is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedModel
 
 from specui.engine.kvcache import GrowingCache
 from specui.engine.tree import TokenTree
+
+
+@contextmanager
+def output_layer_inputs(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]:
+    """Collect what the model's output layer reads (its hidden states after the final norm,
+    already cut to logits_to_keep) during the forwards inside the block."""
+    seen: list[torch.Tensor] = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        hook.remove()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -90,12 +103,8 @@ class ModelSession:
     def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """`advance`, and the hidden states (need, H) its output layer read at those positions
         (after the final norm: what SpecDec++'s acceptance head takes)."""
-        seen: list[torch.Tensor] = []
-        hook = self.model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-        try:
+        with output_layer_inputs(self.model) as seen:
             logits = self.advance(ids, need)
-        finally:
-            hook.remove()
         return logits, seen[-1][0, -logits.shape[0]:]
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specui.engine.session import output_layer_inputs
 from specui.heads import AcceptanceHead, q_stats
 from specui.train.data import AnswerSet, SavedFields
 from specui.train.trainer import TrainConfig, train
@@ -36,13 +37,9 @@ TOPK_STATS = 8  # top probabilities of q kept per example (heads.Q_STATS - 1)
 @torch.inference_mode()
 def forward_hidden(model, ids: list[int], keep: int, attention_mask=None, position_ids=None):
     """Logits (keep, V) and the output layer's input (keep, H) at the last `keep` positions."""
-    seen: list[torch.Tensor] = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    try:
+    with output_layer_inputs(model) as seen:
         out = model(input_ids=torch.tensor([ids], device=model.device), attention_mask=attention_mask,
                     position_ids=position_ids, logits_to_keep=keep, use_cache=False)
-    finally:
-        hook.remove()
     return out.logits[0, -keep:].float(), seen[-1][0, -keep:].float()
 
 

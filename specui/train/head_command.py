@@ -109,11 +109,10 @@ def app_costs(args, draft, prompts: list[list[int]]) -> tuple[float, object, str
     return profile.draft(1) * d_scale, lambda k: profile.target(k) * t_scale, desc
 
 
-def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout: AnswerSet, dev_answers, costs) -> list[dict]:
+def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout_feats: acc.Features, dev_answers,
+          costs) -> list[dict]:
     draft_ms, target_ms, _ = costs
     rows = []
-    heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
-                                       args.work / f"head-heldout-r{args.eval_mix}-v2.pt")
     for mix in _floats(args.mixes):
         feats = acc.build_features(draft, target.model, fit, mix, args.seed, args.work / f"head-fit-r{mix}-v2.pt")
         for depth, w_rej, labels, inputs, reads in itertools.product(
@@ -215,10 +214,10 @@ def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet
     costs = app_costs(args, draft, dev.prompt_ids[:3])
     print(f"time model: {costs[2]}", file=sys.stderr)
     dev_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(dev.prompt_ids, dev.answer_ids)]
-    rows = sweep(args, draft, target, fit, heldout, dev_answers, costs)
-    best = max(rows, key=lambda r: r["dev_model_tokens_per_s"])
     heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
                                        args.work / f"head-heldout-r{args.eval_mix}-v2.pt")
+    rows = sweep(args, draft, target, fit, heldout_feats, dev_answers, costs)
+    best = max(rows, key=lambda r: r["dev_model_tokens_per_s"])
     quality = acc.head_quality(best["head"], heldout_feats, "soft")
     held_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(heldout.prompt_ids, heldout.answer_ids)]
     points = pareto_points(held_answers, acc.head_values(best["head"], held_answers), args.gamma_max, costs,

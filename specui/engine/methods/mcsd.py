@@ -51,9 +51,8 @@ class MCSD(TreeMethod):
         depth_cap = min(max_depth, len(self.ks))
         parents = [-1]
         for depth in range(1, depth_cap + 1):
-            start = len(tree)
+            start, k = len(tree), self.ks[depth - 1]
             for parent in parents:
-                k = self.ks[depth - 1]
                 if cfg.greedy:
                     for q_tok, tok in top_tokens(draft_probs(logits[parent], cfg), k):
                         tree.add(tok, parent, q_tok)
@@ -67,8 +66,8 @@ class MCSD(TreeMethod):
             if depth == depth_cap or not parents:
                 break
             rows = draft.extend_tree(tree, start)
-            for k, node in enumerate(parents):
-                logits[node] = rows[k]
+            for row, node in zip(rows, parents):
+                logits[node] = row
         everything = list(range(len(tree)))
         return DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
 

@@ -23,6 +23,7 @@ from specui.engine.methods.speculative import Speculative, chain_nodes, verify_c
 from specui.engine.sampling import SamplingConfig, sample, shown_probs, warp
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
+from specui.heads import AcceptanceHead
 
 DEFAULT_THRESHOLD = 0.5  # used only when a head's config names no tuned threshold
 
@@ -41,14 +42,14 @@ class DraftedChain:
 
 
 def draft_adaptive(
-    draft: ModelSession, head: torch.nn.Module, ids: list[int], threshold: float, gamma_max: int,
+    draft: ModelSession, head: AcceptanceHead, ids: list[int], threshold: float, gamma_max: int,
     cfg: SamplingConfig, generator: torch.Generator, eos_ids: frozenset[int],
 ) -> DraftedChain:
     chain = DraftedChain()
     if gamma_max <= 0:
         chain.stop_reason = "no room"
         return chain
-    before = getattr(head, "reads", "after") == "before"
+    before = head.reads == "before"
     out, hidden = draft.advance_with_hidden(ids, need=1)
     logits, keep = out[-1], 1.0
 
