@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--specdec-head", default="default",
                    help="specdec++: the acceptance head folder ('default': the shipped one for the shipped draft; "
                         "'none')")
+    m.add_argument("--mcsd-decision", default="default",
+                   help="mcsd: the early-stop decision models' folder ('default': the shipped ones for the shipped "
+                        "draft; 'none')")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
 
     d = ChatSettings()  # the defaults live there (the UI starts from them too)
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--gamma", type=int, default=d.gamma,
                    help=f"speculative: draft tokens per step ({d.gamma}: fastest measured on CPU; try 4-6 on a GPU)")
-    g.add_argument("--beam-width", type=int, default=d.width, help="beam and dsbd: number of beams (DSBD's W_L)")
+    g.add_argument("--beam-width", "--width", dest="beam_width", type=int, default=d.width,
+                   help="beam and dsbd: number of beams (DSBD's W_L); mcsd: chains per fork W")
     g.add_argument("--draft-width", type=int, default=d.draft_width,
                    help="dsbd: the draft's beams per layer W_S (default: 2 x beam width)")
     g.add_argument("--width-threshold", type=float, default=d.width_threshold,
@@ -66,7 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the threshold tuned for the head)")
     g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="specdec++: the most candidates per step")
     g.add_argument("--k-config", default=d.k_config,
-                   help="mcsd: candidates the draft samples under each node at each depth (e.g. 4,2,2,1,1)")
+                   help="mcsd baseline: candidates the draft samples under each node at each depth (e.g. "
+                        "4,2,2,1,1); empty (default): forks of --width chains of up to --gamma tokens")
+    g.add_argument("--root-selection", default=d.root_selection, choices=["lossless", "approximate"],
+                   help="mcsd forks: lossless (default) or approximate (the seed's: keep the target-sampled root "
+                        "whose chain is accepted longest; NOT an exact sample of the target's distribution)")
+    g.add_argument("--decision", default=d.decision, choices=["hidden", "entropy", "none"],
+                   help="mcsd forks: the early-stop decision model (hidden: 3-layer MLP on the draft's hidden state; "
+                        "entropy: 2-layer MLP on q's entropy and top probabilities; none)")
+    g.add_argument("--stop-threshold", type=float, default=d.stop_threshold,
+                   help="mcsd forks: stop drafting when every chain's predicted acceptance is below this")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -113,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         preset=args.tree_preset, nodes=args.nodes, delta=args.delta, draft_width=args.draft_width,
         width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
         threshold=args.threshold, gamma_max=args.gamma_max, k_config=args.k_config,
+        root_selection=args.root_selection, decision=args.decision, stop_threshold=args.stop_threshold,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 
@@ -123,7 +137,7 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
     if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
-    pair = load_pair(target, draft, head=args.specdec_head)
+    pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision)
     if settings.method == "specdec++" and pair.head.head is None:
         raise SpecUIError(f"specdec++ needs an acceptance head: {pair.head.problem}")
     for note in pair.notes:

@@ -13,6 +13,8 @@ from specui.draft_model import is_specui_draft, load_draft
 from specui.dtypes import choice_key, choose_dtype
 from specui.engine import Engine
 from specui.errors import SpecUIError
+from specui.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
+from specui.decision import DecisionModels, load_decision_models
 from specui.heads import TRAIN_COMMAND, load_head
 from specui.loading import (
     BUNDLED,
@@ -29,6 +31,7 @@ from specui.settings import PairChoice
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
 SHIPPED_HEAD = REPO / "models" / "smollm2-135m-specdec-head"  # SpecDec++'s acceptance head for it
+SHIPPED_DECISION = REPO / "models" / "smollm2-135m-mcsd-decision"  # MCSD's early-stop decision models for it
 PRESETS_FILE = REPO / "models" / "presets.json"
 DEFAULT_TARGET = BUNDLED
 
@@ -94,14 +97,15 @@ class HeadChoice:
     problem: str = "no acceptance head is loaded for this draft"
 
 
-def head_folder(head: str, draft: ModelSpec | None) -> Path | None:
-    """Where the acceptance head comes from: 'default' = the shipped head when the draft is
-    the shipped draft (else none), 'none' = none, anything else a folder."""
+def head_folder(head: str, draft: ModelSpec | None, shipped: Path = SHIPPED_HEAD) -> Path | None:
+    """Where a draft's learned helper (SpecDec++'s acceptance head, MCSD's decision models)
+    comes from: 'default' = the shipped one when the draft is the shipped draft (else none),
+    'none' = none, anything else a folder."""
     head = (head or "default").strip()
     if draft is None or head == "none":
         return None
     if head == "default":
-        return SHIPPED_HEAD if Path(draft.source).resolve() == SHIPPED_DRAFT.resolve() else None
+        return shipped if Path(draft.source).resolve() == SHIPPED_DRAFT.resolve() else None
     return Path(head)
 
 
@@ -120,11 +124,26 @@ def load_head_choice(folder: Path | None, draft: LoadedModel | None) -> HeadChoi
     return HeadChoice(head, config, "")
 
 
+def load_decision_choice(folder: Path | None, draft: LoadedModel | None) -> DecisionModels:
+    """Never raises: decision models that cannot be used become a DecisionModels saying why
+    (mcsd then drafts without early stop and says so)."""
+    if draft is None:
+        return DecisionModels(problem="no draft is loaded")
+    if folder is None:
+        return DecisionModels(problem=f"no MCSD decision models are known for the draft {draft.label}; train them "
+                                      f"with: {DECISION_TRAIN_COMMAND}, then pass --mcsd-decision FOLDER")
+    try:
+        return load_decision_models(folder, draft.model)
+    except SpecUIError as e:
+        return DecisionModels(problem=str(e))
+
+
 @dataclass
 class ModelPair:
     target: LoadedModel
     draft: LoadedModel | None
     head: HeadChoice = field(default_factory=HeadChoice)
+    decision: DecisionModels = field(default_factory=DecisionModels)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -137,11 +156,12 @@ class ModelPair:
             t.model, t.tokenizer, draft=self.draft.model if self.draft else None,
             eos_ids=stop_token_ids(t.tokenizer, t.model.generation_config),
             quantization=t.spec.quantization, acceptance_head=self.head.head, head_config=self.head.config,
-            head_problem=self.head.problem,
+            head_problem=self.head.problem, decision=self.decision,
         )
 
 
-def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None, head: str = "default") -> ModelPair:
+def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None, head: str = "default",
+              decision: str = "default") -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
     target's tokenizer; then the draft's SpecDec++ acceptance head (see head_folder; a
     head that cannot be used is recorded, not raised). Raises SpecUIError (and loads
@@ -156,7 +176,8 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
         else:
             loaded_draft = load_model(draft, role="draft")
             check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
-    return ModelPair(loaded_target, loaded_draft, load_head_choice(head_folder(head, draft), loaded_draft))
+    return ModelPair(loaded_target, loaded_draft, load_head_choice(head_folder(head, draft), loaded_draft),
+                     load_decision_choice(head_folder(decision, draft, SHIPPED_DECISION), loaded_draft))
 
 
 def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:

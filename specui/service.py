@@ -79,7 +79,8 @@ class ChatService:
         if progress:
             progress(0.1, f"loading target {target.source}")
         pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))
-                         if progress else None, head=choice.head)
+                         if progress else None, head=choice.head,
+                         decision=choice.decision)
         engine = pair.engine()
         if progress:
             progress(0.95, "waiting for the running generation")

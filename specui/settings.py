@@ -28,7 +28,10 @@ class ChatSettings:
     memory_mode: bool = False  # dsbd: continue from the best output beam only (one KV cache)
     threshold: float | None = None  # specdec++: stop once P(a candidate is rejected) exceeds it (None: head's)
     gamma_max: int = 16  # specdec++: the most candidates per step
-    k_config: str = "4,2,2,1,1"  # mcsd: candidates per node at each depth
+    k_config: str = ""  # mcsd: candidates per node at each depth (4,2,2,1,1: the baseline); empty: forks
+    root_selection: str = "lossless"  # mcsd forks: lossless | approximate (the seed's; not distribution-preserving)
+    decision: str = "hidden"  # mcsd forks: early-stop decision model: hidden | entropy | none
+    stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
@@ -49,6 +52,7 @@ class PairChoice:
     draft_quantization: str = "none"
     trust_remote_code: bool = False
     head: str = "default"  # SpecDec++'s acceptance head: 'default', 'none' or a folder
+    decision: str = "default"  # MCSD's early-stop decision models: 'default', 'none' or a folder
 
 
 # --- validation: one layer for the UI handlers, the CLI and the API ---------------------------
@@ -86,10 +90,11 @@ RANGES: dict[str, Range] = {
     "gamma_max": Range(1, 64, integer=True),
     "nodes": Range(1, 512, integer=True),
     "delta": Range(0.0, 1.0, optional=True),
+    "stop_threshold": Range(0.0, 1.0, lo_open=True),
 }
 LABELS = {"max_new_tokens": "max new tokens", "top_k": "top-k", "top_p": "top-p", "width": "beam width",
           "draft_width": "draft width", "width_threshold": "width threshold", "min_width": "min width",
-          "gamma_max": "gamma max", "threshold": "stop threshold",
+          "gamma_max": "gamma max", "threshold": "stop threshold", "stop_threshold": "mcsd stop threshold",
           "nodes": "node budget", "preset": "tree preset"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
 
@@ -144,6 +149,10 @@ def check_settings(
         raise SpecUIError(f"unknown tree preset {settings.preset!r}; choose one of: {', '.join(tree_presets)}")
     if not isinstance(settings.k_config, str):
         raise SpecUIError(f"k-config must be text such as 4,2,2,1,1, got {settings.k_config!r}")
+    for name, allowed in (("root_selection", ("lossless", "approximate")), ("decision", ("hidden", "entropy", "none"))):
+        if getattr(settings, name) not in allowed:
+            raise SpecUIError(f"{name.replace('_', ' ')} must be one of {', '.join(allowed)}, "
+                              f"got {getattr(settings, name)!r}")
     if not isinstance(settings.memory_mode, bool):
         raise SpecUIError(f"memory mode must be true or false, got {settings.memory_mode!r}")
     if values["min_width"] > values["width"]:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from specui.decision import DecisionModels
 from specui.engine.costs import EngineCosts
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
@@ -35,6 +36,7 @@ class Engine:
         acceptance_head: torch.nn.Module | None = None,
         head_config: dict | None = None,
         head_problem: str = "",
+        decision: DecisionModels | None = None,
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.target = ModelSession(target, vocab)
@@ -45,6 +47,9 @@ class Engine:
                 self.draft.head_problem = ""
             elif head_problem:
                 self.draft.head_problem = head_problem
+            if decision is not None:  # MCSD's early-stop decision models, read from the draft's session too
+                self.draft.decision_models = dict(decision.models)
+                self.draft.decision_problem = decision.problem
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.context_len = context_len or _context_len(target)

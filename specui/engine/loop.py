@@ -124,6 +124,7 @@ class Generation:
 
         stats.target_forwards += 1
         stats.drafted += result.drafted
+        stats.max_draft_len += result.max_draft_len
         # accepted drafts that survived EOS / length cuts; a rewriting (beam) step says its own
         stats.accepted += result.accepted if result.replace else sum(from_draft)
         stats.new_tokens = len(self.output_ids)
@@ -155,6 +156,8 @@ class Generation:
             stop_layer=result.stop_layer,
             threshold=result.threshold,
             stop_reason=result.stop_reason,
+            stop_value=result.stop_value,
+            chains=result.chains,
             beams=None if result.beams is None else [
                 {"text": self.decode(tokens), "score": score} for tokens, score in result.beams],
             draft_ms=ms.get("draft", 0.0),

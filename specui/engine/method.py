@@ -93,10 +93,19 @@ class StepResult:
     layer_widths: list[int] | None = None  # DSBD: width chosen per verified layer
     stop_layer: int | None = None  # DSBD: where verification stopped
     beams: list[tuple[list[int], float]] | None = None  # beam methods: (reply tokens, score) of each beam
-    threshold: float | None = None  # SpecDec++: the stop threshold H
-    stop_reason: str | None = None  # SpecDec++: why drafting stopped
+    threshold: float | None = None  # SpecDec++: the stop threshold H; MCSD: the decision models' threshold
+    stop_reason: str | None = None  # SpecDec++ / MCSD: why drafting stopped
+    stop_value: float | None = None  # what the stop rule compared with `threshold` when drafting stopped
+    chains: int | None = None  # MCSD forks: chains drafted this step
     replace: bool = False
     finished: bool = False
+
+    @property
+    def max_draft_len(self) -> int:
+        """The longest draft this step could have had accepted: a tree's depth, a chain's gamma."""
+        if not self.drafted:
+            return 0
+        return self.tree_depth if self.tree_depth is not None else self.gamma if self.gamma is not None else self.drafted
 
 
 class Method(ABC):

@@ -50,6 +50,9 @@ class ModelSession:
         self.acceptance_head: torch.nn.Module | None = None
         self.head_config: dict = {}
         self.head_problem = "no acceptance head is loaded for this draft"
+        # MCSD: the draft's early-stop decision models by kind ("hidden", "entropy"), or why there are none
+        self.decision_models: dict[str, torch.nn.Module] = {}
+        self.decision_problem = "no MCSD decision models are loaded for this draft"
 
     # -- cache bookkeeping -------------------------------------------------------------
     @property
@@ -115,33 +118,36 @@ class ModelSession:
 
     # -- trees -------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_tree(self, ids: Sequence[int], tree: TokenTree) -> torch.Tensor:
+    def forward_tree(self, ids: Sequence[int], tree: TokenTree, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """Start a tree after the committed `ids` and score all its nodes in one forward,
         each attending to the committed prefix and its own ancestors, at position
         (prefix length - 1 + depth). Feeds the not-yet-cached committed tokens (normally
         just the last) too. Returns logits (1 + n, V): row 0 predicts the roots, row 1 + i
-        the children of node i. The tree's entries stay in the cache until `commit_path`."""
+        the children of node i. The tree's entries stay in the cache until `commit_path`.
+        `ancestors`: the tree's ancestor mask when the caller keeps one (MCSD's sliced fork
+        mask); None builds it from the parent array."""
         keep = self._sync(ids, 1)
         fresh = list(ids[keep:])
         self._tree_base = keep + len(fresh)
-        return self._tree_forward(fresh, tree, 0)
+        return self._tree_forward(fresh, tree, 0, ancestors)
 
     @torch.inference_mode()
-    def extend_tree(self, tree: TokenTree, start: int) -> torch.Tensor:
+    def extend_tree(self, tree: TokenTree, start: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """Continue the pending tree (drafting layer by layer): the cache holds nodes
         [0, start); feed nodes [start, n) only. Returns their logits (n - start, V)."""
         if not self._tree_pending or self.length - self._tree_base != start:
             raise RuntimeError("extend_tree needs the tree started by forward_tree with nodes [0, start) cached")
-        return self._tree_forward([], tree, start)
+        return self._tree_forward([], tree, start, ancestors)
 
-    def _tree_forward(self, fresh: list[int], tree: TokenTree, start: int) -> torch.Tensor:
+    def _tree_forward(self, fresh: list[int], tree: TokenTree, start: int,
+                      ancestors: torch.Tensor | None = None) -> torch.Tensor:
         base, m, n = self._tree_base, len(fresh), len(tree)
         new = tree.tokens[start:]
         attend = torch.zeros((m + len(new), base + n), dtype=torch.bool)
         attend[:, : base - m] = True
         attend[:m, base - m:base] = torch.ones(m, m, dtype=torch.bool).tril()
         attend[m:, base - m:base] = True
-        attend[m:, base:] = tree.ancestor_mask()[start:]
+        attend[m:, base:] = (tree.ancestor_mask() if ancestors is None else ancestors)[start:n, :n]
         dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         positions = list(range(base - m, base)) + [base - 1 + d for d in tree.depths[start:]]

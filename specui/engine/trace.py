@@ -29,7 +29,8 @@ class NodeTrace:
     beam: int | None = None  # which beam / tree of a forest this node belongs to
     score: float | None = None  # beam log-likelihood after this token (under the target)
     draft_score: float | None = None  # the same joint log-probability under the draft (DSBD's forest)
-    accept_pred: float | None = None  # SpecDec++: the head's a_t = P(accepted | all before accepted)
+    accept_pred: float | None = None  # SpecDec++: the head's a_t = P(accepted | all before accepted); MCSD: the
+    # decision model's predicted acceptance of this candidate
     reject_pred: float | None = None  # SpecDec++: 1 - prod a_i up to this candidate (the stop rule's input)
 
     @property
@@ -66,7 +67,9 @@ class StepTrace:
     stop_layer: int | None = None  # DSBD: the layer where verification stopped (gamma + 1: all passed)
     beams: list[dict] | None = None  # beam methods: the beams after the step, [{"text", "score"}]
     threshold: float | None = None  # SpecDec++: the stop threshold H on the rejection risk
-    stop_reason: str | None = None  # SpecDec++: why drafting stopped (threshold, gamma_max, eos, no room)
+    stop_reason: str | None = None  # SpecDec++ / MCSD: why drafting stopped (threshold, gamma_max, eos, decision, ...)
+    stop_value: float | None = None  # SpecDec++: P(some rejected) at the stop; MCSD: best chain's predicted acceptance
+    chains: int | None = None  # MCSD forks: chains drafted this step
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0
@@ -92,6 +95,7 @@ class GenerationStats:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    max_draft_len: int = 0  # sum over steps of the longest draft a step could have had accepted
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
@@ -103,6 +107,13 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """MCSD's (seed 001) acceptance rate: accepted draft length / maximum draft length
+        (a chain's length, a tree's depth), over all steps. For chains: accepted / drafted."""
+        return self.accepted / self.max_draft_len if self.max_draft_len else 0.0
+
+    @property
+    def token_acceptance(self) -> float:
+        """Accepted / drafted tokens (a tree's unused branches count as drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -128,6 +139,7 @@ class GenerationStats:
         d.update(
             mean_accepted_length=round(self.mean_accepted_length, 4),
             acceptance_rate=round(self.acceptance_rate, 4),
+            token_acceptance=round(self.token_acceptance, 4),
             discard_rate=round(self.discard_rate, 4),
             verification_rate=round(self.verification_rate, 4),
             tokens_per_s=round(self.tokens_per_s, 3),

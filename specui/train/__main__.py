@@ -6,6 +6,8 @@
     python -m specui.train eval --draft models/smollm2-135m-draft     # quality + cost on held-out
     python -m specui.train head --draft models/smollm2-135m-draft --out models/smollm2-135m-specdec-head
                                                                       # SpecDec++'s acceptance head (sweep)
+    python -m specui.train decision --draft models/smollm2-135m-draft --out models/smollm2-135m-mcsd-decision
+                                                                      # MCSD's two early-stop decision models
 
 Data and checkpoints go to --work (resumable: rerun the same command to continue). The
 draft is written to a temporary folder and moved over --out only when everything succeeded,
@@ -30,7 +32,7 @@ from specui.chat import stop_token_ids
 from specui.draft_model import load_draft, save_draft
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
-from specui.train import head_command
+from specui.train import decision_command, head_command
 from specui.train.cost import decode_ms
 from specui.train.data import AnswerSet, check_chat_model, collect
 from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
@@ -78,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
     e.add_argument("--draft", type=Path, required=True)
     head_command.add_parser(sub, common)
+    decision_command.add_parser(sub, common)
     return ap
 
 
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "head":
             train_set, heldout = answer_sets(args, target)
             report = head_command.cmd_head(args, target, train_set, heldout)
+        elif args.cmd == "decision":
+            train_set, heldout = answer_sets(args, target)
+            report = decision_command.cmd_decision(args, target, train_set, heldout)
         elif args.cmd == "eval":
             _, heldout = answer_sets(args, target)
             report = measure(load_draft(args.draft, target.model, target.tokenizer), target, heldout)

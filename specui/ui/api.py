@@ -54,6 +54,9 @@ class ChatAPI:
         threshold: float | None = None,
         gamma_max: int | None = None,
         k_config: str | None = None,
+        root_selection: str | None = None,
+        decision: str | None = None,
+        stop_threshold: float | None = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
         "content": "..."}]). Every setting left empty takes the app's default (its command-line
@@ -66,7 +69,8 @@ class ChatAPI:
                      seed=seed, gamma=gamma, width=beam_width, preset=tree_preset, nodes=nodes, delta=delta,
                      draft_width=draft_width, width_threshold=width_threshold, min_width=min_width,
                      memory_mode=memory_mode, threshold=threshold, gamma_max=gamma_max,
-                     k_config=k_config)
+                     k_config=k_config, root_selection=root_selection, decision=decision,
+                     stop_threshold=stop_threshold)
         defaults = self.page.defaults
         try:
             settings = settings_from_values(method or defaults.method,

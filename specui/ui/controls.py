@@ -18,15 +18,17 @@ DESCRIPTIONS = {
                  "stays under the threshold, then verifies as speculative (lossless)",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
     "tree": "a static draft tree (preset shape) verified in one target forward (lossless)",
-    "mcsd": "MCSD: the draft samples k_i candidates under every node at depth i (k-config), the target "
-            "verifies the tree in one forward with multi-candidate rejection sampling (lossless)",
+    "mcsd": "MCSD: forks of W draft chains (up to gamma deep) under the target's own last token, verified in "
+            "one forward with multi-candidate rejection sampling (lossless); a decision model stops drafting "
+            "early; a k-config (e.g. 4,2,2,1,1) gives the baseline tree. Root selection 'approximate' is the "
+            "seed's and is NOT lossless",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
 }
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
                   "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode",
-                  "threshold", "gamma_max", "k_config")
+                  "threshold", "gamma_max", "k_config", "root_selection", "decision", "stop_threshold")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -44,8 +46,9 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
                           info="same seed + settings = same reply; -1 = random"),
         "gamma": gr.Slider(1, 16, value=defaults.gamma, step=1, label="gamma",
                            info="speculative: draft tokens proposed per step (higher pays when the draft agrees)"),
-        "width": gr.Slider(1, 8, value=defaults.width, step=1, label="beam width W",
-                           info="beam: number of beams kept per step; dsbd: W_L, the most beams kept"),
+        "width": gr.Slider(1, 16, value=defaults.width, step=1, label="width W",
+                           info="beam: number of beams kept per step; dsbd: W_L, the most beams kept; "
+                                "mcsd: chains per fork"),
         "draft_width": gr.Number(value=defaults.draft_width, precision=0, label="draft width W_S",
                                  info="dsbd: beams the draft samples per layer of the forest; empty = 2 W_L"),
         "width_threshold": gr.Number(value=defaults.width_threshold, label="width threshold t",
@@ -61,7 +64,18 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
         "gamma_max": gr.Slider(1, 32, value=defaults.gamma_max, step=1, label="gamma max",
                                info="specdec++: the most candidates per step"),
         "k_config": gr.Textbox(value=defaults.k_config, label="k-config",
-                               info="mcsd: candidates sampled under each node at depth 1, 2, ... (e.g. 4,2,2,1,1)"),
+                               info="mcsd baseline: candidates sampled under each node at depth 1, 2, ... (e.g. "
+                                    "4,2,2,1,1); empty = forks of W chains (width) of up to gamma tokens"),
+        "root_selection": gr.Radio(["lossless", "approximate"], value=defaults.root_selection,
+                                   label="root selection",
+                                   info="mcsd forks: 'approximate' (the seed's) draws W roots from the target and "
+                                        "keeps the one accepted longest: approximate, NOT lossless (sampling only)"),
+        "decision": gr.Radio(["hidden", "entropy", "none"], value=defaults.decision, label="early-stop decision model",
+                             info="mcsd forks: hidden = 3-layer MLP on the draft's hidden state; entropy = 2-layer "
+                                  "MLP on q's entropy and top probabilities; none = always draft gamma"),
+        "stop_threshold": gr.Slider(0.05, 0.95, value=defaults.stop_threshold, step=0.05,
+                                    label="mcsd stop threshold",
+                                    info="mcsd forks: stop drafting when every chain's predicted acceptance is below"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",

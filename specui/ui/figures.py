@@ -62,8 +62,12 @@ def _hover(node) -> str:
         parts.append(f"beam log-lik = {node.score:.3f}")
     if node.draft_score is not None:
         parts.append(f"draft log-lik = {node.draft_score:.3f}")
-    if node.accept_pred is not None:
+    if node.accept_pred is not None and node.reject_pred is not None:
         parts.append(f"head a_t = {node.accept_pred:.3f} · P(some rejected) = {node.reject_pred:.3f}")
+    elif node.accept_pred is not None:  # MCSD: the decision model's prediction for this chain's candidate
+        parts.append(f"predicted acceptance = {node.accept_pred:.3f}")
+    if node.status == "target" and node.parent == -1:
+        parts.append("drawn from the target's own distribution")
     return "<br>".join(parts)
 
 
@@ -157,13 +161,18 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
                          text=[f"layer {layer}" for _, layer, _ in widths], name="DSBD: width per layer",
                          hovertemplate="step %{x}, %{text}: width %{y}<extra></extra>", mode="markers",
                          marker=dict(symbol="diamond-open", size=9)))
-    if any(s.threshold is not None for s in steps):  # SpecDec++: the stop rule's input against H
-        risk = [max((n.reject_pred for n in s.nodes if n.reject_pred is not None), default=None) for s in steps]
-        data.append(dict(type="scatter", x=xs, y=risk, name="SpecDec++: P(some rejected) at stop", yaxis="y2",
-                         text=[s.stop_reason for s in steps], mode="markers", marker=dict(symbol="x"),
+    if any(s.chains is not None for s in steps):  # MCSD forks: chains per step
+        data.append(dict(type="scatter", x=xs, y=[s.chains for s in steps], name="MCSD: chains", mode="lines+markers"))
+    if any(s.threshold is not None for s in steps):  # the stop rule's input against its threshold
+        mcsd = any(s.chains is not None for s in steps)
+        value = [s.stop_value if s.stop_value is not None else
+                 max((n.reject_pred for n in s.nodes if n.reject_pred is not None), default=None) for s in steps]
+        data.append(dict(type="scatter", x=xs, y=value, yaxis="y2", text=[s.stop_reason for s in steps],
+                         name="MCSD: best chain's predicted acceptance at stop" if mcsd
+                         else "SpecDec++: P(some rejected) at stop", mode="markers", marker=dict(symbol="x"),
                          hovertemplate="step %{x}: %{y:.3f} (stopped: %{text})<extra></extra>"))
-        data.append(dict(type="scatter", x=xs, y=[s.threshold for s in steps], name="threshold H", yaxis="y2",
-                         mode="lines", line=dict(dash="dash")))
+        data.append(dict(type="scatter", x=xs, y=[s.threshold for s in steps], yaxis="y2", mode="lines",
+                         name="stop threshold" if mcsd else "threshold H", line=dict(dash="dash")))
     if any(c is not None for c in chosen):  # auto: what it chose, drafted tokens per step (0 = autoregressive)
         data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
                          text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
@@ -258,7 +267,8 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
         ("gamma", step.gamma), ("beam width", step.beam_width), ("tree nodes", step.tree_nodes),
         ("tree depth", step.tree_depth), ("widths per layer", step.layer_widths), ("stopped at layer", step.stop_layer),
         ("E(A)", None if step.expected_accept is None else f"{step.expected_accept:.2f}"),
-        ("threshold H", step.threshold), ("stopped by", step.stop_reason)) if value is not None]
+        ("chains", step.chains), ("threshold", step.threshold), ("stopped by", step.stop_reason),
+        ("at", None if step.stop_value is None else f"{step.stop_value:.3f}")) if value is not None]
     lines = [
         f"**step {step.index}** · {step.method} · drafted {step.drafted} · accepted {step.accepted} · "
         f"+{len(step.new_token_ids)} tokens {step.new_text!r}",
@@ -279,8 +289,8 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
                          f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} | {'' if n.beam is None else n.beam} "
                          f"| {_fmt(n.score)} / {_fmt(n.draft_score)} |")
         head = [(i, n) for i, n in enumerate(step.nodes[:max_nodes]) if n.accept_pred is not None]
-        if head:  # SpecDec++: what the acceptance head said after each candidate
-            lines += ["", "| # | head a_t | P(some rejected) so far |", "|---|---|---|"]
+        if head:  # SpecDec++'s head after each candidate; MCSD: the decision model per chain candidate
+            lines += ["", "| # | predicted acceptance | P(some rejected) so far |", "|---|---|---|"]
             lines += [f"| {i} | {_fmt(n.accept_pred)} | {_fmt(n.reject_pred)} |" for i, n in head]
         if len(step.nodes) > max_nodes:
             lines.append(f"\n… {len(step.nodes) - max_nodes} more nodes (see the JSON export)")

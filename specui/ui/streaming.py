@@ -76,7 +76,7 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
         if raw.get(name) in (0, 0.0, ""):
             raw[name] = None
     fields = {name: coerce(name, raw[name]) for name in RANGES if name in raw}
-    for name in ("preset", "system", "k_config"):
+    for name in ("preset", "system", "k_config", "root_selection", "decision"):
         if name in raw and raw[name] is not None:
             if not isinstance(raw[name], str):
                 raise SpecUIError(f"{name} must be text, got {raw[name]!r}")

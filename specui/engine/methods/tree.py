@@ -99,7 +99,7 @@ class TreeMethod(Method):
             tree = tree.subtree(list(range(max(0, room))))
         # 2. score, 3. verify
         with ctx.timer.phase("verify"):
-            logits = ctx.target.forward_tree(ctx.ids, tree)
+            logits = ctx.target.forward_tree(ctx.ids, tree, self.ancestors(tree))
             p = warp(logits, cfg)
             verdict = verify_tree(tree, p, cfg, ctx.generator, self.verify_rows())
         # 4. commit the accepted path (the loop appends the tokens)
@@ -107,16 +107,25 @@ class TreeMethod(Method):
         if drafted:
             ctx.draft.commit_path(drafted.drafted, drafted.drafted_path(verdict.path))
         tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
-        return StepResult(
+        return self.annotate(ctx, StepResult(
             tokens=tokens, from_draft=[True] * len(verdict.path) + [False],
             nodes=tree_nodes(tree, verdict, shown_probs(logits, p, cfg)),
             drafted=len(tree), accepted=len(verdict.path), tree_nodes=len(tree),
             tree_depth=max(tree.depths, default=0), expected_accept=drafted.expected_accept if drafted else None,
             notes=notes + self.pending_notes(),
-        )
+        ))
 
     def pending_notes(self) -> list[str]:
         return []
+
+    def ancestors(self, tree: TokenTree) -> torch.Tensor | None:
+        """The tree's ancestor mask when the method keeps one (MCSD slices a prebuilt fork
+        mask); None: the session builds it from the parent array."""
+        return None
+
+    def annotate(self, ctx: DecodeContext, result: StepResult) -> StepResult:
+        """Add method-specific fields to the step's result (MCSD: chains, predictions)."""
+        return result
 
     def verify_rows(self) -> dict[int, torch.Tensor] | None:
         """q~ each node's children were drawn from i.i.d. (MCSD: multi-candidate verification);
