@@ -184,6 +184,8 @@ def run_cli(args: argparse.Namespace) -> int:
     rewritten = False  # beam methods rewrite the reply (their best beam changes): print it at the end
     try:
         for step in service.stream(generation):
+            for note in step.notes:  # what a method clamped, calibrated or fell back on
+                print(f"note: {note}", file=sys.stderr)
             rewritten = rewritten or step.replaces
             if not args.json and step.new_text and not rewritten:
                 print(step.new_text, end="", flush=True)

@@ -49,7 +49,7 @@ def test_mcsd_sampling_matches_target_distribution():
     assert tv({k: v / RUNS for k, v in counts.items()}, exact(target, cfg)) < TV_BOUND
 
 
-@pytest.mark.parametrize("bad", ["", "4,0,1", "a,b", "8,8,8,8"])
+@pytest.mark.parametrize("bad", [",", "4,0,1", "a,b", "8,8,8,8"])
 def test_bad_k_config_is_refused(bad):
     with pytest.raises(SpecUIError, match="k-config"):
         make_method("mcsd", k_config=bad)

@@ -215,7 +215,7 @@ def test_panels_show_the_head_and_the_threshold(tiny_target):
     assert "threshold H" in names and "SpecDec++: P(some rejected) at stop" in names
     assert "gamma (candidate length)" in names
     hover = " ".join(t for trace in tree_figure(gen.steps[0]).data for t in (trace.hovertext or ()))
-    assert "head a_t" in hover
+    assert "predicted a_t" in hover and "P(some rejected)" in hover
     text = step_markdown(gen.steps[0])
-    assert "head a_t" in text and "threshold H 0.6" in text
+    assert "predicted acceptance" in text and "threshold 0.6" in text
     assert ChatService.method_fields("specdec++") == {"threshold", "gamma_max", "gamma"}

@@ -50,6 +50,7 @@ class Sample:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    max_draft_len: int = 0  # the seed's (MCSD) denominator: the longest draft each step could have had accepted
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0
@@ -85,6 +86,12 @@ class Row:
         forwards = sum(s.forwards for s in self.all_samples)
         return sum(len(s.output) for s in self.all_samples) / forwards if forwards else None
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        """MCSD's (seed 001): accepted draft tokens / the longest drafts the steps could have had accepted."""
+        longest = sum(s.max_draft_len for s in self.all_samples)
+        return sum(s.accepted for s in self.all_samples) / longest if longest else None
+
     def rates_dv(self) -> tuple[float, float] | None:
         """SpecDec++'s discard rate D/N and verification rate V/N (our methods only)."""
         samples = self.all_samples
@@ -118,7 +125,7 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
         request = GenerationRequest(prompt, n, sampling or SamplingConfig())
         gen = engine.generate(request, make_method(method, **params)).run()
         s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps),
-                   gen.stats.drafted, gen.stats.accepted)
+                   gen.stats.drafted, gen.stats.accepted, gen.stats.max_draft_len)
         for step in gen.steps:
             s.draft_ms += step.draft_ms
             s.verify_ms += step.verify_ms
@@ -251,7 +258,7 @@ def to_json(rows: list[Row]) -> list[dict]:
                         tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
                         tokens_per_s_max=max(rates), speedup=statistics.median(ratios),
                         speedup_min=min(ratios), speedup_max=max(ratios),
-                        tokens_per_target_forward=row.per_forward,
+                        tokens_per_target_forward=row.per_forward, acceptance_rate=row.acceptance_rate,
                         draft_ms_per_step=split[0] if split else None, verify_ms_per_step=split[1] if split else None,
                         other_ms_per_step=split[2] if split else None,
                         differs_from_autoregressive=None if row is base else row.divergent(base),

@@ -62,10 +62,10 @@ def _hover(node) -> str:
         parts.append(f"beam log-lik = {node.score:.3f}")
     if node.draft_score is not None:
         parts.append(f"draft log-lik = {node.draft_score:.3f}")
-    if node.accept_pred is not None and node.reject_pred is not None:
-        parts.append(f"head a_t = {node.accept_pred:.3f} · P(some rejected) = {node.reject_pred:.3f}")
-    elif node.accept_pred is not None:  # MCSD: the decision model's prediction for this chain's candidate
-        parts.append(f"predicted acceptance = {node.accept_pred:.3f}")
+    if node.accept_pred is not None:  # SpecDec++'s head, MCSD's decision model
+        parts.append(f"predicted a_t = {node.accept_pred:.3f}")
+    if node.reject_pred is not None:
+        parts.append(f"P(some rejected) = {node.reject_pred:.3f}")
     if node.status == "target" and node.parent == -1:
         parts.append("drawn from the target's own distribution")
     return "<br>".join(parts)

@@ -40,7 +40,7 @@ class ForkMask:
         if width == self.width:
             return self.full[:n, :n]
         layers = math.ceil(n / width)
-        idx = torch.tensor([d * self.width + w for d in range(layers) for w in range(width)])[:n]
+        idx = torch.tensor([d * self.width + w for d in range(layers) for w in range(width)], dtype=torch.long)[:n]
         return self.full[idx][:, idx]
 
 
@@ -53,18 +53,24 @@ class Fork:
     tree: TokenTree
     width: int
     q_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    accept: dict[int, float] = field(default_factory=dict)
+    accept: dict[int, float] = field(default_factory=dict)  # node -> predicted P(accepted | its prefix accepted)
+    survive: dict[int, float] = field(default_factory=dict)  # node -> product of `accept` down its chain
     layers: int = 0  # draft layers (a chain's length)
     stop_reason: str = ""
     stop_value: float | None = None  # the best chain's predicted acceptance where the decision stopped
+
+    def risk(self, node: int) -> float | None:
+        """1 - the predicted acceptance of the chain down to `node` (None: not predicted)."""
+        return None if node not in self.survive else 1.0 - self.survive[node]
 
 
 class ForkDrafter:
     """Grows W chains with the draft, one draft forward per layer, over the sliced mask.
 
-    `decision` (optional) predicts each new candidate's acceptance from the draft's state
-    that drew it; drafting stops after a layer where every chain's prediction is below
-    `threshold` (the layer is kept: it cost nothing to draw)."""
+    `decision` (optional) predicts each new candidate's acceptance a from the draft's state
+    that drew it; a chain's predicted acceptance is the product of a down the chain (the
+    probability the target accepts the whole sequence). Drafting stops after a layer where
+    every chain's is below `threshold` (the layer is kept: it cost nothing to draw)."""
 
     def __init__(self, mask: ForkMask, decision: DecisionModel | None, threshold: float) -> None:
         self.mask, self.decision, self.threshold = mask, decision, threshold
@@ -92,9 +98,14 @@ class ForkDrafter:
             fork.width = len(tree) - start
             fork.layers = layer
             if preds is not None:
-                fork.accept.update(zip(range(start, len(tree)), preds))
-                if max(preds) < self.threshold:
-                    fork.stop_reason, fork.stop_value = "decision", max(preds)
+                chains = []
+                for node, a in zip(range(start, len(tree)), preds):
+                    parent = tree.parents[node]
+                    fork.accept[node] = a
+                    fork.survive[node] = a * fork.survive.get(parent, 1.0)
+                    chains.append(fork.survive[node])
+                if max(chains) < self.threshold:
+                    fork.stop_reason, fork.stop_value = "decision", max(chains)
                     return fork
             if layer == layers:
                 fork.stop_reason = "depth"

@@ -171,7 +171,7 @@ class MCSD(TreeMethod):
             return result
         fork = self.fork
         for i, node in enumerate(result.nodes[: len(fork.tree)]):
-            node.accept_pred = fork.accept.get(i)
+            node.accept_pred, node.reject_pred = fork.accept.get(i), fork.risk(i)
         if ctx.generated > 0:
             for node in result.nodes:
                 node.parent, node.depth = node.parent + 1, node.depth + 1
@@ -242,5 +242,5 @@ def approximate_nodes(tree: TokenTree, best: ChainCheck, fork: Fork, p_shown: to
                       else UNVERIFIED if root == best.root else DROPPED)
             q, p = tree.q[i], float(p_shown[parent + 1, tok])
         nodes.append(NodeTrace(token_id=tok, text="", parent=parent, depth=depths[i], status=status, q=q, p=p,
-                               beam=root, accept_pred=fork.accept.get(i)))
+                               beam=root, accept_pred=fork.accept.get(i), reject_pred=fork.risk(i)))
     return nodes
