@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from specui.chat import stop_token_ids
+from specui.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
+from specui.decision import DecisionModels, load_decision_models
 from specui.draft_model import is_specui_draft, load_draft
 from specui.dtypes import choice_key, choose_dtype
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
-from specui.decision import DecisionModels, load_decision_models
 from specui.heads import TRAIN_COMMAND, load_head
 from specui.loading import (
     BUNDLED,

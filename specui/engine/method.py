@@ -105,7 +105,9 @@ class StepResult:
         """The longest draft this step could have had accepted: a tree's depth, a chain's gamma."""
         if not self.drafted:
             return 0
-        return self.tree_depth if self.tree_depth is not None else self.gamma if self.gamma is not None else self.drafted
+        if self.tree_depth is not None:
+            return self.tree_depth
+        return self.gamma if self.gamma is not None else self.drafted
 
 
 class Method(ABC):
