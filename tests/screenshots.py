@@ -1,5 +1,5 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec]   (only that method's panel)"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd]   (only that method's panel)"""
 
 from __future__ import annotations
 
@@ -50,6 +50,26 @@ def specdec_choices(page: tb.Page) -> None:
     shoot(page, "specdec-choices", "#choices")
 
 
+def mcsd_fork(page: tb.Page) -> None:
+    """An MCSD fork step: W chains under the target's own token, the decision model's stop."""
+    page.choose("method", "mcsd")
+    page.set_number("set-max_new_tokens", 60)
+    page.set_number("set-width", 4)
+    page.set_number("set-gamma", 4)
+    page.send("Explain in three sentences how a rainbow forms.")
+    page.wait_done(1, timeout=240)
+    time.sleep(2)
+    page.set_number("step-slider", 3)
+    tb._wait_until(lambda: "step 3 ·" in page.find("#step-info").text, 30, "step 3")
+    time.sleep(1)
+    page.driver.execute_script("document.querySelector('#step-tree').scrollIntoView()")
+    time.sleep(1)
+    shoot(page, "mcsd-fork", "#step-tree")
+    page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
+    time.sleep(1)
+    shoot(page, "mcsd-choices", "#choices")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
@@ -60,6 +80,9 @@ def main() -> None:
             return
         if sys.argv[1:] == ["specdec"]:
             specdec_choices(page)
+            return
+        if sys.argv[1:] == ["mcsd"]:
+            mcsd_fork(page)
             return
         page.choose("method", "opt-tree")
         page.set_number("set-max_new_tokens", 80)

@@ -25,6 +25,7 @@ from specui.errors import SpecUIError
 from specui.runner import run_in_new_thread
 from specui.settings import ChatSettings, PairChoice
 from specui.ui.api import ChatAPI
+from specui.ui.compare import compare_tab
 from specui.ui.controls import DESCRIPTIONS, SAMPLING_FIELDS, SETTING_FIELDS, settings_controls
 from specui.ui.figures import (
     acceptance_figure,
@@ -150,6 +151,11 @@ class ChatPage:
         if event is not None:
             event.set()
 
+    def new_cancel(self, request) -> threading.Event:
+        """A fresh cancel flag for this tab's next generation: Stop sets it."""
+        event = self._cancels[_session(request)] = threading.Event()
+        return event
+
     def set_live(self, on: bool, request: gr.Request = None) -> None:
         """Live panels on or off for this tab (takes effect at once, also mid-reply); off, the
         reply streams as text and the panels are drawn once at the end."""
@@ -167,7 +173,7 @@ class ChatPage:
         history = [m for m in history if not is_note(m)]  # notices belong to the reply they came with
         shown = history + [{"role": "assistant", "content": ""}]
         session = _session(request)
-        cancel = self._cancels[session] = threading.Event()
+        cancel = self.new_cancel(request)
         log.info("reply: session %s, %d messages, method %s", _session(request), len(history), method)
         if self._pressed_since(self._stopped_at, request, sent_at):
             shown[-1]["content"] = STOPPED_MARK.strip()
@@ -372,6 +378,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     profile_plot = gr.Plot(profile_figure(service.cost_profile()[0]), label="cost profile",
                                            elem_id="profile")
                     measure = gr.Button("Measure cost profile", elem_id="measure-profile")
+                with gr.Tab("compare", elem_id="compare-tab"):
+                    compare_tab(page, methods, [controls[name] for name in SETTING_FIELDS],
+                                [m for m in ("autoregressive", "speculative") if m in methods])
         with gr.Row():
             tree = gr.Plot(tree_figure(None), label="current step: draft tree", elem_id="tree")
             accept = gr.Plot(acceptance_figure([]), label="accepted vs rejected", elem_id="accept")

@@ -60,7 +60,7 @@ class MCSD(TreeMethod):
     name = "mcsd"
 
     def __init__(self, k_config: str = "", width: int = 4, gamma: int = 4, root_selection: str = "lossless",
-                 decision: str = "hidden", stop_threshold: float = 0.4) -> None:
+                 decision: str = "entropy", stop_threshold: float = 0.4) -> None:
         self.ks = parse_k_config(k_config) if str(k_config or "").strip() else None  # None: forks
         if not 1 <= width <= 32:
             raise SpecUIError(f"mcsd width (chains per fork) must be 1 to 32, got {width}")
