@@ -30,7 +30,7 @@ class ChatSettings:
     gamma_max: int = 16  # specdec++: the most candidates per step
     k_config: str = ""  # mcsd: candidates per node at each depth (4,2,2,1,1: the baseline); empty: forks
     root_selection: str = "lossless"  # mcsd forks: lossless | approximate (the seed's; not distribution-preserving)
-    decision: str = "entropy"  # mcsd forks: early-stop decision model: entropy | hidden | none (entropy: fastest measured)
+    decision: str = "entropy"  # mcsd forks: early-stop decision model: entropy (fastest measured) | hidden | none
     stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
