@@ -177,8 +177,11 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
         data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
                          text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
                          name="auto: drafted (0 = autoregressive)", mode="markers", marker=dict(symbol="square")))
-    layout = dict(height=260, margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
-                  legend=dict(orientation="h", y=1.2), title=dict(text="dynamic choices" if steps else "no steps yet"))
+    many = len(data) > 3  # a long legend goes below the plot (it would cover it in a narrow column)
+    layout = dict(height=260 + (26 * ((len(data) + 1) // 2) if many else 0),
+                  margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
+                  legend=dict(orientation="h", y=-0.25, yanchor="top") if many else dict(orientation="h", y=1.2),
+                  title=dict(text="dynamic choices" if steps else "no steps yet"))
     if any(d.get("yaxis") == "y2" for d in data):
         layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1], title=dict(text="probability"))
     return _figure(data, layout)
