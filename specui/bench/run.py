@@ -56,6 +56,7 @@ class Sample:
     step_ms: float = 0.0
     expected: list[float] = field(default_factory=list)  # OPT-Tree E(A) per step
     achieved: list[int] = field(default_factory=list)  # A per step
+    lengths: list[int] = field(default_factory=list)  # tokens each step committed (accepted length histograms)
 
 
 @dataclass
@@ -130,6 +131,7 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
             s.draft_ms += step.draft_ms
             s.verify_ms += step.verify_ms
             s.step_ms += step.step_ms
+            s.lengths.append(len(step.new_token_ids))
             if step.expected_accept is not None:
                 s.expected.append(step.expected_accept)
                 s.achieved.append(step.accepted + 1)
@@ -206,8 +208,9 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
 
 
 def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
-          say: Callable[[str], None] = print) -> None:
-    """Warm every row up, then run `repeats` rounds, interleaving rows prompt by prompt."""
+          say: Callable[[str], None] = print, progress: Callable[[], None] | None = None) -> None:
+    """Warm every row up, then run `repeats` rounds, interleaving rows prompt by prompt
+    (`progress` is called after every reply)."""
     for row in rows:
         row.run(prompts[0], 8)
     for r in range(repeats):
@@ -217,6 +220,8 @@ def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
             shift = (r + i) % len(rows)  # rotate the order: no row always runs first
             for row in rows[shift:] + rows[:shift]:
                 row.rounds[r].append(row.run(prompt, n))
+                if progress is not None:
+                    progress()
         say(f"round {r + 1}/{repeats}: " + ", ".join(f"{row.name} {row.round_rate(r):.1f}" for row in rows))
 
 

@@ -96,11 +96,10 @@ class MCSD(TreeMethod):
         self.mask = ForkMask(self.width, self.gamma + self.approximate)  # + the layer of roots
         model = None
         if self.decision != "none":
-            models = getattr(ctx.draft, "decision_models", {}) or {}
-            model = models.get(self.decision)
+            model = ctx.draft.decision_models.get(self.decision)
             if model is None:
-                problem = getattr(ctx.draft, "decision_problem", "") or "no decision models are loaded"
-                self.notes.append(f"mcsd runs without early stop (decision '{self.decision}'): {problem}")
+                why = ctx.draft.decision_problem or f"the loaded decision models have no '{self.decision}' model"
+                self.notes.append(f"mcsd runs without early stop (decision '{self.decision}'): {why}")
         self.drafter = ForkDrafter(self.mask, model, self.stop_threshold)
         if self.approximate:
             self.notes.append("root selection 'approximate' (the seed's): the root whose chain is accepted "
