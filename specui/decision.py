@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specui.errors import SpecUIError
-from specui.heads import Q_STATS, draft_fingerprint, q_stats
+from specui.heads import Q_STATS, draft_fingerprint, q_stats, read_marked_config
 
 KINDS = ("hidden", "entropy")
 DECISIONS = ("hidden", "entropy", "none")
@@ -82,16 +82,9 @@ def save_decision_models(models: dict[str, DecisionModel], folder: Path, draft_p
 
 
 def _config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise SpecUIError(f"no MCSD decision models at {folder} (no config.json); train them with: {TRAIN_COMMAND}")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SpecUIError(f"the decision models' config {path} is unreadable ({e}); retrain them with: "
-                          f"{TRAIN_COMMAND}") from None
-    if not isinstance(config, dict) or MARKER not in config or not isinstance(config.get("models"), dict):
-        raise SpecUIError(f"{folder} is not an MCSD decision model folder; train one with: {TRAIN_COMMAND}")
+    config = read_marked_config(folder, MARKER, "MCSD decision models", TRAIN_COMMAND)
+    if not isinstance(config.get("models"), dict):
+        raise SpecUIError(f"{folder} is not a folder of MCSD decision models; train one with: {TRAIN_COMMAND}")
     return config
 
 

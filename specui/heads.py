@@ -125,18 +125,23 @@ def save_head(head: AcceptanceHead, folder: Path, draft_print: str, meta: dict) 
     save_file(state, str(folder / "head.safetensors"), metadata={"format": "pt"})
 
 
-def read_head_config(folder: str | Path) -> dict:
+def read_marked_config(folder: str | Path, marker: str, what: str, command: str) -> dict:
+    """config.json of a learned helper's folder (an acceptance head, MCSD's decision models),
+    checked for its marker; raises SpecUIError naming `what` and the training `command`."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise SpecUIError(f"no acceptance head at {folder} (no config.json); train one with: {TRAIN_COMMAND}")
+        raise SpecUIError(f"no {what} at {folder} (no config.json); train one with: {command}")
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise SpecUIError(f"the acceptance head config {path} is unreadable ({e}); retrain it with: "
-                          f"{TRAIN_COMMAND}") from None
-    if not isinstance(config, dict) or HEAD_MARKER not in config:
-        raise SpecUIError(f"{folder} is not an acceptance head folder; train one with: {TRAIN_COMMAND}")
+        raise SpecUIError(f"the {what} config {path} is unreadable ({e}); retrain it with: {command}") from None
+    if not isinstance(config, dict) or marker not in config:
+        raise SpecUIError(f"{folder} is not a folder of {what}; train one with: {command}")
     return config
+
+
+def read_head_config(folder: str | Path) -> dict:
+    return read_marked_config(folder, HEAD_MARKER, "acceptance head", TRAIN_COMMAND)
 
 
 def load_head(folder: str | Path, draft: torch.nn.Module) -> tuple[AcceptanceHead, dict]:

@@ -6,7 +6,8 @@ seed's acceptance rate is reported."""
 import pytest
 import torch
 from conftest import EOS, TinyTokenizer, tiny_llama
-from test_sampling_distribution import RUNS, TV_BOUND, VOCAB, empirical, exact, tv
+from test_sampling_distribution import RUNS, TV_BOUND, empirical, exact, tv
+from test_sampling_distribution import pair as pair  # noqa: F401 (fixture: the flat tiny pair)
 
 from specui.decision import DecisionModel, DecisionModels, load_decision_models, save_decision_models
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
@@ -54,29 +55,19 @@ def test_greedy_fork_equals_autoregressive(tiny_target, params):
             assert all(s.chains == params["width"] for s in gen.steps if s.drafted)
 
 
-@pytest.fixture(scope="module")
-def flat_pair():
-    target = tiny_llama(10, layers=2, vocab=VOCAB)
-    draft = tiny_llama(11, layers=1, vocab=VOCAB)
-    with torch.no_grad():  # a flat target (every branch gets real mass), a sharper draft
-        target.lm_head.weight.mul_(0.25)
-        draft.lm_head.weight.mul_(0.6)
-    return target, draft
-
-
-def test_lossless_fork_matches_target_distribution(flat_pair):
+def test_lossless_fork_matches_target_distribution(pair):
     """3 chains of 2 under the target's token: the first layer's i.i.d. candidates are
     verified as one multi-candidate set, each chain below as a chain."""
-    target, draft = flat_pair
+    target, draft = pair
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[])
     cfg = SamplingConfig(temperature=1.0, top_k=6)
     assert tv(empirical(engine, "mcsd", cfg, width=3, gamma=2), exact(target, cfg)) < TV_BOUND
 
 
-def test_approximate_root_selection_is_not_lossless_and_says_so(flat_pair):
+def test_approximate_root_selection_is_not_lossless_and_says_so(pair):
     """The seed's choice of the root whose chain is accepted longest skews the distribution:
     measured here (about 0.14 total variation at 4000 runs, noise about 0.04; README)."""
-    target, draft = flat_pair
+    target, draft = pair
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[])
     cfg = SamplingConfig(temperature=1.0)
     deviation = tv(empirical(engine, "mcsd", cfg, width=3, gamma=2, root_selection="approximate"), exact(target, cfg))

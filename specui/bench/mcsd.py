@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from specui.bench.png import html_to_png
-from specui.bench.run import AR, Row, bench, common_parser, load_bench, ours, table, to_json
+from specui.bench.run import AR, Row, bench, common_parser, load_bench, ours, out_folder, table, to_json
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
 from specui.pair import ModelPair
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--out", type=Path, default=Path("out/bench-mcsd"))
     args = ap.parse_args(argv)
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"cannot write to {args.out}: {e}")
+    out_folder(ap, args.out)
     pair, prompts = load_bench(args)
     if pair.draft is None:
         print("error: mcsd needs a draft", file=sys.stderr)

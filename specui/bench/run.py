@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -284,6 +285,15 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="rounds over every prompt (median, min-max)")
     return ap
+
+
+def out_folder(ap: argparse.ArgumentParser, out: Path) -> Path:
+    """The bench's output folder, made (or the parser's error when it cannot be)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"cannot write to {out}: {e}")
+    return out
 
 
 def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:

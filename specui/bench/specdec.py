@@ -16,7 +16,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from specui.bench.png import html_to_png
-from specui.bench.run import AR, bench, common_parser, load_bench, make_rows, table, to_json
+from specui.bench.run import AR, bench, common_parser, load_bench, make_rows, out_folder, table, to_json
 from specui.engine.profile import cpu_model
 
 
@@ -55,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--out", type=Path, default=Path("out/bench-specdec"))
     args = ap.parse_args(argv)
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"cannot write to {args.out}: {e}")
+    out_folder(ap, args.out)
     pair, prompts = load_bench(args)
     if pair.head.head is None:
         print(f"error: {pair.head.problem}", file=sys.stderr)
