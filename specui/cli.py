@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "entropy: 2-layer MLP on q's entropy and top probabilities; none)")
     g.add_argument("--stop-threshold", type=float, default=d.stop_threshold,
                    help="mcsd forks: stop drafting when every chain's predicted acceptance is below this")
+    g.add_argument("--lookup-tokens", type=int, default=d.lookup_tokens,
+                   help="lookup: most tokens proposed per step from the conversation's own n-grams")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -127,6 +129,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
         threshold=args.threshold, gamma_max=args.gamma_max, k_config=args.k_config,
         root_selection=args.root_selection, decision=args.decision, stop_threshold=args.stop_threshold,
+        lookup_tokens=args.lookup_tokens,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 

@@ -32,6 +32,7 @@ class ChatSettings:
     root_selection: str = "lossless"  # mcsd forks: lossless | approximate (the seed's; not distribution-preserving)
     decision: str = "entropy"  # mcsd forks: early-stop decision model: entropy (fastest measured) | hidden | none
     stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
+    lookup_tokens: int = 10  # lookup: most tokens proposed per step from the conversation's own n-grams
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
@@ -91,10 +92,12 @@ RANGES: dict[str, Range] = {
     "nodes": Range(1, 512, integer=True),
     "delta": Range(0.0, 1.0, optional=True),
     "stop_threshold": Range(0.0, 1.0, lo_open=True),
+    "lookup_tokens": Range(1, 64, integer=True),
 }
 LABELS = {"max_new_tokens": "max new tokens", "top_k": "top-k", "top_p": "top-p", "width": "beam width",
           "draft_width": "draft width", "width_threshold": "width threshold", "min_width": "min width",
           "gamma_max": "gamma max", "threshold": "stop threshold", "stop_threshold": "mcsd stop threshold",
+          "lookup_tokens": "lookup tokens",
           "nodes": "node budget", "preset": "tree preset"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
 

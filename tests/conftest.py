@@ -120,6 +120,7 @@ def form_values(**overrides) -> list:
     base = dict(max_new_tokens=12, temperature=0.0, top_k=0, top_p=1.0, seed=-1, gamma=3, width=2,
                 preset="binary-14", nodes=8, delta=None, system="", draft_width=None, width_threshold=None,
                 min_width=1, memory_mode=False, threshold=None, gamma_max=16,
-                k_config="4,2,2,1,1", root_selection="lossless", decision="entropy", stop_threshold=0.4)
+                k_config="4,2,2,1,1", root_selection="lossless", decision="entropy", stop_threshold=0.4,
+                lookup_tokens=10)
     base.update(overrides)
     return [base[k] for k in SETTING_FIELDS]

@@ -163,7 +163,8 @@ def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[..., Samp
 
 
 PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("width", int), "tree": ("preset", str),
-            "opt-tree": ("nodes", int), "specdec++": ("threshold", float)}
+            "opt-tree": ("nodes", int), "specdec++": ("threshold", float), "mcsd": ("width", int),
+            "lookup": ("lookup_tokens", int)}
 
 
 def parse_method(spec: str) -> tuple[str, dict]:

@@ -38,7 +38,7 @@ from specui.engine.profile import cpu_model
 from specui.errors import SpecUIError
 
 ALL = ["autoregressive", "auto", "speculative:2", "speculative:4", "specdec++", "tree:eagle-25", "opt-tree:25",
-       "mcsd", "dsbd:2", "beam:2"]
+       "mcsd", "lookup", "dsbd:2", "beam:2"]
 WORKLOADS = {"chat": HELDOUT, "code": PROMPTS_DIR / "code.jsonl", "summary": PROMPTS_DIR / "summary.jsonl"}
 PEERS = ("transformers greedy", "transformers assisted", "transformers assisted constant",
          "transformers prompt lookup")

@@ -57,6 +57,7 @@ class ChatAPI:
         root_selection: str | None = None,
         decision: str | None = None,
         stop_threshold: float | None = None,
+        lookup_tokens: int | None = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
         "content": "..."}]). Every setting left empty takes the app's default (its command-line
@@ -70,7 +71,7 @@ class ChatAPI:
                      draft_width=draft_width, width_threshold=width_threshold, min_width=min_width,
                      memory_mode=memory_mode, threshold=threshold, gamma_max=gamma_max,
                      k_config=k_config, root_selection=root_selection, decision=decision,
-                     stop_threshold=stop_threshold)
+                     stop_threshold=stop_threshold, lookup_tokens=lookup_tokens)
         defaults = self.page.defaults
         try:
             settings = settings_from_values(method or defaults.method,

@@ -23,12 +23,15 @@ DESCRIPTIONS = {
             "early; a k-config (e.g. 4,2,2,1,1) gives the baseline tree. Root selection 'approximate' is the "
             "seed's and is NOT lossless",
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
+    "lookup": "prompt lookup: drafts by copying what followed the last few tokens earlier in the conversation "
+              "(no draft model), verified as speculative (lossless); pays on summaries, rewrites and code edits",
 }
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
                   "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode",
-                  "threshold", "gamma_max", "k_config", "root_selection", "decision", "stop_threshold")
+                  "threshold", "gamma_max", "k_config", "root_selection", "decision", "stop_threshold",
+                  "lookup_tokens")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -76,6 +79,8 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
         "stop_threshold": gr.Slider(0.05, 0.95, value=defaults.stop_threshold, step=0.05,
                                     label="mcsd stop threshold",
                                     info="mcsd forks: stop drafting when every chain's predicted acceptance is below"),
+        "lookup_tokens": gr.Slider(1, 32, value=defaults.lookup_tokens, step=1, label="lookup tokens",
+                                   info="lookup: most tokens copied from the conversation per step"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",

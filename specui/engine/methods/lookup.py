@@ -1,0 +1,60 @@
+"""Prompt lookup: speculative decoding whose draft is the conversation itself (n-gram
+matching, as transformers' `prompt_lookup_num_tokens`; no draft model).
+
+Each step finds the latest earlier occurrence of the last n tokens (n = ngram down to 1) in
+the prompt and the reply so far and proposes the up to `lookup_tokens` tokens that followed
+it. The proposal is a point mass q = 1 on each token, so verification is `speculative`'s with
+one-hot q: accept x with probability p~(x), on reject draw from res(p~, q) = p~ without x,
+bonus from p~ when all pass: lossless. Greedy: accept while the target's argmax agrees. With
+no match the step is a plain autoregressive one. It pays where answers copy their prompt
+(summaries, rewrites, code edits)."""
+
+from __future__ import annotations
+
+import torch
+
+from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.methods.speculative import chain_nodes, verify_chain
+from specui.engine.sampling import shown_probs, warp
+from specui.errors import SpecUIError
+
+
+def find_continuation(ids: list[int], ngram: int, limit: int) -> list[int]:
+    """The tokens after the latest earlier occurrence of ids' last n tokens (the longest n
+    <= ngram that occurs), at most `limit` of them; [] when nothing matches."""
+    for n in range(min(ngram, len(ids) - 1), 0, -1):
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):  # latest first, never the tail itself
+            if ids[start:start + n] == tail:
+                return ids[start + n: start + n + limit]
+    return []
+
+
+class PromptLookup(Method):
+    name = "lookup"
+
+    def __init__(self, lookup_tokens: int = 10, ngram: int = 3) -> None:
+        if not 1 <= lookup_tokens <= 64:
+            raise SpecUIError(f"lookup tokens must be 1 to 64, got {lookup_tokens}")
+        if not 1 <= ngram <= 8:
+            raise SpecUIError(f"lookup n-gram must be 1 to 8, got {ngram}")
+        self.lookup_tokens, self.ngram = lookup_tokens, ngram
+
+    def step(self, ctx: DecodeContext) -> StepResult:
+        cfg = ctx.sampling
+        limit = max(0, min(self.lookup_tokens, ctx.remaining - 1, ctx.room))
+        with ctx.timer.phase("draft"):
+            drafts = find_continuation(ctx.ids, self.ngram, limit) if limit else []
+        with ctx.timer.phase("verify"):
+            p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
+            p = warp(p_logits, cfg)
+            q = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), p.shape[-1]).to(p) \
+                if drafts else None
+            verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
+        p_shown = shown_probs(p_logits, p, cfg)
+        return StepResult(
+            tokens=drafts[: verdict.accepted] + [verdict.next_token],
+            from_draft=[True] * verdict.accepted + [False],
+            nodes=chain_nodes(drafts, verdict, q if drafts else p_shown, p_shown),
+            drafted=len(drafts), accepted=verdict.accepted, gamma=len(drafts),
+        )
