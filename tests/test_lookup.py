@@ -14,8 +14,8 @@ from specui.engine.sampling import warp
 from specui.errors import SpecUIError
 
 
-def test_find_continuation_takes_the_latest_longest_match():
-    assert find_continuation([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 2) == [7, 5]  # latest of two 3-grams
+def test_find_continuation_takes_the_first_longest_match():
+    assert find_continuation([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 2) == [9, 1]  # the first of two 3-grams
     assert find_continuation([4, 2, 3, 8, 6, 3], 3, 5) == [8, 6, 3]  # only a 1-gram matches
     assert find_continuation([1, 2, 3], 3, 4) == []
     assert find_continuation([5], 3, 4) == []
