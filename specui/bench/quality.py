@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from specui.bench.prompts import HELDOUT, load_prompts
-from specui.bench.run import Row, ours
-from specui.chat import build_prompt
+from specui.bench.prompts import HELDOUT
+from specui.bench.run import Row, bench_prompts, ours
 from specui.engine import make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
@@ -160,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     target = ModelSpec(args.target, args.dtype, args.device)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, target.with_source(draft_src))
-    prompts = [build_prompt(pair.target.tokenizer, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
+    prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)
     header = (f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device "
               f"{pair.target.device}; target {pair.target.label} ({pair.target.model.dtype}); draft {pair.draft.label} "
               f"({pair.draft.model.dtype}); {len(prompts)} prompts x {args.repeats} rounds, max {args.max_new_tokens} "

@@ -20,10 +20,11 @@ differ from autoregressive (in bfloat16/float16 a few may, at near-ties: DESIGN.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -141,19 +142,39 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
     return run
 
 
-def transformers_generate(pair: ModelPair, assisted: bool) -> Callable[..., Sample]:
+@contextlib.contextmanager
+def assistant_schedule(pair: ModelPair, constant_tokens: int | None) -> Iterator[None]:
+    """transformers' assisted generation with a constant number of draft tokens (no dynamic
+    schedule, no confidence threshold) for the duration; restored after. None: as configured."""
+    if constant_tokens is None or pair.draft is None:
+        yield
+        return
+    cfg = pair.draft.model.generation_config
+    saved = {k: getattr(cfg, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                                "assistant_confidence_threshold")}
+    cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule, cfg.assistant_confidence_threshold = (
+        constant_tokens, "constant", 0.0)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(cfg, k, v)
+
+
+def transformers_generate(pair: ModelPair, constant_tokens: int | None = None, **generate_kw) -> Callable[..., Sample]:
+    """transformers' greedy `generate` on the pair's target with `generate_kw` (e.g.
+    assistant_model=..., prompt_lookup_num_tokens=...), the reply cut after its first EOS."""
     model = pair.target.model
     eos = sorted(pair.engine().eos_ids)
 
     @torch.inference_mode()
     def run(prompt: list[int], n: int) -> Sample:
         ids = torch.tensor([prompt], device=model.device)
-        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-        if assisted:
-            kw.update(assistant_model=pair.draft.model, tokenizer=None)
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        seconds = time.perf_counter() - t0
+        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **generate_kw)
+        with assistant_schedule(pair, constant_tokens):
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            seconds = time.perf_counter() - t0
         new = out[0, len(prompt):].tolist()
         if eos and any(t in eos for t in new):
             new = new[: next(i for i, t in enumerate(new) if t in eos) + 1]
@@ -203,9 +224,10 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
         name = method + "".join(f" {k}={v}" for k, v in params.items())
         rows.append(Row(name, t_dtype if method == AR else pair_dtype, ours(pair, method, params)))
     if peers:
-        rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair, assisted=False)))
+        rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair)))
         if pair.draft is not None:
-            rows.append(Row("transformers assisted", pair_dtype, transformers_generate(pair, assisted=True)))
+            rows.append(Row("transformers assisted", pair_dtype, transformers_generate(
+                pair, assistant_model=pair.draft.model, tokenizer=None)))
     return rows
 
 
@@ -297,6 +319,11 @@ def out_folder(ap: argparse.ArgumentParser, out: Path) -> Path:
     return out
 
 
+def bench_prompts(tokenizer, path, limit: int | None) -> list[list[int]]:
+    """The first `limit` prompts of a prompt set as token ids, in the target's chat template."""
+    return [build_prompt(tokenizer, p.messages, 4096)[0] for p in load_prompts(path, limit)]
+
+
 def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     """Load the pair and the prompts, print the machine, the pair and its cost profile."""
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization)
@@ -304,7 +331,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
     tok = pair.target.tokenizer
-    prompts = [build_prompt(tok, p.messages, 4096)[0] for p in load_prompts(args.prompts, args.limit)]
+    prompts = bench_prompts(tok, args.prompts, args.limit)
     device = str(pair.target.device)
     if pair.target.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name()})"

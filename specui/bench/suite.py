@@ -19,19 +19,28 @@ loads."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, load_prompts
-from specui.bench.run import AR, Row, bench, common_parser, load_bench, make_rows, parse_method, to_json
+from specui.bench.run import (
+    AR,
+    Row,
+    bench,
+    bench_prompts,
+    common_parser,
+    load_bench,
+    make_rows,
+    parse_method,
+    to_json,
+    transformers_generate,
+)
 from specui.bench.suite_figures import write_figures
 from specui.engine import METHODS
 from specui.engine.profile import cpu_model
@@ -81,52 +90,15 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path]]:
     return specs, workloads
 
 
-@contextlib.contextmanager
-def assistant_schedule(draft, constant_tokens: int | None) -> Iterator[None]:
-    """transformers' assisted generation with a constant number of draft tokens (no dynamic
-    schedule, no confidence threshold) for the duration; restored after."""
-    if constant_tokens is None or draft is None:
-        yield
-        return
-    cfg = draft.model.generation_config
-    saved = {k: getattr(cfg, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
-                                                "assistant_confidence_threshold")}
-    cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule, cfg.assistant_confidence_threshold = (
-        constant_tokens, "constant", 0.0)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(cfg, k, v)
-
-
 def peer_rows(pair, gamma: int) -> list[Row]:
     """The four transformers rows on the same pair (greedy)."""
-    model, eos = pair.target.model, sorted(pair.engine().eos_ids)
-    t_dtype = str(model.dtype).removeprefix("torch.")
-
-    def runner(extra: dict, constant: int | None) -> Callable:
-        @torch.inference_mode()
-        def run(prompt: list[int], n: int):
-            from specui.bench.run import Sample
-
-            ids = torch.tensor([prompt], device=model.device)
-            kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
-            with assistant_schedule(pair.draft, constant):
-                t0 = time.perf_counter()
-                out = model.generate(ids, **kw)
-                seconds = time.perf_counter() - t0
-            new = out[0, len(prompt):].tolist()
-            if any(t in eos for t in new):
-                new = new[: next(i for i, t in enumerate(new) if t in eos) + 1]
-            return Sample(new, seconds)
-        return run
-
-    rows = [Row(PEERS[0], t_dtype, runner({}, None))]
+    t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
+    rows = [Row(PEERS[0], t_dtype, transformers_generate(pair))]
     if pair.draft is not None:
-        rows.append(Row(PEERS[1], t_dtype, runner({"assistant_model": pair.draft.model}, None)))
-        rows.append(Row(f"{PEERS[2]} {gamma}", t_dtype, runner({"assistant_model": pair.draft.model}, gamma)))
-    rows.append(Row(PEERS[3], t_dtype, runner({"prompt_lookup_num_tokens": 10}, None)))
+        rows.append(Row(PEERS[1], t_dtype, transformers_generate(pair, assistant_model=pair.draft.model)))
+        rows.append(Row(f"{PEERS[2]} {gamma}", t_dtype,
+                        transformers_generate(pair, constant_tokens=gamma, assistant_model=pair.draft.model)))
+    rows.append(Row(PEERS[3], t_dtype, transformers_generate(pair, prompt_lookup_num_tokens=10)))
     return rows
 
 
@@ -179,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             if pair.head.head is None and "specdec++" in [parse_method(s)[0] for s in specs]:
                 skipped.append(f"specdec++: {pair.head.problem}")
         else:
-            from specui.chat import build_prompt
-
-            prompts = [build_prompt(pair.target.tokenizer, p.messages, 4096)[0]
-                       for p in load_prompts(path, args.limit)]
+            prompts = bench_prompts(pair.target.tokenizer, path, args.limit)
         n_rows = len(specs) + (0 if args.no_peers else len(PEERS))
         with tqdm(total=n_rows * len(prompts) * args.repeats, desc=f"bench {workload}", unit="reply") as bar:
             rows, interrupted = run_workload(pair, specs, prompts, args, bar)

@@ -103,12 +103,17 @@ class ModelSession:
         self.cached_ids.extend(ids[keep:])
         return out.logits[0, -need:, : self.vocab_size]
 
-    def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """`advance`, and the hidden states (need, H) its output layer read at those positions
-        (after the final norm: what SpecDec++'s acceptance head takes)."""
+    def with_hidden(self, forward, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(*args)` (one of this session's forwards: advance, forward_tree, extend_tree)
+        and the hidden states (rows, H) its output layer read for the logit rows it returned
+        (after the final norm: what SpecDec++'s head and MCSD's decision models take)."""
         with output_layer_inputs(self.model) as seen:
-            logits = self.advance(ids, need)
-        return logits, seen[-1][0, -logits.shape[0]:]
+            rows = forward(*args)
+        return rows, seen[-1][0, -rows.shape[0]:]
+
+    def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`advance`, and the hidden states (need, H) at those positions."""
+        return self.with_hidden(self.advance, ids, need)
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> None:

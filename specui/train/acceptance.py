@@ -165,9 +165,15 @@ class HeadQuality:
 
 @torch.no_grad()
 def head_quality(head: AcceptanceHead, feats: Features, labels: str = "soft", bins: int = 10) -> HeadQuality:
-    y = feats.labels(labels).double()
     hidden, stats = feats.inputs(head.reads)
-    a = head(hidden.float(), stats).double().clamp(1e-7, 1 - 1e-7)
+    return prediction_quality(head(hidden.float(), stats), feats.labels(labels), bins)
+
+
+def prediction_quality(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> HeadQuality:
+    """BCE, KL and calibration of predicted acceptances against (soft) labels; shared by the
+    acceptance head and MCSD's decision models."""
+    y = label.double()
+    a = pred.double().clamp(1e-7, 1 - 1e-7)
     bce = -(y * a.log() + (1 - y) * (1 - a).log()).mean()
     yc = y.clamp(1e-7, 1 - 1e-7)
     entropy = -(yc * yc.log() + (1 - yc) * (1 - yc).log()).mean()

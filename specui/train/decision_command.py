@@ -71,12 +71,9 @@ def quality(model: DecisionModel, feats: acc.Features, threshold: float, bins: i
     target's argmax equal the candidate), and what the stop rule sees at `threshold`."""
     a = model(model_inputs(feats, model.kind).float()).double().clamp(1e-7, 1 - 1e-7)
     y = feats.soft.double()
-    bce = float(-(y * a.log() + (1 - y) * (1 - a).log()).mean())
-    which = (a * bins).long().clamp(max=bins - 1)
-    calibration = [(float(a[which == b].mean()), float(y[which == b].mean()), int((which == b).sum()))
-                   for b in range(bins) if (which == b).any()]
+    fit = acc.prediction_quality(a, y, bins)
     low = a < threshold
-    return dict(heldout_bce=round(bce, 4), auc_greedy=round(auc(a, feats.greedy), 4), calibration=calibration,
+    return dict(heldout_bce=round(fit.bce, 4), auc_greedy=round(auc(a, feats.greedy), 4), calibration=fit.calibration,
                 below_threshold=round(float(low.double().mean()), 4),
                 label_below=round(float(y[low].mean()), 4) if low.any() else None,
                 label_above=round(float(y[~low].mean()), 4) if (~low).any() else None)

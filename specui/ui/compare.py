@@ -33,8 +33,13 @@ class Run:
     stats: dict | None = None
     steps: list[StepTrace] = field(default_factory=list)
     error: str = ""
-    notes: list[str] = field(default_factory=list)
+    start_notes: list[str] = field(default_factory=list)  # what starting the generation said (prompt cut, ...)
     done: bool = False
+
+    @property
+    def notes(self) -> list[str]:
+        """The start's notes, then every step's, each once."""
+        return list(dict.fromkeys(self.start_notes + [n for s in self.steps for n in s.notes]))
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -70,7 +75,7 @@ def summary_markdown(runs: list[Run], greedy: bool) -> str:
                "near-ties can flip (DESIGN.md 4.3)" if greedy else
                "at temperature > 0 each method draws its randomness differently, so replies differ by design")
         lines += ["", f"ℹ️ replies differ ({', '.join(r.method for r in differ)} vs {done[0].method}): {why}"]
-    notes = [f"ℹ️ {r.method}: {n}" for r in runs for n in dict.fromkeys(r.notes)]
+    notes = [f"ℹ️ {r.method}: {n}" for r in runs for n in r.notes]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -148,18 +153,15 @@ class Comparison:
             for item in run_in_background(self.page.service, self.page.submit, messages, settings, cancel,
                                           UPDATE_INTERVAL_S):
                 if isinstance(item, Started):
-                    generation, run.notes = item.generation, list(item.notes)
+                    generation, run.start_notes = item.generation, list(item.notes)
                     continue
                 run.text, run.steps = item.text, list(generation.steps)
-                run.notes += [n for n in item.notes if n not in run.notes]
                 yield self._outputs(runs, greedy)
         except SpecUIError as e:
             run.error = str(e)
         if generation is not None:
             run.text, run.steps = generation.text, list(generation.steps)
             run.output_ids, run.stats = list(generation.output_ids), generation.stats.to_dict()
-            for step in run.steps:
-                run.notes += [n for n in step.notes if n not in run.notes]
         run.done = not run.error
 
     @staticmethod

@@ -15,9 +15,9 @@ import torch
 
 from specui.decision import DecisionModel
 from specui.engine.method import DecodeContext
+from specui.engine.methods.speculative import accept_chain
 from specui.engine.methods.tree import draft_probs, top_tokens
-from specui.engine.sampling import SamplingConfig, residual, uniform
-from specui.engine.session import output_layer_inputs
+from specui.engine.sampling import SamplingConfig
 from specui.engine.tree import TokenTree
 
 
@@ -126,11 +126,7 @@ class ForkDrafter:
 def tree_forward(session, want_hidden: bool, forward, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward(*args)` (a session's forward_tree / extend_tree), and when asked the hidden
     states its output layer read for the rows it returned."""
-    if not want_hidden:
-        return forward(*args), None
-    with output_layer_inputs(session.model) as seen:
-        rows = forward(*args)
-    return rows, seen[-1][0, -rows.shape[0]:]
+    return session.with_hidden(forward, *args) if want_hidden else (forward(*args), None)
 
 
 def first_layer(q: torch.Tensor, width: int, cfg: SamplingConfig,
@@ -159,15 +155,11 @@ def check_chains(tree: TokenTree, roots: list[int], p: torch.Tensor, q_rows: dic
     kids: dict[int, int] = {parent: i for i, parent in enumerate(tree.parents) if parent >= 0}
     out = []
     for root in roots:
-        node, path, rejected = root, [root], None
-        while node in kids:
-            child, tok = kids[node], tree.tokens[kids[node]]
-            p_row, q_row = p[node + 1], q_rows[node]
-            if uniform(generator) >= min(1.0, float(p_row[tok]) / max(float(q_row[tok]), 1e-30)):
-                rejected = child
-                break
-            path.append(child)
-            node = child
-        end = residual(p[node + 1], q_rows[node]) if rejected is not None else p[node + 1]
-        out.append(ChainCheck(root, path, end, rejected))
+        chain = [root]
+        while chain[-1] in kids:
+            chain.append(kids[chain[-1]])
+        drafts = [tree.tokens[c] for c in chain[1:]]
+        accepted, end = accept_chain(drafts, [q_rows[c] for c in chain[:-1]], [p[c + 1] for c in chain], generator)
+        rejected = chain[1 + accepted] if accepted < len(drafts) else None
+        out.append(ChainCheck(root, chain[: 1 + accepted], end, rejected))
     return out

@@ -47,22 +47,27 @@ def draft_chain(
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
 
 
+def accept_chain(drafts: list[int], q, p, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """Sampling: accept x_t with probability min(1, p~(x_t) / q~(x_t)) in order, until the
+    first rejection. Returns (accepted, the distribution the next token comes from: res(p~, q~)
+    at the rejection, p~ after the last draft). q: n warped draft rows; p: n + 1 target rows."""
+    for t, x in enumerate(drafts):
+        if uniform(generator) >= min(1.0, float(p[t][x]) / float(q[t][x])):
+            return t, residual(p[t], q[t])
+    return len(drafts), p[len(drafts)]
+
+
 def verify_chain(
     drafts: list[int], q: torch.Tensor, p: torch.Tensor, cfg: SamplingConfig,
     generator: torch.Generator | None,
 ) -> ChainVerdict:
-    """q: warped draft rows (n, V); p: warped target rows (n + 1, V)."""
-    for t, x in enumerate(drafts):
-        if cfg.greedy:
-            ok = int(p[t].argmax()) == x
-        else:
-            ok = uniform(generator) < min(1.0, float(p[t, x]) / float(q[t, x]))
-        if not ok:
-            nxt = int(p[t].argmax()) if cfg.greedy else sample(residual(p[t], q[t]), generator)
-            return ChainVerdict(accepted=t, next_token=nxt, bonus=False)
-    n = len(drafts)
-    nxt = int(p[n].argmax()) if cfg.greedy else sample(p[n], generator)
-    return ChainVerdict(accepted=n, next_token=nxt, bonus=True)
+    """q: warped draft rows (n, V); p: warped target rows (n + 1, V). Greedy: accept while
+    the target's argmax agrees."""
+    if cfg.greedy:
+        n = next((t for t, x in enumerate(drafts) if int(p[t].argmax()) != x), len(drafts))
+        return ChainVerdict(accepted=n, next_token=int(p[n].argmax()), bonus=n == len(drafts))
+    n, end = accept_chain(drafts, q, p, generator)
+    return ChainVerdict(accepted=n, next_token=sample(end, generator), bonus=n == len(drafts))
 
 
 def chain_nodes(
