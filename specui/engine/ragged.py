@@ -1,0 +1,337 @@
+"""RaggedSession: one model and a KV cache of several independent sequences (rows) whose
+committed lengths differ and change by different amounts each step: EMS-SD's batches
+(DESIGN.md 3.8, seed 003). Rows join and leave between forwards (continuous batching).
+
+Padding is a strategy of this one piece (PADDINGS):
+- "vanilla": every row's input is padded to the step's longest and every row's new
+  entries are written at one common cache offset (the longest row's end), so shorter rows
+  store padding in their cache and attend around it. Kept as the comparison; `stats`
+  counts the padding it computes and stores.
+- "unpad-kv": per-row cache lengths; each row's new entries go right after its own
+  committed ones; inputs are still padded to the step's longest row.
+- "unpad" (EMS-SD): per-row cache lengths, and the rows' new tokens are concatenated into
+  one (1, T) sequence, so the linear layers see no padding token at all; inside attention
+  each token's row and position are recovered from the forward's Layout.
+
+In transformers terms: the cache is a DynamicCache whose layers (RaggedLayer) write each
+token at its (row, slot), and "unpad" runs through an attention function registered with
+transformers' AttentionInterface (`ragged_attention`: SDPA with an explicit per-row mask
+on the padded view of the packed queries). No modeling code is forked. The model's
+attention implementation is switched to it only for the duration of a packed forward, so
+the single-sequence sessions that share the model keep their own attention.
+
+Why not DSBD's RowSession: its rows share one committed length (beams), and padding of
+committed entries is what EMS-SD exists to remove. A row's committed entries here always
+sit in slots [0, len) under "unpad" / "unpad-kv" (a chain's accepted tokens are a prefix of
+what was fed, so committing is cropping the row's length), which is what keeps the cache
+free of padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specui.engine.session import common_prefix
+from specui.errors import SpecUIError
+
+PADDINGS = ("unpad", "unpad-kv", "vanilla")
+ATTENTION = "specui_ragged"
+MIN_CAPACITY = 256
+
+
+@dataclass
+class Layout:
+    """Where one forward's tokens go. Input token t (of `rows.numel()` written tokens, in
+    row order) belongs to cache row rows[t], sits at input column cols[t] of the padded
+    view (B, width) and is written at cache slot slots[t]. `mask`: (B, 1, width, kv_len)
+    additive, the padded view's attention over cache slots [0, kv_len)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    slots: torch.Tensor
+    width: int
+    kv_len: int
+    mask: torch.Tensor
+    packed: bool
+
+
+def ragged_attention(module, query, key, value, attention_mask, specui_layout: Layout | None = None, **kwargs):
+    """Packed queries (1, H, T, D) -> the padded view (B, H, width, D), SDPA over each row's
+    cache with the layout's mask, and back to (1, T, H, D). Without a layout (a forward that
+    is not a ragged one), plain SDPA."""
+    if specui_layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    lay = specui_layout
+    q = query.new_zeros((key.shape[0], query.shape[1], lay.width, query.shape[-1]))
+    q[lay.rows, :, lay.cols] = query[0].transpose(0, 1)
+    out, _ = sdpa_attention_forward(module, q, key, value, lay.mask, **kwargs)  # (B, width, H, D)
+    return out[lay.rows, lay.cols][None], None
+
+
+@contextmanager
+def ragged_attention_in(model: PreTrainedModel) -> Iterator[None]:
+    """Route `model`'s attention through `ragged_attention` for the duration of the block."""
+    if ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION, ragged_attention)
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+               if c is not None and hasattr(c, "_attn_implementation")}
+    before = {key: c._attn_implementation for key, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = ATTENTION
+        yield
+    finally:
+        for key, c in configs.items():
+            c._attn_implementation = before[key]
+
+
+class RaggedLayer(DynamicLayer):
+    """A full-attention layer of buffers (rows, heads, capacity, D), zero-initialised (masked
+    slots must hold finite numbers); `update` writes each token where the layout says."""
+
+    def __init__(self, session: RaggedSession) -> None:
+        super().__init__()
+        self.session = session
+        self.kbuf: torch.Tensor | None = None
+        self.vbuf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        rows = len(self.session.rows)
+        self.kbuf = key_states.new_zeros((rows, key_states.shape[1], MIN_CAPACITY, key_states.shape[-1]))
+        self.vbuf = value_states.new_zeros((rows, value_states.shape[1], MIN_CAPACITY, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        lay = self.session.layout
+        if lay.kv_len > self.kbuf.shape[2]:
+            capacity = self.kbuf.shape[2]
+            while capacity < lay.kv_len:
+                capacity *= 2
+            self.kbuf, self.vbuf = (_grown(b, capacity) for b in (self.kbuf, self.vbuf))
+        for buf, new in ((self.kbuf, key_states), (self.vbuf, value_states)):
+            src = new[0].transpose(0, 1) if lay.packed else new[lay.rows, :, lay.cols]  # (T, H, D)
+            buf[lay.rows, :, lay.slots] = src
+        return self.kbuf[:, :, : lay.kv_len], self.vbuf[:, :, : lay.kv_len]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.kbuf, self.vbuf = self.kbuf.index_select(0, index), self.vbuf.index_select(0, index)
+
+    def add_row(self) -> None:
+        if self.is_initialized:
+            self.kbuf, self.vbuf = (torch.cat([b, b.new_zeros((1, *b.shape[1:]))]) for b in (self.kbuf, self.vbuf))
+
+    def get_seq_length(self) -> int:
+        return self.session.layout.kv_len if self.session.layout is not None else 0
+
+
+def _grown(buf: torch.Tensor, capacity: int) -> torch.Tensor:
+    new = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[-1]))
+    new[:, :, : buf.shape[2]] = buf
+    return new
+
+
+class RaggedCache(DynamicCache):
+    def __init__(self, session: RaggedSession, config) -> None:
+        super().__init__(config=config)
+        if any(type(layer) is not DynamicLayer for layer in self.layers):
+            raise SpecUIError("batched decoding needs a model whose layers all use full attention")
+        self.layers = [RaggedLayer(session) for _ in self.layers]
+
+
+class SessionRow:
+    """One sequence of a RaggedSession: the token ids its cache entries hold, in the cache
+    slots listed (slots [0, len) except under "vanilla"). `commit(ids)` crops it to the
+    longest prefix of `ids` it holds, like ModelSession.commit."""
+
+    def __init__(self, session: RaggedSession) -> None:
+        self.session = session
+        self.cached: list[int] = []
+        self.slots: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.session.device
+
+    @property
+    def end(self) -> int:
+        return self.slots[-1] + 1 if self.slots else 0
+
+    def commit(self, ids: Sequence[int]) -> None:
+        keep = common_prefix(self.cached, ids)
+        del self.cached[keep:], self.slots[keep:]
+
+
+@dataclass
+class PaddingStats:
+    """What the forwards computed and stored, padding included."""
+
+    input_tokens: int = 0  # input positions computed (padding included)
+    input_padding: int = 0
+    kv_slots: int = 0  # cache slots held after each forward (up to each row's end; vanilla: the longest's)
+    kv_padding: int = 0  # of them, slots holding padding or rejected entries of no row
+
+    @property
+    def padding_ratio(self) -> float:
+        """Share of computed input positions and held cache slots that were padding."""
+        total = self.input_tokens + self.kv_slots
+        return (self.input_padding + self.kv_padding) / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return {"input_tokens": self.input_tokens, "input_padding": self.input_padding,
+                "kv_slots": self.kv_slots, "kv_padding": self.kv_padding,
+                "padding_ratio": round(self.padding_ratio, 4)}
+
+
+class RaggedSession:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, padding: str = "unpad") -> None:
+        if padding not in PADDINGS:
+            raise SpecUIError(f"unknown padding '{padding}'; choose one of: {', '.join(PADDINGS)}")
+        self.model = model
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.device = next(model.parameters()).device
+        self.padding = padding
+        self.rows: list[SessionRow] = []
+        self.layout: Layout | None = None
+        self.cache = RaggedCache(self, model.config)
+        self.stats = PaddingStats()
+
+    # -- rows --------------------------------------------------------------------------
+    def add_row(self) -> SessionRow:
+        row = SessionRow(self)
+        self.rows.append(row)
+        for layer in self.cache.layers:
+            layer.add_row()
+        return row
+
+    def remove_rows(self, gone: Sequence[SessionRow]) -> None:
+        keep = [i for i, row in enumerate(self.rows) if row not in gone]
+        if len(keep) == len(self.rows):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.select_rows(index)
+        self.rows = [self.rows[i] for i in keep]
+
+    def padding_slots(self) -> int:
+        """Cache slots below some row's end that hold none of that row's tokens."""
+        if self.padding != "vanilla":
+            return sum(row.end - len(row.slots) for row in self.rows)
+        end = max((row.end for row in self.rows), default=0)
+        return sum(end - len(row.slots) for row in self.rows)
+
+    # -- forwards ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def advance(self, feeds: Sequence[tuple[SessionRow, Sequence[int], int]]) -> list[torch.Tensor]:
+        """For each (row, ids, need): make the row's cache hold all of `ids` (feeding what it
+        lacks, its rejected entries cropped first) and return the logits (need, V) at its last
+        `need` positions. Rows not named feed nothing. One forward for all rows."""
+        plan = []
+        for row, ids, need in feeds:
+            if row.session is not self:
+                raise ValueError("a row of another session")
+            need = max(1, min(need, len(ids)))
+            row.commit(ids[: len(ids) - need])
+            plan.append((row, list(ids[len(row.cached):]), need))
+        if not plan:
+            return []
+        self.layout = self._layout(plan)
+        lay = self.layout
+        try:
+            out = self._run(plan, lay)
+        finally:
+            self.layout = None
+        common = max(r.end for r in self.rows)  # vanilla's one write offset
+        for row, fresh, _ in plan:
+            start = common if self.padding == "vanilla" else row.end
+            row.slots.extend(range(start, start + len(fresh)))
+            row.cached.extend(fresh)
+        padding = self.padding_slots()
+        self.stats.kv_slots += sum(len(row.slots) for row in self.rows) + padding
+        self.stats.kv_padding += padding
+        return out
+
+    def _layout(self, plan: list[tuple[SessionRow, list[int], int]]) -> Layout:
+        index = {id(row): i for i, row in enumerate(self.rows)}
+        b = len(self.rows)
+        width = max(len(fresh) for _, fresh, _ in plan)
+        common = max((row.end for row in self.rows), default=0)  # vanilla's one write offset
+        starts = [common if self.padding == "vanilla" else row.end for row in self.rows]
+        kv_len = max(s + width if self.padding == "vanilla" else s for s in starts)
+        kv_len = max(kv_len, *(starts[index[id(row)]] + len(fresh) for row, fresh, _ in plan))
+        attend = torch.zeros((b, width, kv_len), dtype=torch.bool)
+        rows, cols, slots = [], [], []
+        counts = [0] * b
+        for row, fresh, _ in plan:
+            counts[index[id(row)]] = len(fresh)
+        for r, row in enumerate(self.rows):
+            k, s = counts[r], starts[r]
+            if row.slots:
+                attend[r, :k, row.slots] = True
+            attend[r, :k, s:s + k] |= torch.ones(k, k, dtype=torch.bool).tril()
+            written = width if self.padding == "vanilla" else k  # vanilla stores its padding too
+            for j in range(written):
+                rows.append(r), cols.append(j), slots.append(s + j)
+            for j in range(k, written):  # a vanilla padding token attends to itself only
+                attend[r, j, s + j] = True
+        real = sum(counts)
+        computed = real if self.padding == "unpad" else b * width
+        self.stats.input_tokens += computed
+        self.stats.input_padding += computed - real
+        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return Layout(as_tensor(rows), as_tensor(cols), as_tensor(slots), width, kv_len,
+                      mask[:, None].to(self.device), packed=self.padding == "unpad")
+
+    def _run(self, plan: list[tuple[SessionRow, list[int], int]], lay: Layout) -> list[torch.Tensor]:
+        index = {id(row): i for i, row in enumerate(self.rows)}
+        positions = {id(row): len(row.cached) for row in self.rows}
+        if lay.packed:
+            ids = [t for _, fresh, _ in plan for t in fresh]
+            pos = [positions[id(row)] + j for row, fresh, _ in plan for j in range(len(fresh))]
+            ends, keep, at = [], [], 0
+            for _, fresh, need in plan:
+                at += len(fresh)
+                ends.append(at)
+                keep.extend(range(at - need, at))
+            with ragged_attention_in(self.model):
+                out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                                 position_ids=torch.tensor([pos], device=self.device), use_cache=True,
+                                 logits_to_keep=torch.tensor(keep, device=self.device), specui_layout=lay)
+            logits, result, at = out.logits[0, :, : self.vocab_size], [], 0
+            for _, _, need in plan:
+                result.append(logits[at:at + need])
+                at += need
+            return result
+        b = len(self.rows)
+        ids = torch.zeros((b, lay.width), dtype=torch.long)
+        pos = torch.zeros((b, lay.width), dtype=torch.long)
+        for r, row in enumerate(self.rows):
+            pos[r] = positions[id(row)] + torch.arange(lay.width)
+        for row, fresh, _ in plan:
+            ids[index[id(row)], : len(fresh)] = torch.tensor(fresh, dtype=torch.long)
+        lo = min(len(fresh) - need for _, fresh, need in plan)
+        hi = max(len(fresh) for _, fresh, _ in plan)
+        out = self.model(input_ids=ids.to(self.device), past_key_values=self.cache, position_ids=pos.to(self.device),
+                         attention_mask=lay.mask, use_cache=True,
+                         logits_to_keep=torch.arange(lo, hi, device=self.device))
+        logits = out.logits[..., : self.vocab_size]
+        return [logits[index[id(row)], len(fresh) - need - lo:len(fresh) - lo] for row, fresh, need in plan]
+
+    def kv(self, row: SessionRow) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) (heads, len, D) of one row's committed entries (tests)."""
+        r = self.rows.index(row)
+        slots = torch.tensor(row.slots, dtype=torch.long, device=self.device)
+        return [(layer.kbuf[r].index_select(1, slots), layer.vbuf[r].index_select(1, slots))
+                for layer in self.cache.layers]
