@@ -72,23 +72,33 @@ class Generation:
         stats.prefill_s = time.perf_counter() - t0
         t_decode = time.perf_counter()
         while not stats.finish_reason:
-            if self.cancel.is_set():
-                stats.finish_reason = "cancelled"
-                break
-            if ctx.remaining <= 0:
-                stats.finish_reason = "length"
+            reason = self.stop_reason()
+            if reason:
+                stats.finish_reason = reason
                 break
             ctx.timer.reset()
             t_step = time.perf_counter()
             result = self.method.step(ctx)
             step_ms = (time.perf_counter() - t_step) * 1000.0
-            trace = self._commit(result, step_ms)
+            trace = self.commit_step(result, step_ms)
             stats.decode_s = time.perf_counter() - t_decode
             yield trace
         stats.decode_s = time.perf_counter() - t_decode
 
+    @property
+    def ctx(self) -> DecodeContext:
+        return self._ctx
+
+    def stop_reason(self) -> str:
+        """Why the generation must stop before its next step ("" while it may go on)."""
+        if self.stats.finish_reason:
+            return self.stats.finish_reason
+        if self.cancel.is_set():
+            return "cancelled"
+        return "length" if self._ctx.remaining <= 0 else ""
+
     # 4. commit: apply stops (EOS, max tokens, stop strings), update text, caches, stats
-    def _commit(self, result: StepResult, step_ms: float) -> StepTrace:
+    def commit_step(self, result: StepResult, step_ms: float) -> StepTrace:
         ctx, stats = self._ctx, self.stats
         base = [] if result.replace else self.output_ids
         tokens = list(result.tokens)

@@ -70,6 +70,7 @@ class StepTrace:
     stop_reason: str | None = None  # SpecDec++ / MCSD: why drafting stopped (threshold, gamma_max, eos, decision, ...)
     stop_value: float | None = None  # SpecDec++: P(some rejected) at the stop; MCSD: best chain's predicted acceptance
     chains: int | None = None  # MCSD forks: chains drafted this step
+    batch_size: int | None = None  # EMS-SD: sequences decoded together in this step
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0

@@ -10,6 +10,7 @@ from specui.engine.methods.auto import Auto
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.beam import Beam
 from specui.engine.methods.dsbd import DSBD
+from specui.engine.methods.emssd import EmsSd
 from specui.engine.methods.lookup import PromptLookup
 from specui.engine.methods.mcsd import MCSD
 from specui.engine.methods.specdec import SpecDecPP
@@ -18,7 +19,7 @@ from specui.engine.methods.tree import OptTree, StaticTree
 from specui.errors import SpecUIError
 
 METHODS: dict[str, type[Method]] = {
-    cls.name: cls for cls in (Auto, Autoregressive, Beam, DSBD, MCSD, PromptLookup, SpecDecPP, Speculative,
+    cls.name: cls for cls in (Auto, Autoregressive, Beam, DSBD, EmsSd, MCSD, PromptLookup, SpecDecPP, Speculative,
                               StaticTree, OptTree)
 }
 

@@ -116,16 +116,22 @@ class Speculative(Method):
         # 2. score all candidates in one target forward, 3. accept
         with ctx.timer.phase("verify"):
             p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
-            p = warp(p_logits, cfg)
-            verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
-        p_shown = shown_probs(p_logits, p, cfg)
-        q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
-        tokens = drafts[: verdict.accepted] + [verdict.next_token]
-        return StepResult(
-            tokens=tokens,
-            from_draft=[True] * verdict.accepted + [False],
-            nodes=chain_nodes(drafts, verdict, q_shown, p_shown),
-            drafted=len(drafts),
-            accepted=verdict.accepted,
-            gamma=gamma,
-        )
+            return chain_step(drafts, q, q_logits, p_logits, cfg, ctx.generator, gamma)
+
+
+def chain_step(drafts: list[int], q: torch.Tensor | None, q_logits: torch.Tensor | None, p_logits: torch.Tensor,
+               cfg: SamplingConfig, generator: torch.Generator, gamma: int) -> StepResult:
+    """Verify a drafted chain against the target's logits (len(drafts) + 1, V) and build the
+    step's result: accepted drafts, then the correction or bonus token (Speculative, EMS-SD)."""
+    p = warp(p_logits, cfg)
+    verdict = verify_chain(drafts, q, p, cfg, generator)
+    p_shown = shown_probs(p_logits, p, cfg)
+    q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
+    return StepResult(
+        tokens=drafts[: verdict.accepted] + [verdict.next_token],
+        from_draft=[True] * verdict.accepted + [False],
+        nodes=chain_nodes(drafts, verdict, q_shown, p_shown),
+        drafted=len(drafts),
+        accepted=verdict.accepted,
+        gamma=gamma,
+    )
