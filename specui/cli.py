@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mcsd forks: stop drafting when every chain's predicted acceptance is below this")
     g.add_argument("--lookup-tokens", type=int, default=d.lookup_tokens,
                    help="lookup: most tokens proposed per step from the conversation's own n-grams")
+    g.add_argument("--padding", default=d.padding, choices=["unpad", "unpad-kv", "vanilla"],
+                   help="ems-sd: unpad (EMS-SD: no padding in the cache or the inputs), unpad-kv (padded inputs), "
+                        "vanilla (padded cache and inputs, the comparison)")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -89,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = ap.add_argument_group("headless CLI")
     c.add_argument("--cli", action="store_true", help="answer one prompt in the terminal, no browser")
-    c.add_argument("--prompt", help="the user message (--cli)")
+    c.add_argument("--prompt", action="append",
+                   help="the user message (--cli); repeat it for several: ems-sd decodes them as one batch, other "
+                        "methods one after another; --json then prints one object per prompt per line")
     c.add_argument("--system", help="optional system prompt (--cli)")
     c.add_argument("--json", action="store_true", help="print the reply and stats as JSON (--cli)")
     c.add_argument("--profile", action="store_true",
@@ -129,7 +134,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
         threshold=args.threshold, gamma_max=args.gamma_max, k_config=args.k_config,
         root_selection=args.root_selection, decision=args.decision, stop_threshold=args.stop_threshold,
-        lookup_tokens=args.lookup_tokens,
+        lookup_tokens=args.lookup_tokens, padding=args.padding,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 
@@ -169,19 +174,19 @@ def run_cli(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.profile:
         return run_profile(args)
-    if args.prompt is None:
+    if not args.prompt:
         raise SpecUIError("--cli needs --prompt \"your message\"")
-    if not args.prompt.strip():
-        raise SpecUIError("the message is empty: type something to send")
+    if any(not p.strip() for p in args.prompt):
+        raise SpecUIError("a message is empty: type something to send")
     settings = settings_from_args(args)
     service = ChatService(load_from_args(args))
     service.engine.profile_dir = args.profile_dir
     if METHODS[settings.method].needs_profile and service.engine.draft is not None:
         service.engine.ensure_profile(progress=print_progress)
-    messages = ([{"role": "system", "content": settings.system}] if settings.system.strip() else [])
-    messages.append({"role": "user", "content": args.prompt})
+    if len(args.prompt) > 1:
+        return run_prompts(service, settings, args)
     cancel = threading.Event()
-    generation, notes = service.start(messages, settings, cancel)
+    generation, notes = service.start(conversation(settings, args.prompt[0]), settings, cancel)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     rewritten = False  # beam methods rewrite the reply (their best beam changes): print it at the end
@@ -199,9 +204,56 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.trace:
         args.trace.write_text(traces_to_json(generation.steps, generation.stats))
     if args.json:
-        print(json.dumps({"reply": generation.text, "stats": stats}, ensure_ascii=False))
+        print(json.dumps({"prompt": args.prompt[0], "reply": generation.text, "text": generation.text, "stats": stats},
+                         ensure_ascii=False))
     else:
         if rewritten:
             print(generation.text, end="")
         print("\n\n" + "  ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+    return 0
+
+
+def conversation(settings: ChatSettings, prompt: str) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": settings.system}] if settings.system.strip() else []
+    return messages + [{"role": "user", "content": prompt}]
+
+
+def run_prompts(service: ChatService, settings: ChatSettings, args: argparse.Namespace) -> int:
+    """Several --prompt: ems-sd decodes them as one batch, other methods one after another.
+    Prints each reply (or, with --json, one object per prompt per line) in prompt order."""
+    cancel = threading.Event()
+    started = [service.start(conversation(settings, p), settings, cancel) for p in args.prompt]
+    for i, (_, notes) in enumerate(started):
+        for note in notes:
+            print(f"note (prompt {i + 1}): {note}", file=sys.stderr)
+    generations = [g for g, _ in started]
+    batch = None
+    try:
+        if settings.method == "ems-sd":
+            steps = service.stream_batch(generations)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    batch = done.value
+                    break
+        else:
+            for g in generations:
+                for _ in service.stream(g):
+                    pass
+    except KeyboardInterrupt:
+        cancel.set()
+        for g in generations:
+            g.stats.finish_reason = g.stats.finish_reason or "cancelled"
+    if args.trace:
+        args.trace.write_text("[" + ",\n".join(traces_to_json(g.steps, g.stats) for g in generations) + "]")
+    for i, (prompt, g) in enumerate(zip(args.prompt, generations)):
+        record = {"prompt": prompt, "reply": g.text, "text": g.text, "stats": g.stats.to_dict()}
+        if batch is not None:
+            record["batch"] = {"padding": settings.padding, "size": len(generations), **batch}
+        if args.json:
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(f"--- prompt {i + 1}: {prompt}\n{g.text}\n")
+            print("  ".join(f"{k}={v}" for k, v in record["stats"].items()) + "\n", file=sys.stderr)
     return 0

@@ -196,15 +196,31 @@ class ChatService:
 
     def stream(self, generation: Generation) -> Iterator[StepTrace]:
         """Run a generation under the engine lock; out-of-memory becomes a SpecUIError."""
-        with self.engine.lock:
-            try:
-                yield from generation
-            except torch.cuda.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                self.engine.target.reset()
-                if self.engine.draft is not None:
-                    self.engine.draft.reset()
-                raise SpecUIError(
-                    "out of GPU memory during generation; lower max new tokens, gamma or beam "
-                    "width, or load the target in 4-bit"
-                ) from None
+        with self.engine.lock, self._out_of_memory_message():
+            yield from generation
+
+    def stream_batch(self, generations: Sequence[Generation]) -> Iterator[tuple[Generation, StepTrace]]:
+        """Decode ems-sd generations as one batch under the engine lock: (generation, its new
+        step) as each step ends, until every one has finished. Returns the batch's padding
+        figures (BatchDecoder.padding_stats) when done."""
+        with self.engine.lock, self._out_of_memory_message():
+            batch = self.engine.batch(generations[0].method)
+            batch.join(generations)
+            while batch.running:
+                yield from batch.step()
+        return batch.decoder.padding_stats() | {
+            "steps": len(batch.sizes), "mean_batch_size": round(sum(batch.sizes) / max(1, len(batch.sizes)), 3)}
+
+    @contextlib.contextmanager
+    def _out_of_memory_message(self) -> Iterator[None]:
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            self.engine.target.reset()
+            if self.engine.draft is not None:
+                self.engine.draft.reset()
+            raise SpecUIError(
+                "out of GPU memory during generation; lower max new tokens, gamma or beam "
+                "width, or load the target in 4-bit"
+            ) from None

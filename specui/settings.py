@@ -33,6 +33,7 @@ class ChatSettings:
     decision: str = "entropy"  # mcsd forks: early-stop decision model: entropy (fastest measured) | hidden | none
     stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
     lookup_tokens: int = 10  # lookup: most tokens proposed per step from the conversation's own n-grams
+    padding: str = "unpad"  # ems-sd: unpad (EMS-SD) | unpad-kv (padded inputs) | vanilla (padded cache and inputs)
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
@@ -54,6 +55,9 @@ class PairChoice:
     trust_remote_code: bool = False
     head: str = "default"  # SpecDec++'s acceptance head: 'default', 'none' or a folder
     decision: str = "default"  # MCSD's early-stop decision models: 'default', 'none' or a folder
+
+
+PADDINGS = ("unpad", "unpad-kv", "vanilla")  # ems-sd's batch layouts (engine/ragged.py)
 
 
 # --- validation: one layer for the UI handlers, the CLI and the API ---------------------------
@@ -152,7 +156,8 @@ def check_settings(
         raise SpecUIError(f"unknown tree preset {settings.preset!r}; choose one of: {', '.join(tree_presets)}")
     if not isinstance(settings.k_config, str):
         raise SpecUIError(f"k-config must be text such as 4,2,2,1,1, got {settings.k_config!r}")
-    for name, allowed in (("root_selection", ("lossless", "approximate")), ("decision", ("hidden", "entropy", "none"))):
+    for name, allowed in (("root_selection", ("lossless", "approximate")), ("decision", ("hidden", "entropy", "none")),
+                          ("padding", PADDINGS)):
         if getattr(settings, name) not in allowed:
             raise SpecUIError(f"{name.replace('_', ' ')} must be one of {', '.join(allowed)}, "
                               f"got {getattr(settings, name)!r}")

@@ -14,6 +14,7 @@ from specui.decision import DecisionModels
 from specui.engine.costs import EngineCosts
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
+from specui.engine.methods.emssd import Batch, EmsSd
 from specui.engine.profile import Progress, get_profile
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
@@ -101,6 +102,14 @@ class Engine:
             method, request, self.target, self.draft, self.decode, self.eos_ids, self.context_len, cancel,
             self.costs,
         )
+
+
+    def batch(self, method: Method) -> Batch:
+        """An empty EMS-SD batch on this pair with `method`'s padding and draft (generations join it)."""
+        if not isinstance(method, EmsSd):
+            raise SpecUIError(f"only ems-sd decodes several sequences as one batch, not '{method.name}'")
+        return Batch(method.decoder(self.target.model, self.draft.model if self.draft is not None else None,
+                                    self.target.vocab_size))
 
 
 def _context_len(model: PreTrainedModel) -> int:

@@ -40,8 +40,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specui.engine.session import common_prefix
 from specui.errors import SpecUIError
+from specui.settings import PADDINGS
 
-PADDINGS = ("unpad", "unpad-kv", "vanilla")
 ATTENTION = "specui_ragged"
 MIN_CAPACITY = 256
 
