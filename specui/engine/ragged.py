@@ -75,21 +75,27 @@ def ragged_attention(module, query, key, value, attention_mask, specui_layout: L
     return out[lay.rows, lay.cols][None], None
 
 
-@contextmanager
-def ragged_attention_in(model: PreTrainedModel) -> Iterator[None]:
-    """Route `model`'s attention through `ragged_attention` for the duration of the block."""
-    if ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION, ragged_attention)
+def attention_configs(model: PreTrainedModel) -> list:
+    """The config objects `model`'s modules read their attention implementation from."""
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
                if c is not None and hasattr(c, "_attn_implementation")}
-    before = {key: c._attn_implementation for key, c in configs.items()}
+    return list(configs.values())
+
+
+@contextmanager
+def ragged_attention_in(configs: list) -> Iterator[None]:
+    """Route the attention of the modules reading `configs` through `ragged_attention` for
+    the duration of the block."""
+    if ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION, ragged_attention)
+    before = [c._attn_implementation for c in configs]
     try:
-        for c in configs.values():
+        for c in configs:
             c._attn_implementation = ATTENTION
         yield
     finally:
-        for key, c in configs.items():
-            c._attn_implementation = before[key]
+        for c, name in zip(configs, before):
+            c._attn_implementation = name
 
 
 class RaggedLayer(DynamicLayer):
@@ -205,6 +211,7 @@ class RaggedSession:
         self.layout: Layout | None = None
         self.cache = RaggedCache(self, model.config)
         self.stats = PaddingStats()
+        self._configs = attention_configs(model)
 
     # -- rows --------------------------------------------------------------------------
     def add_row(self) -> SessionRow:
@@ -305,7 +312,7 @@ class RaggedSession:
                 at += len(fresh)
                 ends.append(at)
                 keep.extend(range(at - need, at))
-            with ragged_attention_in(self.model):
+            with ragged_attention_in(self._configs):
                 out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
                                  position_ids=torch.tensor([pos], device=self.device), use_cache=True,
                                  logits_to_keep=torch.tensor(keep, device=self.device), specui_layout=lay)
