@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--padding", default=d.padding, choices=["unpad", "unpad-kv", "vanilla"],
                    help="ems-sd: unpad (EMS-SD: no padding in the cache or the inputs), unpad-kv (padded inputs), "
                         "vanilla (padded cache and inputs, the comparison)")
+    g.add_argument("--fixed-gamma", action="store_true",
+                   help="ems-sd: draft exactly --gamma tokens every step (default: chosen per step from the cost "
+                        "profile, at most --gamma; 0 where batched plain decoding is faster)")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
@@ -134,7 +137,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         width_threshold=args.width_threshold, min_width=args.min_width, memory_mode=args.memory_mode,
         threshold=args.threshold, gamma_max=args.gamma_max, k_config=args.k_config,
         root_selection=args.root_selection, decision=args.decision, stop_threshold=args.stop_threshold,
-        lookup_tokens=args.lookup_tokens, padding=args.padding,
+        lookup_tokens=args.lookup_tokens, padding=args.padding, adaptive_gamma=not args.fixed_gamma,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 

@@ -33,6 +33,7 @@ class ChatSettings:
     decision: str = "entropy"  # mcsd forks: early-stop decision model: entropy (fastest measured) | hidden | none
     stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
     lookup_tokens: int = 10  # lookup: most tokens proposed per step from the conversation's own n-grams
+    adaptive_gamma: bool = True  # ems-sd: the batch's draft length per step from the cost profile (gamma: the most)
     padding: str = "unpad"  # ems-sd: unpad (EMS-SD) | unpad-kv (padded inputs) | vanilla (padded cache and inputs)
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
@@ -161,8 +162,9 @@ def check_settings(
         if getattr(settings, name) not in allowed:
             raise SpecUIError(f"{name.replace('_', ' ')} must be one of {', '.join(allowed)}, "
                               f"got {getattr(settings, name)!r}")
-    if not isinstance(settings.memory_mode, bool):
-        raise SpecUIError(f"memory mode must be true or false, got {settings.memory_mode!r}")
+    for name in ("memory_mode", "adaptive_gamma"):
+        if not isinstance(getattr(settings, name), bool):
+            raise SpecUIError(f"{name.replace('_', ' ')} must be true or false, got {getattr(settings, name)!r}")
     if values["min_width"] > values["width"]:
         raise SpecUIError(f"min width must be at most the beam width ({values['width']}), got {values['min_width']}")
     if not isinstance(settings.system, str):

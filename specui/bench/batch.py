@@ -1,6 +1,7 @@
 """Batches of B chats decoded together (EMS-SD, seed 003): tokens/s of batched greedy
 autoregressive decoding, vanilla padded speculative decoding, speculative decoding with an
-unpadded cache only, and EMS-SD (unpadded cache and inputs), for B = 1, 2, 4, 8, 16, with
+unpadded cache only, and EMS-SD (unpadded cache and inputs) at a fixed gamma, and EMS-SD
+with its draft length chosen per step from the cost profile (the default), for B = 1..16, with
 the padding each computed and stored, and transformers' own batched greedy `generate`
 (left-padded) as the peer. Greedy; every row is checked against batched autoregressive.
 
@@ -32,11 +33,14 @@ from specui.engine.profile import cpu_model
 from specui.pair import ModelPair
 
 AR_BATCH = "batched autoregressive"
+VANILLA = "vanilla speculative (padded)"
+EMS_FIXED = "ems-sd (fixed gamma)"
 KINDS = {  # name -> ems-sd parameters (gamma filled in from --gamma where it is not 0)
     AR_BATCH: dict(gamma=0, padding="unpad"),
-    "vanilla speculative (padded)": dict(padding="vanilla"),
-    "unpad-kv speculative": dict(padding="unpad-kv"),
-    "ems-sd": dict(padding="unpad"),
+    VANILLA: dict(padding="vanilla", adaptive_gamma=False),
+    "unpad-kv speculative (fixed gamma)": dict(padding="unpad-kv", adaptive_gamma=False),
+    EMS_FIXED: dict(padding="unpad", adaptive_gamma=False),
+    "ems-sd": dict(padding="unpad"),  # the default: gamma chosen per step from the cost profile
 }
 PEER = "transformers batched greedy (left-padded)"
 
@@ -109,13 +113,19 @@ def bench_batches(pair: ModelPair, prompts: list[list[int]], sizes: list[int], n
             cells[PEER].rates.append(cells[PEER].tokens / wall)
             cells[PEER].outputs = outputs
         results[b] = cells
-        base = cells[AR_BATCH]
-        print(f"\nB={b}: " + "; ".join(
-            f"{name} {statistics.median(c.rates):.1f} tok/s ({statistics.median(c.rates) / statistics.median(base.rates):.2f}x"
-            f"{'' if c.padding_ratio is None else f', padding {c.padding_ratio:.1%}'}"
-            f"{'' if c.outputs == base.outputs else f', {sum(a != o for a, o in zip(base.outputs, c.outputs))} rows differ'})"
-            for name, c in cells.items()), flush=True)
+        print(f"\nB={b}: " + "; ".join(describe(name, c, cells[AR_BATCH]) for name, c in cells.items()), flush=True)
     return results
+
+
+def differing(base: Cell, cell: Cell) -> int:
+    return sum(a != o for a, o in zip(base.outputs, cell.outputs))
+
+
+def describe(name: str, cell: Cell, base: Cell) -> str:
+    rate = statistics.median(cell.rates)
+    padding = "" if cell.padding_ratio is None else f", padding {cell.padding_ratio:.1%}"
+    differ = f", {differing(base, cell)} rows differ" if differing(base, cell) else ""
+    return f"{name} {rate:.1f} tok/s ({rate / statistics.median(base.rates):.2f}x{padding}{differ})"
 
 
 def to_rows(results: dict[int, dict[str, Cell]]) -> list[dict]:
@@ -125,7 +135,7 @@ def to_rows(results: dict[int, dict[str, Cell]]) -> list[dict]:
         for name, cell in cells.items():
             rows.append(dict(batch_size=b, method=name, **cell.to_dict(),
                              vs_batched_autoregressive=statistics.median(cell.rates) / statistics.median(base.rates),
-                             rows_differing_from_autoregressive=sum(a != o for a, o in zip(base.outputs, cell.outputs))))
+                             rows_differing_from_autoregressive=differing(base, cell)))
     return rows
 
 
@@ -148,10 +158,10 @@ def summary(rows: list[dict]) -> list[str]:
     lines = []
     for b in sorted({r["batch_size"] for r in rows}):
         at = {r["method"]: r for r in rows if r["batch_size"] == b}
-        ems, van = at["ems-sd"], at["vanilla speculative (padded)"]
-        lines.append(f"B={b}: ems-sd {ems['tokens_per_s']:.1f} tok/s = {ems['tokens_per_s'] / van['tokens_per_s']:.2f}x "
-                     f"vanilla padded, {ems['vs_batched_autoregressive']:.2f}x batched autoregressive; vanilla padding "
-                     f"{van['padding_ratio']:.1%}")
+        ems, fixed, van = at["ems-sd"], at[EMS_FIXED], at[VANILLA]
+        lines.append(f"B={b}: ems-sd (fixed gamma) {fixed['tokens_per_s'] / van['tokens_per_s']:.2f}x vanilla padded "
+                     f"(padding {van['padding_ratio']:.1%}); ems-sd {ems['tokens_per_s']:.1f} tok/s = "
+                     f"{ems['vs_batched_autoregressive']:.2f}x batched autoregressive")
     return lines
 
 

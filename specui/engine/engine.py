@@ -108,8 +108,10 @@ class Engine:
         """An empty EMS-SD batch on this pair with `method`'s padding and draft (generations join it)."""
         if not isinstance(method, EmsSd):
             raise SpecUIError(f"only ems-sd decodes several sequences as one batch, not '{method.name}'")
+        if method.adaptive_gamma and self.draft is not None:
+            self.ensure_profile()
         return Batch(method.decoder(self.target.model, self.draft.model if self.draft is not None else None,
-                                    self.target.vocab_size))
+                                    self.target.vocab_size, self.costs))
 
 
 def _context_len(model: PreTrainedModel) -> int:

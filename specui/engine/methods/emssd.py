@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine.costs import AcceptanceEstimate, EngineCosts
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
+from specui.engine.methods.auto import chain_tokens
 from specui.engine.methods.speculative import chain_step
 from specui.engine.ragged import RaggedSession, SessionRow
 from specui.engine.sampling import sample, warp
@@ -34,18 +36,73 @@ from specui.settings import PADDINGS
 @dataclass
 class BatchRow:
     ctx: DecodeContext
-    gamma: int
+    gamma: int  # the most draft tokens per step
     target: SessionRow
     draft: SessionRow | None
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # this row's running alpha
+
+
+class GammaPolicy:
+    """The batch's draft length per step, g in 0..G (0: every row decodes autoregressively),
+    chosen for the most committed tokens per ms over the whole batch: sum over rows of
+    (1 - alpha_r^(g+1)) / (1 - alpha_r), over g batched draft forwards of B tokens plus one
+    target forward of B (g + 1) tokens, all read from the pair's cost profile at the batch's
+    mean context and corrected by running ratios of measured to predicted step time. On a
+    CPU a batch's forward costs about its token count, so speculation pays at B = 1 and
+    stops paying as B grows; on a GPU a batch forward costs about one token's. As `auto`
+    does for one chat: speculation must win by `margin`; autoregressive steps are timed
+    before the profile is trusted; every `probe_every` autoregressive steps a g = 1 step
+    refreshes the rows' acceptance estimates."""
+
+    def __init__(self, costs: EngineCosts, margin: float = 0.05, probe_every: int = 16) -> None:
+        self.costs = costs
+        self.margin = margin
+        self.probe_every = probe_every
+        self.since_spec = 0
+        self.since_ar = 0
+        self.probe_gap = probe_every
+
+    def predicted_ms(self, gammas: list[int], context: int) -> float:
+        profile = self.costs.profile
+        assert profile is not None
+        b, g = len(gammas), max(gammas)
+        if g == 0:
+            return profile.target(b, context)
+        return g * (profile.draft(b) or 0.0) + profile.target(sum(gammas) + b, context)
+
+    def choose(self, rows: list[BatchRow], caps: list[int]) -> tuple[int, str]:
+        context = sum(len(r.ctx.ids) for r in rows) // max(1, len(rows))
+        ratio_ar, ratio_spec = self.costs.ratio("batch-ar").value, self.costs.ratio("batch-spec").value
+        rates = {}
+        for g in range(max(caps) + 1):
+            gammas = [min(g, cap) for cap in caps]
+            tokens = sum(chain_tokens(min(r.acceptance.alpha, 0.999), k) for r, k in zip(rows, gammas))
+            rates[g] = tokens / (self.predicted_ms(gammas, context) * (ratio_spec if g else ratio_ar))
+        best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
+        if best and rates[best] > rates[0] * (1.0 + self.margin):
+            if not self.costs.ratio("batch-ar").seen or self.since_ar >= self.probe_every:
+                return 0, f"probe: timing batched autoregressive ({rates[best] / rates[0]:.2f}x expected)"
+            self.probe_gap = self.probe_every
+            return best, f"{rates[best] / rates[0]:.2f}x batched autoregressive expected"
+        if best and self.since_spec >= self.probe_gap:
+            self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)
+            return 1, "probe: speculation not expected to pay"
+        return 0, f"speculation not expected to pay ({rates[best] / rates[0]:.2f}x)" if best else "no draft"
+
+    def observe(self, gammas: list[int], context: int, ms: float) -> None:
+        spec = max(gammas) > 0
+        self.since_spec, self.since_ar = (0, self.since_ar + 1) if spec else (self.since_spec + 1, 0)
+        self.costs.ratio("batch-spec" if spec else "batch-ar").observe(ms, self.predicted_ms(gammas, context))
 
 
 class BatchDecoder:
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None, vocab_size: int,
-                 padding: str = "unpad") -> None:
+                 padding: str = "unpad", policy: GammaPolicy | None = None) -> None:
         self.target = RaggedSession(target, vocab_size, padding)
         self.draft = RaggedSession(draft, vocab_size, padding) if draft is not None else None
         self.rows: list[BatchRow] = []
         self.timer = StepTimer(self.target.device)
+        self.policy = policy  # None: every row drafts its own gamma each step
 
     @property
     def padding(self) -> str:
@@ -55,6 +112,8 @@ class BatchDecoder:
         """A new row for `ctx`; its sessions become the row's (the Generation commits through them)."""
         row = BatchRow(ctx, gamma if self.draft is not None else 0, self.target.add_row(),
                        self.draft.add_row() if self.draft is not None else None)
+        if ctx.costs is not None:  # start from what this pair's chats have shown
+            row.acceptance = replace(ctx.costs.acceptance)
         ctx.target, ctx.draft = row.target, row.draft
         self.rows.append(row)
         return row
@@ -71,14 +130,30 @@ class BatchDecoder:
         if not rows:
             return
         self.target.advance([(r.target, r.ctx.ids[:-1], 1) for r in rows])
-        if self.draft is not None:
+        if self.draft is not None and self.policy is None:  # adaptive: when the first chain is chosen
             self.draft.advance([(r.draft, r.ctx.ids[:-1], 1) for r in rows if r.gamma])
+
+    def catch_up(self, rows: Sequence[BatchRow]) -> None:
+        """Feed the draft what it lacks of each row (its prompt, steps decoded without it) in
+        one forward, so a step's timing measures drafting, not catching up."""
+        behind = [r for r in rows if r.draft is not None and len(r.draft.cached) < len(r.ctx.ids) - 2]
+        if behind:
+            self.draft.advance([(r.draft, r.ctx.ids[:-1], 1) for r in behind])
 
     def step(self) -> list[StepResult]:
         """One step for every row (results in row order); timings go to each row's timer."""
         self.timer.reset()
         rows = self.rows
         gammas = [max(0, min(r.gamma, r.ctx.remaining - 1)) for r in rows]
+        choice, why = None, ""
+        if self.policy is not None and any(gammas):
+            choice, why = self.policy.choose(rows, gammas)
+            gammas = [min(g, choice) for g in gammas]
+            if choice:
+                with self.timer.phase("draft"):
+                    self.catch_up([r for r, g in zip(rows, gammas) if g])
+        context = sum(len(r.ctx.ids) for r in rows) // max(1, len(rows))
+        t0 = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in rows]
         q_rows: list[list[torch.Tensor]] = [[] for _ in rows]
         logit_rows: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -106,7 +181,16 @@ class BatchDecoder:
                 q_logits = torch.stack(logit_rows[i]) if drafts[i] else None
                 result = chain_step(drafts[i], q, q_logits, p_logits[i], r.ctx.sampling, r.ctx.generator,
                                     gammas[i])
+                if choice is not None:
+                    result.choice = f"speculative:{gammas[i]}" if gammas[i] else "autoregressive"
+                    result.notes.append(f"ems-sd: batch of {len(rows)}, gamma {choice} ({why})")
+                if drafts[i]:
+                    r.acceptance.observe(result.drafted, result.accepted)
+                    if r.ctx.costs is not None:
+                        r.ctx.costs.acceptance.observe(result.drafted, result.accepted)
                 results.append(result)
+        if self.policy is not None and choice is not None:
+            self.policy.observe(gammas, context, (time.perf_counter() - t0) * 1000.0)
         for r in rows:
             r.ctx.timer.ms = dict(self.timer.ms)
         return results
@@ -197,23 +281,30 @@ class EmsSd(Method):
     name = "ems-sd"
     uses_draft = True
     draft_optional = True
+    needs_profile = True
 
-    def __init__(self, gamma: int = 2, padding: str = "unpad") -> None:
+    def __init__(self, gamma: int = 2, padding: str = "unpad", adaptive_gamma: bool = True) -> None:
         if gamma < 0:
             raise SpecUIError(f"gamma (draft length) must be >= 0, got {gamma}")
         if padding not in PADDINGS:
             raise SpecUIError(f"unknown padding '{padding}'; choose one of: {', '.join(PADDINGS)}")
-        self.gamma = gamma
+        self.gamma = gamma  # adaptive: the most draft tokens per step; else exactly this many
         self.padding = padding
+        self.adaptive_gamma = adaptive_gamma
         self._decoder: BatchDecoder | None = None
 
-    def decoder(self, target: PreTrainedModel, draft: PreTrainedModel | None, vocab_size: int) -> BatchDecoder:
-        """A fresh batch decoder with this method's padding (no draft when gamma is 0)."""
-        return BatchDecoder(target, draft if self.gamma else None, vocab_size, self.padding)
+    def decoder(self, target: PreTrainedModel, draft: PreTrainedModel | None, vocab_size: int,
+                costs: EngineCosts | None = None) -> BatchDecoder:
+        """A fresh batch decoder with this method's padding (no draft when gamma is 0), its
+        draft length chosen per step from the cost profile in `costs` when adaptive."""
+        policy = None
+        if self.adaptive_gamma and costs is not None and costs.profile is not None and costs.profile.has_draft:
+            policy = GammaPolicy(costs)
+        return BatchDecoder(target, draft if self.gamma else None, vocab_size, self.padding, policy)
 
     def begin(self, ctx: DecodeContext) -> None:
         self._decoder = self.decoder(ctx.target.model, ctx.draft.model if ctx.draft is not None else None,
-                                     ctx.target.vocab_size)
+                                     ctx.target.vocab_size, ctx.costs)
         self._decoder.prefill([self._decoder.add(ctx, self.gamma)])
 
     def step(self, ctx: DecodeContext) -> StepResult:
