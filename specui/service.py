@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 import torch
 
+from specui.batch_loop import BatchLoop
 from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
@@ -71,6 +72,14 @@ class ChatService:
         self.pair = pair
         self.engine = pair.engine()
         self.threads_note = ""  # how many threads torch uses here, and why (set by the app)
+        self._batch_loop: BatchLoop | None = None
+
+    def batch_loop(self, submit) -> BatchLoop:
+        """The one loop that decodes every ems-sd chat of the app together (made on first use;
+        `submit` runs it on the model thread)."""
+        if self._batch_loop is None:
+            self._batch_loop = BatchLoop(self, submit)
+        return self._batch_loop
 
     def load(self, choice: PairChoice, progress=None) -> str:
         """Load a new pair and swap it in once no generation runs. On any failure the

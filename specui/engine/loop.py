@@ -67,6 +67,9 @@ class Generation:
 
     def __iter__(self) -> Iterator[StepTrace]:
         ctx, stats = self._ctx, self.stats
+        if self.cancel.is_set():  # stopped while it waited for the model: not even a prefill
+            stats.finish_reason = "cancelled"
+            return
         t0 = time.perf_counter()
         self.method.begin(ctx)
         stats.prefill_s = time.perf_counter() - t0

@@ -71,6 +71,8 @@ class StepTrace:
     stop_value: float | None = None  # SpecDec++: P(some rejected) at the stop; MCSD: best chain's predicted acceptance
     chains: int | None = None  # MCSD forks: chains drafted this step
     batch_size: int | None = None  # EMS-SD: sequences decoded together in this step
+    batch_accepted: list[int] | None = None  # EMS-SD: draft tokens each row of the batch accepted this step
+    batch_row: int | None = None  # EMS-SD: this generation's row in batch_accepted
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0
@@ -100,6 +102,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
+    mean_batch_size: float = 0.0  # ems-sd: sequences decoded together per step, averaged over this one's steps
 
     @property
     def mean_accepted_length(self) -> float:

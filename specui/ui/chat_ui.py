@@ -36,7 +36,15 @@ from specui.ui.figures import (
     timing_figure,
     tree_figure,
 )
-from specui.ui.streaming import STOPPED_MARK, Started, is_note, run_in_background, settings_from_values, to_messages
+from specui.ui.streaming import (
+    ENGINE,
+    STOPPED_MARK,
+    Started,
+    is_note,
+    run_in_background,
+    settings_from_values,
+    to_messages,
+)
 
 log = logging.getLogger("specui.ui")
 TEXT_INTERVAL_S = 0.5  # stream the reply text at most twice a second (measured: 5/s cost the engine ~10% in a
@@ -223,6 +231,10 @@ class ChatPage:
     def _final(self, history, generation, notes: list[str]) -> Outputs:
         steps = generation.steps
         history[-1]["content"] = generation.text
+        if generation.stats.finish_reason == "cancelled" and not steps and not generation.stats.prefill_s:
+            # stopped while it waited for the model thread (other chats were decoding): it never began
+            history[-1]["content"] = STOPPED_MARK.strip()
+            return Outputs(history, stats="⏹ stopped before it started")
         if generation.stats.finish_reason == "cancelled":
             history[-1]["content"] += STOPPED_MARK
         out = self._panels(history, generation, steps, steps[-1] if steps else None,
@@ -401,9 +413,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         send_inputs, retry_inputs = [box, chatbot, method, *settings_inputs, clock], [chatbot, method,
                                                                                      *settings_inputs, clock]
         gr.on([box.submit, send.click], page.respond, send_inputs, [box, *outputs], trigger_mode="once",
-              concurrency_id="engine", js=stamp_js(len(send_inputs)), api_name="respond",
+              **ENGINE, js=stamp_js(len(send_inputs)), api_name="respond",
               api_visibility="undocumented")
-        retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", concurrency_id="engine",
+        retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", **ENGINE,
                     js=stamp_js(len(retry_inputs)), **hidden)
         stop.click(page.stop, clock, None, queue=False, js=stamp_js(1), **hidden)
         clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden)
@@ -413,13 +425,13 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)
         live.change(page.set_live, live, None, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
-        measure.click(page.measure_profile, None, [profile_plot, load_status], concurrency_id="engine", **hidden)
+        measure.click(page.measure_profile, None, [profile_plot, load_status], **ENGINE, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method],
-                   [load_status, memory, header, method], concurrency_id="engine", api_name="page_load_models",
+                   [load_status, memory, header, method], **ENGINE, api_name="page_load_models",
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         api = ChatAPI(page)
-        gr.api(api.chat, api_name="chat", concurrency_id="engine")
-        gr.api(api.load_models, api_name="load_models", concurrency_id="engine")
+        gr.api(api.chat, api_name="chat", **ENGINE)
+        gr.api(api.load_models, api_name="load_models", **ENGINE)
         gr.api(api.info, api_name="info", queue=False)
     return demo

@@ -17,7 +17,7 @@ from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.ui.controls import SETTING_FIELDS
 from specui.ui.figures import STATUS_COLORS, _figure
-from specui.ui.streaming import Started, run_in_background, settings_from_values, to_messages
+from specui.ui.streaming import ENGINE, Started, run_in_background, settings_from_values, to_messages
 
 MIN_METHODS, MAX_METHODS = 2, 4
 UPDATE_INTERVAL_S = 1.0
@@ -184,5 +184,5 @@ def compare_tab(page, methods: list[str], settings_inputs: list, default_methods
     timeline = gr.Plot(timeline_figure([]), label="step timelines", elem_id="compare-timeline")
     replies = gr.HTML(replies_html([]), elem_id="compare-replies-box")
     go.click(comparison.run, [prompt, picked, *settings_inputs], [summary, timeline, replies],
-             concurrency_id="engine", trigger_mode="once", api_visibility="private")
+             **ENGINE, trigger_mode="once", api_visibility="private")
     stop.click(page.stop, None, None, queue=False, api_visibility="private")

@@ -173,10 +173,12 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
                          hovertemplate="step %{x}: %{y:.3f} (stopped: %{text})<extra></extra>"))
         data.append(dict(type="scatter", x=xs, y=[s.threshold for s in steps], yaxis="y2", mode="lines",
                          name="stop threshold" if mcsd else "threshold H", line=dict(dash="dash")))
-    if any(c is not None for c in chosen):  # auto: what it chose, drafted tokens per step (0 = autoregressive)
+    if any(c is not None for c in chosen):  # auto / ems-sd: what it chose, drafted tokens per step
         data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
                          text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
-                         name="auto: drafted (0 = autoregressive)", mode="markers", marker=dict(symbol="square")))
+                         name=f"{steps[0].method}: drafted (0 = autoregressive)", mode="markers",
+                         marker=dict(symbol="square")))
+    data += batch_series(steps, xs)
     many = len(data) > 3  # a long legend goes below the plot (it would cover it in a narrow column)
     layout = dict(height=260 + (26 * ((len(data) + 1) // 2) if many else 0),
                   margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
@@ -185,6 +187,22 @@ def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
     if any(d.get("yaxis") == "y2" for d in data):
         layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1], title=dict(text="probability"))
     return _figure(data, layout)
+
+
+def batch_series(steps: Sequence[StepTrace], xs: list[int]) -> list[dict]:
+    """EMS-SD: the batch's size per step and every row's accepted length (this chat's row
+    drawn apart from the others)."""
+    if not any(s.batch_size is not None for s in steps):
+        return []
+    others = [(s.index, a) for s in steps for r, a in enumerate(s.batch_accepted or []) if r != s.batch_row]
+    return [
+        dict(type="scatter", x=xs, y=[s.batch_size for s in steps], name="batch size", mode="lines",
+             line=dict(shape="hv", color="#555")),
+        dict(type="scatter", x=[i for i, _ in others], y=[a for _, a in others], name="other rows: accepted",
+             mode="markers", marker=dict(color="rgba(120,120,120,0.45)", size=6)),
+        dict(type="scatter", x=xs, y=[s.accepted for s in steps], name="this chat: accepted", mode="markers",
+             marker=dict(color="#2e9e44", size=8, symbol="diamond")),
+    ]
 
 
 def timing_figure(steps: Sequence[StepTrace]) -> go.Figure:

@@ -10,23 +10,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
+from specui.batch_loop import DONE, Request, Started
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.settings import RANGES, ChatSettings, coerce
 
 STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short
-_DONE = object()
-
-
-@dataclass
-class Started:
-    """The generation was built (prompt fitted); `notes` say what was dropped or cut."""
-
-    generation: Any
-    notes: list[str]
+# requests the page and the API handle at once: ems-sd chats from every tab decode together
+# (one batch of up to this many); a request of another method waits for the model thread
+ENGINE_CONCURRENCY = 16
+ENGINE = dict(concurrency_id="engine", concurrency_limit=ENGINE_CONCURRENCY)  # every event that runs the model
 
 
 def content_text(content: Any) -> str:
@@ -93,7 +88,8 @@ def run_in_background(
     interval_s: float,
 ) -> Iterator[Started | StepTrace]:
     """Start and run the generation on the model thread (so a model swap cannot fall between
-    the two); yield a Started, then the newest step whenever the reader is ready for an update:
+    the two; ems-sd generations join the service's shared batch loop there); yield a Started,
+    then the newest step whenever the reader is ready for an update:
     decoding never waits for the reader (steps that arrive while an update is being sent are
     folded into the next one; updates are at least `interval_s` apart, the end is sent at
     once). Leaving early cancels the generation."""
@@ -105,20 +101,23 @@ def run_in_background(
             updates.put(Started(generation, notes))
             for step in service.stream(generation):
                 updates.put(step)
-            updates.put(_DONE)
+            updates.put(DONE)
         except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
             updates.put(e)
         except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
             updates.put(SpecUIError("the app is stopping"))
             raise
 
-    job = submit(produce)
-    job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
+    if settings.method == "ems-sd":  # decoded in the one batch every tab's ems-sd chats share
+        service.batch_loop(submit).join(Request(messages, settings, cancel, updates.put))
+    else:
+        job = submit(produce)
+        job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
     last = 0.0
     try:
         while True:
             items = [updates.get()]
-            while items[-1] is not _DONE and not isinstance(items[-1], BaseException):
+            while items[-1] is not DONE and not isinstance(items[-1], BaseException):
                 try:
                     wait = last + interval_s - time.perf_counter()
                     items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
@@ -133,7 +132,7 @@ def run_in_background(
             steps = [i for i in items if isinstance(i, StepTrace)]
             if steps:
                 yield steps[-1]
-            if items[-1] is _DONE:
+            if items[-1] is DONE:
                 return
     finally:
         cancel.set()  # no-op when finished; stops the generation if the reader went away

@@ -183,7 +183,7 @@ class BatchDecoder:
                                     gammas[i])
                 if choice is not None:
                     result.choice = f"speculative:{gammas[i]}" if gammas[i] else "autoregressive"
-                    result.notes.append(f"ems-sd: batch of {len(rows)}, gamma {choice} ({why})")
+                    result.stop_reason = why  # why the batch drafted this many (the trace shows it)
                 if drafts[i]:
                     r.acceptance.observe(result.drafted, result.accepted)
                     if r.ctx.costs is not None:
@@ -217,6 +217,7 @@ class Batch:
     def __init__(self, decoder: BatchDecoder) -> None:
         self.decoder = decoder
         self.running: list[Running] = []
+        self.left: list = []  # generations that left since `drain_left` was last called
         self.sizes: list[int] = []  # batch size at each step
 
     def join(self, generations: Sequence, on_error: Callable[[object, BaseException], None] | None = None) -> None:
@@ -245,6 +246,12 @@ class Batch:
     def leave(self, generation) -> None:
         self.decoder.remove([r.row for r in self.running if r.generation is generation])
         self.running = [r for r in self.running if r.generation is not generation]
+        self.left.append(generation)
+
+    def drain_left(self) -> list:
+        """The generations that left (finished, stopped or dropped) since the last call."""
+        left, self.left = self.left, []
+        return left
 
     def step(self) -> list[tuple[object, StepTrace]]:
         """Drop finished / cancelled generations, run one batched step, commit each row's
@@ -261,10 +268,13 @@ class Batch:
         results = self.decoder.step()
         step_ms = (time.perf_counter() - t0) * 1000.0
         out = []
-        for running, result in zip(list(self.running), results):
+        accepted = [r.accepted for r in results]
+        for i, (running, result) in enumerate(zip(list(self.running), results)):
             g = running.generation
+            steps_before = g.stats.target_forwards
             trace = g.commit_step(result, step_ms)
-            trace.batch_size = len(results)
+            trace.batch_size, trace.batch_accepted, trace.batch_row = len(results), accepted, i
+            g.stats.mean_batch_size += (len(results) - g.stats.mean_batch_size) / (steps_before + 1)
             g.stats.decode_s = time.perf_counter() - running.started
             out.append((g, trace))
             if g.stats.finish_reason:
