@@ -49,10 +49,10 @@ class BatchLoop:
         self._active = False  # a loop job is queued or running
         self.sizes: list[int] = []  # batch size of every step so far (tests, the page's panels read traces)
 
-    def join(self, request: Request) -> None:
-        """Queue a request; it joins the running batch between two steps (or starts one)."""
+    def join(self, *requests: Request) -> None:
+        """Queue requests; they join the running batch together between two steps (or start one)."""
         with self._lock:
-            self._inbox.append(request)
+            self._inbox.extend(requests)
             if self._active:
                 return
             self._active = True

@@ -34,6 +34,7 @@ class ChatSettings:
     stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
     lookup_tokens: int = 10  # lookup: most tokens proposed per step from the conversation's own n-grams
     adaptive_gamma: bool = True  # ems-sd: the batch's draft length per step from the cost profile (gamma: the most)
+    replies: int = 1  # ems-sd: alternative replies to each message, decoded together in one batch
     padding: str = "unpad"  # ems-sd: unpad (EMS-SD) | unpad-kv (padded inputs) | vanilla (padded cache and inputs)
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
@@ -98,11 +99,12 @@ RANGES: dict[str, Range] = {
     "delta": Range(0.0, 1.0, optional=True),
     "stop_threshold": Range(0.0, 1.0, lo_open=True),
     "lookup_tokens": Range(1, 64, integer=True),
+    "replies": Range(1, 8, integer=True),
 }
 LABELS = {"max_new_tokens": "max new tokens", "top_k": "top-k", "top_p": "top-p", "width": "beam width",
           "draft_width": "draft width", "width_threshold": "width threshold", "min_width": "min width",
           "gamma_max": "gamma max", "threshold": "stop threshold", "stop_threshold": "mcsd stop threshold",
-          "lookup_tokens": "lookup tokens",
+          "lookup_tokens": "lookup tokens", "replies": "alternative replies",
           "nodes": "node budget", "preset": "tree preset"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
 

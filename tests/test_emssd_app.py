@@ -140,3 +140,28 @@ def test_eight_http_clients_at_once_each_get_their_own_reply(service):
     finally:
         demo.close()
         runner.stop()
+
+
+def test_alternative_replies_on_the_page_and_the_api(service):
+    from conftest import form_values
+
+    from specui.ui.api import ChatAPI
+    from specui.ui.chat_ui import ChatPage
+    from specui.ui.streaming import to_messages
+
+    page = ChatPage(service)
+    sampled = dict(temperature=0.9, seed=11, max_new_tokens=10, gamma=2, adaptive_gamma=False)
+    outs = list(page.respond(None, "w1 w2", [], "ems-sd", *form_values(replies=3, **sampled)))
+    history = outs[-1][1]
+    alternatives = [m for m in history if (m.get("metadata") or {}).get("title", "").startswith("alternative")]
+    assert [m["metadata"]["title"] for m in alternatives] == ["alternative 1 of 3", "alternative 2 of 3"]
+    # each row is its own seeded sample: the same as decoding it alone with that seed
+    alone = [reply(service, run_in_new_thread, "w1 w2", "ems-sd", 10, temperature=0.9, seed=11 + k,
+                   adaptive_gamma=False)[0].text for k in range(3)]
+    assert [m["content"] for m in alternatives] + [history[-1]["content"]] == alone
+    assert len(set(alone)) > 1
+    # the next message keeps them in view but never sends them to the model
+    later = list(page.respond(None, "w3", history, "ems-sd", *form_values(**sampled)))[-1][1]
+    assert later[: len(history)] == history and len(to_messages(later)) == 4
+    api = list(ChatAPI(page).chat("w1 w2", method="ems-sd", replies=3, **sampled))[-1]
+    assert api["alternatives"] == alone[:2] and api["reply"] == alone[2]

@@ -20,7 +20,7 @@ import gradio as gr
 
 from specui.errors import SpecUIError
 from specui.settings import RANGES, PairChoice
-from specui.ui.streaming import Started, run_in_background, settings_from_values, to_messages
+from specui.ui.streaming import Started, run_alternatives, run_in_background, settings_from_values, to_messages
 
 API_INTERVAL_S = 0.25  # streamed partial replies at most 4 times a second
 
@@ -58,10 +58,15 @@ class ChatAPI:
         decision: str | None = None,
         stop_threshold: float | None = None,
         lookup_tokens: int | None = None,
+        padding: str | None = None,
+        adaptive_gamma: bool | None = None,
+        replies: int | None = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
         "content": "..."}]). Every setting left empty takes the app's default (its command-line
-        flags). Streams {"reply", "finish_reason" ("" while running), "stats", "notes"}."""
+        flags). Streams {"reply", "finish_reason" ("" while running), "stats", "notes"}; with
+        method ems-sd and replies n > 1, also "alternatives": the other n - 1 replies decoded
+        beside it."""
         if not isinstance(message, str) or not message.strip():
             raise gr.Error("the message is empty: send some text")
         if history is not None and not isinstance(history, list):
@@ -71,13 +76,17 @@ class ChatAPI:
                      draft_width=draft_width, width_threshold=width_threshold, min_width=min_width,
                      memory_mode=memory_mode, threshold=threshold, gamma_max=gamma_max,
                      k_config=k_config, root_selection=root_selection, decision=decision,
-                     stop_threshold=stop_threshold, lookup_tokens=lookup_tokens)
+                     stop_threshold=stop_threshold, lookup_tokens=lookup_tokens, padding=padding,
+                     adaptive_gamma=adaptive_gamma, replies=replies)
         defaults = self.page.defaults
         try:
             settings = settings_from_values(method or defaults.method,
                                             {k: v for k, v in given.items() if v is not None}, defaults)
             messages = to_messages(list(history or []) + [{"role": "user", "content": message}], settings.system)
             cancel = threading.Event()
+            if settings.method == "ems-sd" and settings.replies > 1:
+                yield from self._alternatives(messages, settings, cancel)
+                return
             generation, notes = None, []
             for item in run_in_background(self.page.service, self.page.submit, messages, settings, cancel,
                                           API_INTERVAL_S):
@@ -88,6 +97,28 @@ class ChatAPI:
             yield _answer(generation, notes)
         except SpecUIError as e:
             raise gr.Error(str(e)) from None
+
+    def _alternatives(self, messages: list, settings, cancel: threading.Event) -> Iterator[dict]:
+        n = settings.replies
+        generations, notes, errors = {}, [], {}
+
+        def answer() -> dict:
+            out = _answer(generations.get(n - 1), notes)
+            out["alternatives"] = [f"⚠️ {errors[k]}" if k in errors else
+                                   (generations[k].text if k in generations else "") for k in range(n - 1)]
+            return out
+
+        for k, item in run_alternatives(self.page.service, self.page.submit, messages, settings, cancel,
+                                        API_INTERVAL_S):
+            if isinstance(item, Started):
+                generations[k] = item.generation
+                notes += item.notes if k == n - 1 else []
+            elif isinstance(item, BaseException):
+                if k == n - 1:
+                    raise item
+                errors[k] = item
+            yield answer()
+        yield answer()
 
     def load_models(self, target: str, draft: str = "default", quantization: str = "none",
                     device: str = "auto", dtype: str = "auto") -> dict:

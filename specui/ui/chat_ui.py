@@ -24,9 +24,10 @@ from specui.engine.trace import StepTrace, traces_to_json
 from specui.errors import SpecUIError
 from specui.runner import run_in_new_thread
 from specui.settings import ChatSettings, PairChoice
+from specui.ui.alternatives import is_alternative, reply_alternatives
 from specui.ui.api import ChatAPI
 from specui.ui.compare import compare_tab
-from specui.ui.controls import DESCRIPTIONS, SAMPLING_FIELDS, SETTING_FIELDS, settings_controls
+from specui.ui.controls import DESCRIPTIONS, METHOD_EXTRA_FIELDS, SAMPLING_FIELDS, SETTING_FIELDS, settings_controls
 from specui.ui.figures import (
     acceptance_figure,
     choices_figure,
@@ -178,7 +179,8 @@ class ChatPage:
                sent_at: float | None = None) -> Iterator[Outputs]:
         """Stream one reply. Stop is final: once the cancel flag is set nothing but the one
         final update (the reply as the engine left it, marked ⏹) is published."""
-        history = [m for m in history if not is_note(m)]  # notices belong to the reply they came with
+        # notices belong to the reply they came with; alternative replies stay in view
+        history = [m for m in history if not is_note(m) or is_alternative(m)]
         shown = history + [{"role": "assistant", "content": ""}]
         session = _session(request)
         cancel = self.new_cancel(request)
@@ -191,6 +193,10 @@ class ChatPage:
         try:
             settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)), self.defaults)
             messages = to_messages(history, settings.system)
+            if settings.method == "ems-sd" and settings.replies > 1:
+                yield from reply_alternatives(self, history, settings, messages, cancel, session not in self._paused,
+                                              TEXT_INTERVAL_S, FIGURE_INTERVAL_S)
+                return
             generation, notes, next_draw = None, [], 0.0
             for item in run_in_background(self.service, self.submit, messages, settings, cancel, TEXT_INTERVAL_S):
                 if isinstance(item, Started):
@@ -218,6 +224,10 @@ class ChatPage:
             message = f"generation failed ({type(e).__name__}: {e}); try again"
             shown[-1]["content"] = f"⚠️ {message}"
             yield Outputs(shown, stats=f"⚠️ {message}")
+
+    @staticmethod
+    def _outputs(history) -> Outputs:
+        return Outputs(history)
 
     @staticmethod
     def _panels(history, generation, steps: list[StepTrace], step: StepTrace | None, notes: list[str]) -> Outputs:
@@ -274,7 +284,7 @@ class ChatPage:
 
     # --- settings and models ----------------------------------------------------------------
     def method_changed(self, method: str) -> tuple:
-        wanted = self.service.method_fields(method)
+        wanted = self.service.method_fields(method) | METHOD_EXTRA_FIELDS.get(method, set())
         return (gr.update(info=DESCRIPTIONS.get(method, "")),
                 *(gr.update(visible=name in SAMPLING_FIELDS or name in wanted) for name in SETTING_FIELDS))
 

@@ -25,13 +25,17 @@ DESCRIPTIONS = {
     "opt-tree": "OPT-Tree: an adaptive draft tree maximising expected acceptance E(A) (lossless)",
     "lookup": "prompt lookup: drafts by copying what followed the last few tokens earlier in the conversation "
               "(no draft model), verified as speculative (lossless); pays on summaries, rewrites and code edits",
+    "ems-sd": "EMS-SD: chats from every tab (and alternative replies) decode together in one batch, each row "
+              "accepting its own number of draft tokens, with no padding in the KV cache or the inputs (lossless); "
+              "the draft length is chosen per step from the measured costs (0 where batched plain decoding is faster)",
 }
+METHOD_EXTRA_FIELDS = {"ems-sd": {"replies"}}  # settings a method reads beside its constructor's
 
 # The ChatSettings fields behind the settings controls, in the order the handlers receive them.
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
                   "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode",
                   "threshold", "gamma_max", "k_config", "root_selection", "decision", "stop_threshold",
-                  "lookup_tokens")
+                  "lookup_tokens", "padding", "adaptive_gamma", "replies")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -81,6 +85,15 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
                                     info="mcsd forks: stop drafting when every chain's predicted acceptance is below"),
         "lookup_tokens": gr.Slider(1, 32, value=defaults.lookup_tokens, step=1, label="lookup tokens",
                                    info="lookup: most tokens copied from the conversation per step"),
+        "padding": gr.Radio(["unpad", "unpad-kv", "vanilla"], value=defaults.padding, label="batch padding",
+                            info="ems-sd: unpad = EMS-SD (no padding in the cache or the inputs); unpad-kv = padded "
+                                 "inputs; vanilla = padded cache and inputs (the comparison)"),
+        "adaptive_gamma": gr.Checkbox(value=defaults.adaptive_gamma, label="adaptive draft length",
+                                      info="ems-sd: choose the batch's draft length (0..gamma) per step from the "
+                                           "measured costs; off = always gamma"),
+        "replies": gr.Slider(1, 8, value=defaults.replies, step=1, label="alternative replies",
+                             info="ems-sd: answer with n replies decoded together (they differ when temperature "
+                                  "> 0); the last is the one the chat continues from"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",

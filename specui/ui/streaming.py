@@ -10,12 +10,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from specui.batch_loop import DONE, Request, Started
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
-from specui.settings import RANGES, ChatSettings, coerce
+from specui.settings import RANGES, SEED_MAX, ChatSettings, coerce
 
 STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short
 # requests the page and the API handle at once: ems-sd chats from every tab decode together
@@ -71,16 +72,55 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
         if raw.get(name) in (0, 0.0, ""):
             raw[name] = None
     fields = {name: coerce(name, raw[name]) for name in RANGES if name in raw}
-    for name in ("preset", "system", "k_config", "root_selection", "decision"):
+    for name in ("preset", "system", "k_config", "root_selection", "decision", "padding"):
         if name in raw and raw[name] is not None:
             if not isinstance(raw[name], str):
                 raise SpecUIError(f"{name} must be text, got {raw[name]!r}")
             fields[name] = raw[name]
-    if raw.get("memory_mode") is not None:
-        if not isinstance(raw["memory_mode"], bool):
-            raise SpecUIError(f"memory mode must be true or false, got {raw['memory_mode']!r}")
-        fields["memory_mode"] = raw["memory_mode"]
+    for name in ("memory_mode", "adaptive_gamma"):
+        if raw.get(name) is not None:
+            if not isinstance(raw[name], bool):
+                raise SpecUIError(f"{name.replace('_', ' ')} must be true or false, got {raw[name]!r}")
+            fields[name] = raw[name]
     return ChatSettings(**{**base.__dict__, "method": method, **fields})
+
+
+def run_alternatives(
+    service, submit: Callable[..., Future], messages: list, settings: ChatSettings, cancel: threading.Event,
+    interval_s: float,
+) -> Iterator[tuple[int, Any]]:
+    """ems-sd's alternative replies: `settings.replies` generations of the same messages
+    (seeds seed, seed + 1, ...) join the shared batch together. Yields (k, Started),
+    (k, newest StepTrace) as `run_in_background` does for one, and (k, error) for an
+    alternative that failed (the others go on). Leaving early stops them all."""
+    updates: queue.Queue = queue.Queue()
+    n = settings.replies
+    seeds = [None if settings.seed is None else (settings.seed + k) % (SEED_MAX + 1) for k in range(n)]
+    service.batch_loop(submit).join(*(
+        Request(messages, replace(settings, seed=seed, replies=1), cancel, lambda item, k=k: updates.put((k, item)))
+        for k, seed in enumerate(seeds)))
+    running, last = set(range(n)), 0.0
+    try:
+        while running:
+            items = [updates.get()]
+            while True:
+                wait = last + interval_s - time.perf_counter()
+                try:
+                    items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
+                except queue.Empty:
+                    break
+            last = time.perf_counter()
+            newest: dict[int, StepTrace] = {}
+            for k, item in items:
+                if item is DONE or isinstance(item, BaseException):
+                    running.discard(k)
+                if isinstance(item, (Started, BaseException)):
+                    yield k, item
+                elif isinstance(item, StepTrace):
+                    newest[k] = item
+            yield from sorted(newest.items())
+    finally:
+        cancel.set()
 
 
 def run_in_background(
