@@ -144,6 +144,6 @@ def _is_memory(error: BaseException) -> bool:
 
 def _join_error(error: BaseException) -> SpecUIError:
     if _is_memory(error):
-        return SpecUIError("this request does not fit in memory beside the running batch; shorten it or wait "
-                           "for the batch to finish")
+        return SpecUIError(f"this request does not fit in memory beside the running batch ({error}); shorten it, "
+                           "lower max new tokens, or wait for the batch to finish")
     return SpecUIError(f"could not join the batch ({type(error).__name__}: {error})")

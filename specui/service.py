@@ -214,7 +214,11 @@ class ChatService:
         figures (BatchDecoder.padding_stats) when done."""
         with self.engine.lock, self._out_of_memory_message():
             batch = self.engine.batch(generations[0].method)
-            batch.join(generations)
+            try:
+                batch.join(generations)
+            except MemoryError as e:
+                raise SpecUIError(f"the batch does not fit in memory ({e}); send fewer or shorter prompts, or "
+                                  "lower max new tokens") from None
             while batch.running:
                 yield from batch.step()
         return batch.decoder.padding_stats() | {

@@ -183,3 +183,19 @@ def test_cli_decodes_repeated_prompts_as_one_batch(tiny_dirs, capsys):
         assert [r["text"] for r in records] == singles
         assert all(r["stats"]["method"] == "ems-sd" and r["batch"]["size"] == 3 for r in records)
         assert (records[0]["batch"]["target"]["padding_ratio"] == 0) == (padding == "unpad")
+
+
+def test_a_request_that_cannot_fit_is_refused_and_the_batch_goes_on(engine32, monkeypatch):
+    import specui.engine.methods.emssd as emssd_module
+
+    gens = [emssd(engine32, p, 12) for p in PROMPTS[:3]]
+    batch = engine32.batch(gens[0].method)
+    batch.join(gens[:2])
+    batch.step()
+    monkeypatch.setattr(emssd_module, "free_memory", lambda device: 1 << 10)  # 1 KB free
+    refused = []
+    batch.join(gens[2:], on_error=lambda g, e: refused.append(str(e)))
+    assert len(refused) == 1 and "MB are free" in refused[0] and len(batch.running) == 2
+    monkeypatch.undo()
+    batch.run()
+    assert [g.output_ids for g in gens[:2]] == [greedy(engine32, p, 12) for p in PROMPTS[:2]]

@@ -199,6 +199,18 @@ class PaddingStats:
                 "padding_ratio": round(self.padding_ratio, 4)}
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes the cache may still take: free GPU memory, or the system's MemAvailable on CPU
+    (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class RaggedSession:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, padding: str = "unpad") -> None:
         if padding not in PADDINGS:
@@ -212,6 +224,21 @@ class RaggedSession:
         self.cache = RaggedCache(self, model.config)
         self.stats = PaddingStats()
         self._configs = attention_configs(model)
+
+    def bytes_per_slot(self) -> int:
+        """Cache bytes one token of one row takes (keys and values, every layer)."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        size = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 4
+        return 2 * cfg.num_hidden_layers * heads * head_dim * size
+
+    def cache_bytes(self, rows: int, tokens: int) -> int:
+        """The buffers for `rows` rows holding up to `tokens` each (capacity grows by doubling)."""
+        capacity = MIN_CAPACITY
+        while capacity < tokens:
+            capacity *= 2
+        return rows * capacity * self.bytes_per_slot()
 
     # -- rows --------------------------------------------------------------------------
     def add_row(self) -> SessionRow:

@@ -26,7 +26,7 @@ from specui.engine.costs import AcceptanceEstimate, EngineCosts
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
 from specui.engine.methods.auto import chain_tokens
 from specui.engine.methods.speculative import chain_step
-from specui.engine.ragged import RaggedSession, SessionRow
+from specui.engine.ragged import RaggedSession, SessionRow, free_memory
 from specui.engine.sampling import sample, warp
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
@@ -123,6 +123,20 @@ class BatchDecoder:
         if self.draft is not None:
             self.draft.remove_rows([r.draft for r in rows])
         self.rows = [r for r in self.rows if r not in rows]
+
+    def check_fits(self, joining: Sequence[BatchRow]) -> None:
+        """Raise MemoryError when the caches the batch needs with `joining` in it (every row at
+        its longest: prompt + reply + drafts) would not fit in free memory beside what the
+        batch holds now; the batch itself is untouched."""
+        longest = max(len(r.ctx.ids) + r.ctx.remaining + r.gamma + 1 for r in self.rows)
+        sessions = [self.target] + ([self.draft] if self.draft is not None else [])
+        held = sum(s.cache_bytes(len(self.rows) - len(joining), longest) for s in sessions)
+        need = sum(s.cache_bytes(len(self.rows), longest) for s in sessions)
+        free = free_memory(self.target.device)
+        if free is not None and need - held > 0.9 * free:
+            mb = 1 << 20
+            raise MemoryError(f"the batch's cache would need {need / mb:,.0f} MB with this request, "
+                              f"{free / mb:,.0f} MB are free")
 
     def prefill(self, rows: Sequence[BatchRow]) -> None:
         """Cache every prompt but its last token (fed by the row's first step), in one forward per model."""
@@ -227,6 +241,7 @@ class Batch:
         rows = [self.decoder.add(g.ctx, g.method.gamma) for g in generations]
         t0 = time.perf_counter()
         try:
+            self.decoder.check_fits(rows)
             self.decoder.prefill(rows)
         except (RuntimeError, MemoryError) as e:
             self.decoder.remove(rows)
