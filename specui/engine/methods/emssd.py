@@ -42,6 +42,9 @@ class BatchRow:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # this row's running alpha
 
 
+HORIZON = 64  # tokens over which a draft catch-up is expected to pay back at most
+
+
 class GammaPolicy:
     """The batch's draft length per step, g in 0..G (0: every row decodes autoregressively),
     chosen for the most committed tokens per ms over the whole batch: sum over rows of
@@ -71,28 +74,54 @@ class GammaPolicy:
         return g * (profile.draft(b) or 0.0) + profile.target(sum(gammas) + b, context)
 
     def choose(self, rows: list[BatchRow], caps: list[int]) -> tuple[int, str]:
+        profile = self.costs.profile
         context = sum(len(r.ctx.ids) for r in rows) // max(1, len(rows))
-        ratio_ar, ratio_spec = self.costs.ratio("batch-ar").value, self.costs.ratio("batch-spec").value
-        rates = {}
-        for g in range(max(caps) + 1):
+        ratio_ar, ratio_spec = (self.costs.ratio(kind).value for kind in self.kinds(len(rows)))
+        # the draft first catches up on what it has not seen (prompts, steps decoded without it):
+        # paid once, spread over the steps left (the rows' mean room, at most HORIZON tokens: a
+        # reply often ends at EOS long before max new tokens)
+        behind = sum(max(0, len(r.ctx.ids) - 2 - len(r.draft.cached)) for r in rows if r.draft is not None)
+        catch_up = (profile.draft(behind) or 0.0) * ratio_spec if behind > len(rows) else 0.0
+        room = max(1.0, min(HORIZON, sum(r.ctx.remaining for r in rows) / len(rows)))
+
+        def rate(g: int, alpha: float | None = None) -> float:
             gammas = [min(g, cap) for cap in caps]
-            tokens = sum(chain_tokens(min(r.acceptance.alpha, 0.999), k) for r, k in zip(rows, gammas))
-            rates[g] = tokens / (self.predicted_ms(gammas, context) * (ratio_spec if g else ratio_ar))
+            tokens = sum(chain_tokens(min(r.acceptance.alpha, 0.999) if alpha is None else alpha, k)
+                         for r, k in zip(rows, gammas))
+            ms = self.predicted_ms(gammas, context) * (ratio_spec if g else ratio_ar)
+            return tokens / (ms + (catch_up * tokens / len(rows) / room if g else 0.0))
+
+        rates = {g: rate(g) for g in range(max(caps) + 1)}
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         if best and rates[best] > rates[0] * (1.0 + self.margin):
-            if not self.costs.ratio("batch-ar").seen or self.since_ar >= self.probe_every:
+            if not self.costs.ratio(self.kinds(len(rows))[0]).seen or self.since_ar >= self.probe_every:
                 return 0, f"probe: timing batched autoregressive ({rates[best] / rates[0]:.2f}x expected)"
             self.probe_gap = self.probe_every
             return best, f"{rates[best] / rates[0]:.2f}x batched autoregressive expected"
-        if best and self.since_spec >= self.probe_gap:
+        # a probe refreshes the rows' acceptance; worth it only if a draft that always agreed would
+        # pay, and only once the draft's catch-up costs no more than one autoregressive step
+        ceiling = max((rate(g, 1.0) for g in rates if g > 0), default=0.0)
+        could_pay = ceiling > rates[0] * (1.0 + self.margin)
+        cheap = catch_up <= self.predicted_ms([0] * len(rows), context) * ratio_ar
+        if best and self.since_spec >= self.probe_gap and could_pay and cheap:
             self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)
             return 1, "probe: speculation not expected to pay"
+        if best and not could_pay:
+            return 0, f"even a draft that always agreed would not pay at batch size {len(rows)}" + (
+                " (with the draft's catch-up)" if catch_up else "")
         return 0, f"speculation not expected to pay ({rates[best] / rates[0]:.2f}x)" if best else "no draft"
+
+    @staticmethod
+    def kinds(rows: int) -> tuple[str, str]:
+        """The running measured / predicted time ratios it keeps, per batch size (autoregressive,
+        speculative): how far the profile is off depends on how many rows a forward carries."""
+        return f"batch-ar:{rows}", f"batch-spec:{rows}"
 
     def observe(self, gammas: list[int], context: int, ms: float) -> None:
         spec = max(gammas) > 0
         self.since_spec, self.since_ar = (0, self.since_ar + 1) if spec else (self.since_spec + 1, 0)
-        self.costs.ratio("batch-spec" if spec else "batch-ar").observe(ms, self.predicted_ms(gammas, context))
+        kind = self.kinds(len(gammas))[1 if spec else 0]
+        self.costs.ratio(kind).observe(ms, self.predicted_ms(gammas, context))
 
 
 class BatchDecoder:
