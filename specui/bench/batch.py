@@ -27,7 +27,9 @@ import torch
 from plotly.subplots import make_subplots
 
 from specui.bench.png import html_to_png
+from specui.bench.prompts import HELDOUT, PROMPTS_DIR, load_prompts
 from specui.bench.run import common_parser, load_bench, out_folder
+from specui.chat import build_prompt
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.profile import cpu_model
 from specui.pair import ModelPair
@@ -91,6 +93,22 @@ def run_peer(pair: ModelPair, prompts: list[list[int]], n: int) -> tuple[float, 
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         outputs.append(row[:cut])
     return wall, outputs
+
+
+def with_history(pair: ModelPair, limit: int, turns: int) -> list[list[int]]:
+    """Chats that carry history: the held-out questions, every second one after `turns` earlier
+    user / assistant exchanges (the summary set's passages and the requests to summarise
+    them), so a batch mixes fresh chats with long ones (what several tabs look like)."""
+    passages = [p.messages[-1]["content"] for p in load_prompts(PROMPTS_DIR / "summary.jsonl")]
+    out = []
+    for i, item in enumerate(load_prompts(HELDOUT, limit)):
+        history = []
+        if i % 2:
+            for k in range(turns):
+                history += [{"role": "user", "content": passages[(i + k) % len(passages)]},
+                            {"role": "assistant", "content": passages[(i + k + 1) % len(passages)]}]
+        out.append(build_prompt(pair.target.tokenizer, history + item.messages, 4096)[0])
+    return out
 
 
 def bench_batches(pair: ModelPair, prompts: list[list[int]], sizes: list[int], n: int, gamma: int,
@@ -173,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.set_defaults(limit=16, max_new_tokens=64, repeats=1)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--gamma", type=int, default=2, help="draft tokens per step of the speculative rows")
+    ap.add_argument("--history-turns", type=int, default=0,
+                    help="every second chat carries this many earlier exchanges (long and short rows mixed)")
     ap.add_argument("--out", type=Path, default=Path("out/bench-batch"))
     args = ap.parse_args(argv)
     try:
@@ -186,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     if pair.draft is None:
         print("error: the speculative rows need a draft", file=sys.stderr)
         return 2
+    if args.history_turns:
+        prompts = with_history(pair, args.limit, args.history_turns)
+        lengths = sorted(len(p) for p in prompts)
+        print(f"chats with history: prompt lengths {lengths[0]}..{lengths[-1]} tokens")
     results = bench_batches(pair, prompts, sizes, args.max_new_tokens, args.gamma, args.repeats)
     rows = to_rows(results)
     lines = summary(rows)
@@ -193,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(cpu=cpu_model(), threads=torch.get_num_threads(), device=str(pair.target.device),
                 target=pair.target.label, draft=pair.draft.label, prompts=args.prompts,
                 max_new_tokens=args.max_new_tokens, gamma=args.gamma, repeats=args.repeats, summary=lines,
+                history_turns=args.history_turns, prompt_tokens=[len(p) for p in prompts],
                 command="python -m specui.bench.batch " + " ".join(argv if argv is not None else sys.argv[1:]))
     (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fig = figure(rows, f"Batched decoding, {pair.target.label} + {pair.draft.label}, {cpu_model()}")
