@@ -1,5 +1,5 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd]   (only that method's panel)"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd]   (only that method's panel)"""
 
 from __future__ import annotations
 
@@ -70,6 +70,25 @@ def mcsd_fork(page: tb.Page) -> None:
     shoot(page, "mcsd-choices", "#choices")
 
 
+def ems_sd_batch(page: tb.Page, url: str) -> None:
+    """Two tabs decoding together with ems-sd: the batch size and every row's accepted length."""
+    other = tb.Page(url)
+    try:
+        for tab in (page, other):
+            tab.choose("method", "ems-sd")
+            tab.set_number("set-max_new_tokens", 96)
+        page.send("Explain in three sentences how a rainbow forms.")
+        other.send("Write a short poem about the sea.")
+        page.wait_done(1, timeout=240)
+        other.wait_done(1, timeout=240)
+        time.sleep(2)
+        page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
+        time.sleep(1)
+        shoot(page, "ems-sd-batch", "#choices")
+    finally:
+        other.close()
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
@@ -83,6 +102,9 @@ def main() -> None:
             return
         if sys.argv[1:] == ["mcsd"]:
             mcsd_fork(page)
+            return
+        if sys.argv[1:] == ["ems-sd"]:
+            ems_sd_batch(page, url)
             return
         page.choose("method", "opt-tree")
         page.set_number("set-max_new_tokens", 80)

@@ -226,6 +226,27 @@ def test_two_tabs_get_their_own_answers(app_url, page):
         other.close()
 
 
+def test_ems_sd_tabs_decode_together(app_url, page):
+    page.clear_chat()
+    other = Page(app_url)
+    try:
+        for tab in (page, other):
+            tab.choose("method", "ems-sd")
+            tab.set_number("set-max_new_tokens", 32)
+        page.send("What is the capital of France?")
+        other.send("What is the capital of Italy?")
+        first, second = page.wait_done(1, timeout=180), other.wait_done(1, timeout=180)
+        assert "Paris" in first and "Italy" not in first  # each tab its own reply, from one batch
+        assert "Italy" in second and "France" not in second
+        sizes = page.driver.execute_script(
+            "const d = document.querySelector('#choices .js-plotly-plot').data;"
+            "return d.filter(t => t.name === 'batch size').flatMap(t => t.y);")
+        assert sizes and max(sizes) == 2, sizes  # the panel shows the two rows decoded together
+    finally:
+        other.close()
+        page.choose("method", "speculative")
+
+
 def test_stop_while_waiting_in_the_queue(app_url, page):
     page.clear_chat()
     other = Page(app_url)

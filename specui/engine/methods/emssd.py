@@ -45,6 +45,16 @@ class BatchRow:
 HORIZON = 64  # tokens over which a draft catch-up is expected to pay back at most
 
 
+@dataclass
+class Chain:
+    """One row's draft this step: its tokens, their warped q rows and raw logits."""
+
+    gamma: int  # the most tokens it may have (cut to its length after an EOS)
+    tokens: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
 class GammaPolicy:
     """The batch's draft length per step, g in 0..G (0: every row decodes autoregressively),
     chosen for the most committed tokens per ms over the whole batch: sum over rows of
@@ -153,16 +163,15 @@ class BatchDecoder:
             self.draft.remove_rows([r.draft for r in rows])
         self.rows = [r for r in self.rows if r not in rows]
 
-    def check_fits(self, joining: Sequence[BatchRow]) -> None:
-        """Raise MemoryError when the caches the batch needs with `joining` in it (every row at
-        its longest: prompt + reply + drafts) would not fit in free memory beside what the
-        batch holds now; the batch itself is untouched."""
+    def check_fits(self) -> None:
+        """Raise MemoryError when the caches of the batch as it now stands (every row at its
+        longest: prompt + reply + drafts) would not fit in free memory. A join reallocates every
+        buffer (the old ones live until the copy is done), so the whole need must be free."""
         longest = max(len(r.ctx.ids) + r.ctx.remaining + r.gamma + 1 for r in self.rows)
         sessions = [self.target] + ([self.draft] if self.draft is not None else [])
-        held = sum(s.cache_bytes(len(self.rows) - len(joining), longest) for s in sessions)
         need = sum(s.cache_bytes(len(self.rows), longest) for s in sessions)
         free = free_memory(self.target.device)
-        if free is not None and need - held > 0.9 * free:
+        if free is not None and need > 0.9 * free:
             mb = 1 << 20
             raise MemoryError(f"the batch's cache would need {need / mb:,.0f} MB with this request, "
                               f"{free / mb:,.0f} MB are free")
@@ -197,46 +206,47 @@ class BatchDecoder:
                     self.catch_up([r for r, g in zip(rows, gammas) if g])
         context = sum(len(r.ctx.ids) for r in rows) // max(1, len(rows))
         t0 = time.perf_counter()
-        drafts: list[list[int]] = [[] for _ in rows]
-        q_rows: list[list[torch.Tensor]] = [[] for _ in rows]
-        logit_rows: list[list[torch.Tensor]] = [[] for _ in rows]
         with self.timer.phase("draft"):
-            while True:
-                active = [i for i, r in enumerate(rows) if len(drafts[i]) < gammas[i]]
-                if not active:
-                    break
-                logits = self.draft.advance([(rows[i].draft, rows[i].ctx.ids + drafts[i], 1) for i in active])
-                for i, out in zip(active, logits):
-                    ctx, out = rows[i].ctx, out[-1]
-                    q = warp(out, ctx.sampling)
-                    token = int(out.argmax()) if ctx.sampling.greedy else sample(q, ctx.generator)
-                    drafts[i].append(token)
-                    q_rows[i].append(q)
-                    logit_rows[i].append(out)
-                    if token in ctx.eos_ids:
-                        gammas[i] = len(drafts[i])
-        results = []
+            chains = self._draft(rows, gammas)
         with self.timer.phase("verify"):
-            p_logits = self.target.advance([(r.target, r.ctx.ids + drafts[i], len(drafts[i]) + 1)
-                                            for i, r in enumerate(rows)])
-            for i, r in enumerate(rows):
-                q = torch.stack(q_rows[i]) if drafts[i] else None
-                q_logits = torch.stack(logit_rows[i]) if drafts[i] else None
-                result = chain_step(drafts[i], q, q_logits, p_logits[i], r.ctx.sampling, r.ctx.generator,
-                                    gammas[i])
-                if choice is not None:
-                    result.choice = f"speculative:{gammas[i]}" if gammas[i] else "autoregressive"
-                    result.stop_reason = why  # why the batch drafted this many (the trace shows it)
-                if drafts[i]:
-                    r.acceptance.observe(result.drafted, result.accepted)
-                    if r.ctx.costs is not None:
-                        r.ctx.costs.acceptance.observe(result.drafted, result.accepted)
-                results.append(result)
-        if self.policy is not None and choice is not None:
-            self.policy.observe(gammas, context, (time.perf_counter() - t0) * 1000.0)
-        for r in rows:
+            results = self._verify(rows, chains)
+        for r, result in zip(rows, results):
+            if choice is not None:
+                result.choice = f"speculative:{result.gamma}" if result.gamma else "autoregressive"
+                result.stop_reason = why  # why the batch drafted this many (the trace shows it)
+            if result.drafted:
+                r.acceptance.observe(result.drafted, result.accepted)
+                if r.ctx.costs is not None:
+                    r.ctx.costs.acceptance.observe(result.drafted, result.accepted)
             r.ctx.timer.ms = dict(self.timer.ms)
+        if choice is not None:
+            self.policy.observe([c.gamma for c in chains], context, (time.perf_counter() - t0) * 1000.0)
         return results
+
+    def _draft(self, rows: list[BatchRow], gammas: list[int]) -> list[Chain]:
+        """Each row's chain of up to gammas[i] draft tokens (it ends early after an EOS): one
+        batched draft forward per position, rows that are done feed nothing."""
+        chains = [Chain(g) for g in gammas]
+        while active := [i for i, c in enumerate(chains) if len(c.tokens) < c.gamma]:
+            logits = self.draft.advance([(rows[i].draft, rows[i].ctx.ids + chains[i].tokens, 1) for i in active])
+            for i, out in zip(active, logits):
+                ctx, out, chain = rows[i].ctx, out[-1], chains[i]
+                q = warp(out, ctx.sampling)
+                chain.tokens.append(int(out.argmax()) if ctx.sampling.greedy else sample(q, ctx.generator))
+                chain.q.append(q)
+                chain.logits.append(out)
+                if chain.tokens[-1] in ctx.eos_ids:
+                    chain.gamma = len(chain.tokens)
+        return chains
+
+    def _verify(self, rows: list[BatchRow], chains: list[Chain]) -> list[StepResult]:
+        """Every row's chain scored in one batched target forward, then verified with the row's
+        own sampling settings and generator."""
+        p_logits = self.target.advance([(r.target, r.ctx.ids + c.tokens, len(c.tokens) + 1)
+                                        for r, c in zip(rows, chains)])
+        return [chain_step(c.tokens, torch.stack(c.q) if c.tokens else None,
+                           torch.stack(c.logits) if c.tokens else None, p, r.ctx.sampling, r.ctx.generator, c.gamma)
+                for r, c, p in zip(rows, chains, p_logits)]
 
     def padding_stats(self) -> dict:
         """Padding computed and stored so far, per model."""
@@ -270,7 +280,7 @@ class Batch:
         rows = [self.decoder.add(g.ctx, g.method.gamma) for g in generations]
         t0 = time.perf_counter()
         try:
-            self.decoder.check_fits(rows)
+            self.decoder.check_fits()
             self.decoder.prefill(rows)
         except (RuntimeError, MemoryError) as e:
             self.decoder.remove(rows)
