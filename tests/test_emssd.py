@@ -199,3 +199,19 @@ def test_a_request_that_cannot_fit_is_refused_and_the_batch_goes_on(engine32, mo
     monkeypatch.undo()
     batch.run()
     assert [g.output_ids for g in gens[:2]] == [greedy(engine32, p, 12) for p in PROMPTS[:2]]
+
+
+def test_batch_bench_writes_every_row(tiny_dirs, tmp_path):
+    from specui.bench.batch import KINDS, PEER, main
+
+    target, draft, _ = tiny_dirs
+    out = tmp_path / "bench"
+    assert main(["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--batch-sizes", "1,3",
+                 "--max-new-tokens", "6", "--limit", "3", "--repeats", "1", "--history-turns", "1",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {(r["batch_size"], r["method"]) for r in rows} == {(b, m) for b in (1, 3) for m in [*KINDS, PEER]}
+    at3 = {r["method"]: r for r in rows if r["batch_size"] == 3}
+    assert at3["ems-sd"]["padding_ratio"] == 0 and at3["vanilla speculative (padded)"]["padding_ratio"] > 0
+    assert all(r["rows_differing_from_autoregressive"] == 0 for r in rows if r["method"] != PEER)  # float32
+    assert (out / "batch.html").exists()

@@ -162,12 +162,14 @@ def to_rows(results: dict[int, dict[str, Cell]]) -> list[dict]:
 
 def figure(rows: list[dict], title: str) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, subplot_titles=["aggregate tokens/s", "padding share (target)"])
-    for name in [*KINDS, PEER]:
+    colors = ["#1f77b4", "#d62728", "#ff7f0e", "#9467bd", "#2ca02c", "#7f7f7f"]
+    for name, color in zip([*KINDS, PEER], colors):
         pts = [r for r in rows if r["method"] == name]
+        line = dict(color=color, dash="dot" if name == PEER else "solid")
         fig.add_scatter(x=[r["batch_size"] for r in pts], y=[r["tokens_per_s"] for r in pts], mode="lines+markers",
-                        name=name, legendgroup=name, row=1, col=1)
+                        name=name, legendgroup=name, line=line, row=1, col=1)
         if pts and pts[0]["padding_ratio"] is not None:
-            fig.add_scatter(x=[r["batch_size"] for r in pts], y=[r["padding_ratio"] for r in pts],
+            fig.add_scatter(x=[r["batch_size"] for r in pts], y=[r["padding_ratio"] for r in pts], line=line,
                             mode="lines+markers", name=name, legendgroup=name, showlegend=False, row=1, col=2)
     fig.update_xaxes(title_text="batch size B", type="log", dtick=0.30103)
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
