@@ -74,13 +74,8 @@ def ems_sd_batch(page: tb.Page, url: str) -> None:
     """Two tabs decoding together with ems-sd: the batch size and every row's accepted length."""
     other = tb.Page(url)
     try:
-        for tab in (page, other):
-            tab.choose("method", "ems-sd")
-            tab.set_number("set-max_new_tokens", 96)
-        page.send("Explain in three sentences how a rainbow forms.")
-        other.send("Write a short poem about the sea.")
-        page.wait_done(1, timeout=240)
-        other.wait_done(1, timeout=240)
+        tb.send_together([page, other], "ems-sd", 96,
+                         ["Explain in three sentences how a rainbow forms.", "Write a short poem about the sea."])
         time.sleep(2)
         page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
         time.sleep(1)

@@ -226,16 +226,22 @@ def test_two_tabs_get_their_own_answers(app_url, page):
         other.close()
 
 
+def send_together(tabs: list[Page], method: str, max_new_tokens: int, messages: list[str]) -> list[str]:
+    """Each tab sends its message with `method` at (nearly) the same moment; their replies."""
+    for tab in tabs:
+        tab.choose("method", method)
+        tab.set_number("set-max_new_tokens", max_new_tokens)
+    for tab, message in zip(tabs, messages):
+        tab.send(message)
+    return [tab.wait_done(1, timeout=240) for tab in tabs]
+
+
 def test_ems_sd_tabs_decode_together(app_url, page):
     page.clear_chat()
     other = Page(app_url)
     try:
-        for tab in (page, other):
-            tab.choose("method", "ems-sd")
-            tab.set_number("set-max_new_tokens", 32)
-        page.send("What is the capital of France?")
-        other.send("What is the capital of Italy?")
-        first, second = page.wait_done(1, timeout=180), other.wait_done(1, timeout=180)
+        first, second = send_together([page, other], "ems-sd", 32,
+                                      ["What is the capital of France?", "What is the capital of Italy?"])
         assert "Paris" in first and "Italy" not in first  # each tab its own reply, from one batch
         assert "Italy" in second and "France" not in second
         sizes = page.driver.execute_script(

@@ -15,7 +15,6 @@ people waiting see), the median of --repeats rounds.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from specui.bench.png import html_to_png
+from specui.bench.png import command_line, save_results
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, load_prompts
 from specui.bench.run import common_parser, load_bench, out_folder
 from specui.chat import build_prompt
@@ -220,12 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                 target=pair.target.label, draft=pair.draft.label, prompts=args.prompts,
                 max_new_tokens=args.max_new_tokens, gamma=args.gamma, repeats=args.repeats, summary=lines,
                 history_turns=args.history_turns, prompt_tokens=[len(p) for p in prompts],
-                command="python -m specui.bench.batch " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    fig = figure(rows, f"Batched decoding, {pair.target.label} + {pair.draft.label}, {cpu_model()}")
-    fig.write_html(args.out / "batch.html", include_plotlyjs="cdn")
-    html_to_png(fig, args.out / "batch.png")
-    print(f"wrote {args.out}/results.json and batch.html/png")
+                command=command_line("specui.bench.batch", argv))
+    save_results(args.out, "batch", dict(meta=meta, rows=rows),
+                 figure(rows, f"Batched decoding, {pair.target.label} + {pair.draft.label}, {cpu_model()}"))
     return 0
 
 

@@ -12,14 +12,13 @@ lossless) is a row of its own there, labelled.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from specui.bench.png import html_to_png
+from specui.bench.png import command_line, save_results
 from specui.bench.run import AR, Row, bench, common_parser, load_bench, ours, out_folder, table, to_json
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
@@ -117,13 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(lines[-1])
     meta = dict(cpu=cpu_model(), prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                 repeats=args.repeats, summary=lines,
-                command="python -m specui.bench.mcsd " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (args.out / "results.json").write_text(json.dumps(
-        dict(meta=meta, rows={str(t): r for t, r in results.items()}), indent=1))
-    fig = figure(results, widths, f"MCSD forks vs baseline: {len(prompts)} held-out prompts, {cpu_model()}")
-    fig.write_html(args.out / "mcsd.html", include_plotlyjs="cdn")
-    html_to_png(fig, args.out / "mcsd.png")
-    print(f"wrote {args.out}/results.json and mcsd.html/png")
+                command=command_line("specui.bench.mcsd", argv))
+    save_results(args.out, "mcsd", dict(meta=meta, rows={str(t): r for t, r in results.items()}),
+                 figure(results, widths, f"MCSD forks vs baseline: {len(prompts)} held-out prompts, {cpu_model()}"))
     return 0
 
 

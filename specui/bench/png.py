@@ -4,6 +4,7 @@ skipped with a message; the HTML is always there."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -37,3 +38,16 @@ def html_to_png(figure, png: Path, timeout_s: float = 60.0) -> bool:
             print(f"{png.name} not written: the browser failed ({e})", file=sys.stderr)
             return False
     return png.is_file()
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that reproduces a bench run (what results.json records)."""
+    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def save_results(out: Path, stem: str, results: dict, figure) -> None:
+    """A bench's outputs: results.json, and the figure as `stem`.html and `stem`.png."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    figure.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
+    html_to_png(figure, out / f"{stem}.png")
+    print(f"wrote {out}/results.json and {stem}.html/png")

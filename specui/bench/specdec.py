@@ -8,14 +8,13 @@ of the two (plotly HTML + PNG).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import plotly.graph_objects as go
 
-from specui.bench.png import html_to_png
+from specui.bench.png import command_line, save_results
 from specui.bench.run import AR, bench, common_parser, load_bench, make_rows, out_folder, table, to_json
 from specui.engine.profile import cpu_model
 
@@ -70,15 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     print(line)
     meta = dict(cpu=cpu_model(), prompts=args.prompts, limit=args.limit, max_new_tokens=args.max_new_tokens,
                 repeats=args.repeats, tuned_threshold=pair.head.config.get("threshold"),
-                command="python -m specui.bench.specdec " + " ".join(argv if argv is not None else sys.argv[1:]),
-                summary=line)
-    (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
-    fig = pareto_figure(results, f"SpecDec++ vs fixed gamma: {len(prompts)} held-out prompts, {cpu_model()}")
-    fig.write_html(args.out / "pareto.html", include_plotlyjs="cdn")
-    html_to_png(fig, args.out / "pareto.png")
+                command=command_line("specui.bench.specdec", argv), summary=line)
+    save_results(args.out, "pareto", dict(meta=meta, rows=results),
+                 pareto_figure(results, f"SpecDec++ vs fixed gamma: {len(prompts)} held-out prompts, {cpu_model()}"))
     speedups = [r["speedup"] for r in results if r["method"].startswith("specdec++")]
-    print(f"wrote {args.out}/results.json and pareto.html/png; specdec++ speed-ups over AR: "
-          f"median {statistics.median(speedups):.2f}x")
+    print(f"specdec++ speed-ups over AR: median {statistics.median(speedups):.2f}x")
     return 0
 
 

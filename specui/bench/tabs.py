@@ -10,18 +10,16 @@ one batch (continuous batching); with another method they take turns on the mode
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import plotly.graph_objects as go
 import torch
 
-from specui.bench.png import html_to_png
+from specui.bench.png import command_line, save_results
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.engine.profile import cpu_model
 from specui.loading import BUNDLED, ModelSpec
@@ -137,12 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     meta = dict(cpu=cpu_model(), threads=torch.get_num_threads(), target=service.target_label,
                 draft=service.draft_label, max_new_tokens=args.max_new_tokens, repeats=args.repeats, summary=lines,
-                command="python -m specui.bench.tabs " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    fig = figure(rows, f"Chats at once through the app, {cpu_model()}")
-    fig.write_html(args.out / "tabs.html", include_plotlyjs="cdn")
-    html_to_png(fig, args.out / "tabs.png")
-    print(f"wrote {args.out}/results.json and tabs.html/png")
+                command=command_line("specui.bench.tabs", argv))
+    save_results(args.out, "tabs", dict(meta=meta, rows=rows),
+                 figure(rows, f"Chats at once through the app, {cpu_model()}"))
     return 0
 
 
