@@ -215,3 +215,40 @@ def test_batch_bench_writes_every_row(tiny_dirs, tmp_path):
     assert at3["ems-sd"]["padding_ratio"] == 0 and at3["vanilla speculative (padded)"]["padding_ratio"] > 0
     assert all(r["rows_differing_from_autoregressive"] == 0 for r in rows if r["method"] != PEER)  # float32
     assert (out / "batch.html").exists()
+
+
+def ragged_logits(model, kernel: str, flex=None) -> tuple[list[torch.Tensor], list[str]]:
+    """Three rows of different lengths fed ragged chains for three steps; every step's logits."""
+    from specui.engine.ragged import RaggedSession
+
+    session = RaggedSession(model, padding="unpad", kernel=kernel)
+    if flex is not None:
+        session._flex = flex
+    rows = [session.add_row() for _ in PROMPTS[:3]]
+    ids = [list(p) for p in PROMPTS[:3]]
+    out = []
+    for step in range(3):
+        feeds = [(row, ids[r] + [5] * (r + step % 2), 1 + r) for r, row in enumerate(rows)]
+        logits = session.advance(feeds)
+        out += logits
+        for r, row in enumerate(rows):
+            ids[r].append(int(logits[r][0].argmax()))
+            row.commit(ids[r])
+    return out, session.notes
+
+
+def test_the_gpu_kernel_flex_attention_gives_the_same_logits(engine32):
+    model = engine32.target.model
+    sdpa, _ = ragged_logits(model, "sdpa")
+    flex, notes = ragged_logits(model, "flex")  # FlexAttention with the block mask, eager on the CPU
+    assert not notes
+    for a, b in zip(sdpa, flex, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this GPU")
+
+    fallen, notes = ragged_logits(model, "flex", flex=broken)  # falls back to SDPA, says so, same logits
+    assert len(notes) == 1 and "FlexAttention failed" in notes[0]
+    for a, b in zip(sdpa, fallen, strict=True):
+        torch.testing.assert_close(a, b)

@@ -15,8 +15,10 @@ Padding is a strategy of this one piece (PADDINGS):
 
 In transformers terms: the cache is a DynamicCache whose layers (RaggedLayer) write each
 token at its (row, slot), and "unpad" runs through an attention function registered with
-transformers' AttentionInterface (`ragged_attention`: SDPA with an explicit per-row mask
-on the padded view of the packed queries). No modeling code is forked. The model's
+transformers' AttentionInterface (`ragged_attention`: the packed queries' padded view
+attends to each row's cache, with SDPA and an explicit per-row mask on a CPU, or with
+FlexAttention and a block mask, compiled, on a GPU, falling back to SDPA with a note where
+FlexAttention fails). No modeling code is forked. The model's
 attention implementation is switched to it only for the duration of a packed forward, so
 the single-sequence sessions that share the model keep their own attention.
 
@@ -29,7 +31,7 @@ free of padding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,7 +53,9 @@ class Layout:
     """Where one forward's tokens go. Input token t (of `rows.numel()` written tokens, in
     row order) belongs to cache row rows[t], sits at input column cols[t] of the padded
     view (B, width) and is written at cache slot slots[t]. `mask`: (B, 1, width, kv_len)
-    additive, the padded view's attention over cache slots [0, kv_len)."""
+    additive, the padded view's attention over cache slots [0, kv_len); `attend` the same as
+    booleans. `kernel`: how the packed path attends ("sdpa", or "flex" with `flex`, the
+    session's FlexAttention function)."""
 
     rows: torch.Tensor
     cols: torch.Tensor
@@ -60,18 +64,38 @@ class Layout:
     kv_len: int
     mask: torch.Tensor
     packed: bool
+    attend: torch.Tensor | None = None
+    kernel: str = "sdpa"
+    flex: Callable | None = None
+    _block_mask: object = None
+
+    def block_mask(self):
+        """FlexAttention's block mask of `attend` (made once per forward, shared by the layers)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            attend = self.attend
+            b, width, kv_len = attend.shape
+            self._block_mask = create_block_mask(lambda bi, h, q, k: attend[bi, q, k], b, None, width, kv_len,
+                                                 device=attend.device)
+        return self._block_mask
 
 
 def ragged_attention(module, query, key, value, attention_mask, specui_layout: Layout | None = None, **kwargs):
-    """Packed queries (1, H, T, D) -> the padded view (B, H, width, D), SDPA over each row's
-    cache with the layout's mask, and back to (1, T, H, D). Without a layout (a forward that
-    is not a ragged one), plain SDPA."""
+    """Packed queries (1, H, T, D) -> the padded view (B, H, width, D), attention over each
+    row's cache (SDPA with the layout's mask, or FlexAttention with its block mask, which skips
+    the masked blocks), and back to (1, T, H, D). Without a layout (a forward that is not a
+    ragged one), plain SDPA."""
     if specui_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lay = specui_layout
     q = query.new_zeros((key.shape[0], query.shape[1], lay.width, query.shape[-1]))
     q[lay.rows, :, lay.cols] = query[0].transpose(0, 1)
-    out, _ = sdpa_attention_forward(module, q, key, value, lay.mask, **kwargs)  # (B, width, H, D)
+    if lay.kernel == "flex":
+        out = lay.flex(q, key, value, block_mask=lay.block_mask(), scale=kwargs.get("scaling"),
+                       enable_gqa=key.shape[1] != q.shape[1]).transpose(1, 2)
+    else:
+        out, _ = sdpa_attention_forward(module, q, key, value, lay.mask, **kwargs)  # (B, width, H, D)
     return out[lay.rows, lay.cols][None], None
 
 
@@ -212,7 +236,8 @@ def free_memory(device: torch.device) -> int | None:
 
 
 class RaggedSession:
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, padding: str = "unpad") -> None:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, padding: str = "unpad",
+                 kernel: str | None = None) -> None:
         if padding not in PADDINGS:
             raise SpecUIError(f"unknown padding '{padding}'; choose one of: {', '.join(PADDINGS)}")
         self.model = model
@@ -224,6 +249,10 @@ class RaggedSession:
         self.cache = RaggedCache(self, model.config)
         self.stats = PaddingStats()
         self._configs = attention_configs(model)
+        # the packed path's attention: FlexAttention (compiled) on a GPU, SDPA with a mask on a CPU
+        self.kernel = kernel or ("flex" if self.device.type == "cuda" else "sdpa")
+        self._flex: Callable | None = None
+        self.notes: list[str] = []  # what the session fell back on (FlexAttention failing)
 
     def bytes_per_slot(self) -> int:
         """Cache bytes one token of one row takes (keys and values, every layer)."""
@@ -325,8 +354,18 @@ class RaggedSession:
         dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        packed = self.padding == "unpad"
+        kernel = self.kernel if packed else "sdpa"
         return Layout(as_tensor(rows), as_tensor(cols), as_tensor(slots), width, kv_len,
-                      mask[:, None].to(self.device), packed=self.padding == "unpad")
+                      mask[:, None].to(self.device), packed=packed, attend=attend.to(self.device),
+                      kernel=kernel, flex=self._flex_attention() if kernel == "flex" else None)
+
+    def _flex_attention(self) -> Callable:
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention, dynamic=True) if self.device.type == "cuda" else flex_attention
+        return self._flex
 
     def _run(self, plan: list[tuple[SessionRow, list[int], int]], lay: Layout) -> list[torch.Tensor]:
         index = {id(row): i for i, row in enumerate(self.rows)}
@@ -339,10 +378,7 @@ class RaggedSession:
                 at += len(fresh)
                 ends.append(at)
                 keep.extend(range(at - need, at))
-            with ragged_attention_in(self._configs):
-                out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                                 position_ids=torch.tensor([pos], device=self.device), use_cache=True,
-                                 logits_to_keep=torch.tensor(keep, device=self.device), specui_layout=lay)
+            out = self._packed_forward(ids, pos, keep, lay)
             logits, result, at = out.logits[0, :, : self.vocab_size], [], 0
             for _, _, need in plan:
                 result.append(logits[at:at + need])
@@ -362,6 +398,23 @@ class RaggedSession:
                          logits_to_keep=torch.arange(lo, hi, device=self.device))
         logits = out.logits[..., : self.vocab_size]
         return [logits[index[id(row)], len(fresh) - need - lo:len(fresh) - lo] for row, fresh, need in plan]
+
+    def _packed_forward(self, ids: list[int], pos: list[int], keep: list[int], lay: Layout):
+        """The model on the packed input; a FlexAttention failure (a GPU or torch without
+        support for it) falls back to SDPA for good, with a note, and the forward is retried
+        (the rows' committed entries were not touched)."""
+        while True:
+            try:
+                with ragged_attention_in(self._configs):
+                    return self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                                      position_ids=torch.tensor([pos], device=self.device), use_cache=True,
+                                      logits_to_keep=torch.tensor(keep, device=self.device), specui_layout=lay)
+            except Exception as e:  # noqa: BLE001 - any kernel failure: retried once with SDPA
+                if lay.kernel != "flex":
+                    raise
+                self.kernel = lay.kernel = "sdpa"
+                self.notes.append(f"FlexAttention failed ({type(e).__name__}: {e}); attending with SDPA and a "
+                                  "mask from now on")
 
     def kv(self, row: SessionRow) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) (heads, len, D) of one row's committed entries (tests)."""

@@ -210,7 +210,12 @@ class BatchDecoder:
             chains = self._draft(rows, gammas)
         with self.timer.phase("verify"):
             results = self._verify(rows, chains)
+        notes = self.target.notes + (self.draft.notes if self.draft is not None else [])
+        for session in (self.target, self.draft):
+            if session is not None:
+                session.notes = []
         for r, result in zip(rows, results):
+            result.notes += notes
             if choice is not None:
                 result.choice = f"speculative:{result.gamma}" if result.gamma else "autoregressive"
                 result.stop_reason = why  # why the batch drafted this many (the trace shows it)
