@@ -69,3 +69,21 @@ def test_ctrl_c_keeps_the_finished_rounds(tiny_dirs, tmp_path, monkeypatch):
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["meta"]["interrupted"] and len(data["rows"]) == 2
     assert all(len(r["rounds"]) == 1 for r in data["rows"])  # the half round is dropped everywhere
+
+
+def test_scaling_tables_by_prompt_length_gamma_and_nodes(tiny_dirs, tmp_path):
+    from specui.bench import scaling
+
+    argv = args(tiny_dirs, tmp_path, "--lengths", "48,96,10000", "--gammas", "1,3", "--nodes", "4,8",
+                "--methods", "autoregressive,speculative:2,lookup")
+    assert scaling.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    lengths = data["by_prompt_length"]
+    assert sorted({r["prompt_tokens"] for r in lengths}) == [48, 96]  # 10000 does not fit the context: left out
+    assert {r["method"] for r in lengths} == {"autoregressive", "speculative gamma=2", "lookup"}
+    for r in lengths:
+        assert r["tokens_per_s"] > 0 and r["prefill_s"] > 0 and r["cache_mb"] > 0
+        assert r["differs_from_autoregressive"] in (None, 0)  # float32 greedy
+    sizes = {r["method"] for r in data["by_size"]}
+    assert {"speculative gamma=1", "speculative gamma=3", "opt-tree nodes=4", "opt-tree nodes=8"} <= sizes
+    assert (tmp_path / "scaling.html").is_file()

@@ -59,6 +59,8 @@ class Sample:
     expected: list[float] = field(default_factory=list)  # OPT-Tree E(A) per step
     achieved: list[int] = field(default_factory=list)  # A per step
     lengths: list[int] = field(default_factory=list)  # tokens each step committed (accepted length histograms)
+    prefill_s: float = 0.0  # of `seconds`, the prompt's prefill (our methods)
+    cache_mb: float = 0.0  # KV-cache buffers held at the end, target + draft (our methods)
 
 
 @dataclass
@@ -128,7 +130,8 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
         request = GenerationRequest(prompt, n, sampling or SamplingConfig())
         gen = engine.generate(request, make_method(method, **params)).run()
         s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps),
-                   gen.stats.drafted, gen.stats.accepted, gen.stats.max_draft_len)
+                   gen.stats.drafted, gen.stats.accepted, gen.stats.max_draft_len, prefill_s=gen.stats.prefill_s,
+                   cache_mb=sum(m.cache.nbytes() for m in (engine.target, engine.draft) if m is not None) / 2**20)
         for step in gen.steps:
             s.draft_ms += step.draft_ms
             s.verify_ms += step.verify_ms

@@ -123,3 +123,12 @@ class GrowingCache(DynamicCache):
         if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = GrowingLayer
         self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    def nbytes(self) -> int:
+        """Memory the cache's buffers hold (their capacity, not only the valid entries)."""
+        total = 0
+        for layer in self.layers:
+            tensors = (layer._kbuf, layer._vbuf) if isinstance(layer, GrowingLayer) else (
+                getattr(layer, "keys", None), getattr(layer, "values", None))
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return total

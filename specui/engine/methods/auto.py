@@ -29,6 +29,18 @@ from specui.errors import SpecUIError
 AR = "autoregressive"
 
 
+HORIZON = 64  # tokens over which a draft's catch-up is expected to pay back at most (replies often end early)
+
+
+def catch_up_per_token(profile, behind: int, rows: int, room: float, ratio: float = 1.0) -> float:
+    """Ms per committed token that first feeding the draft `behind` tokens it has not read
+    (prompts, steps decoded without it) adds, paid once and spread over the next `room`
+    tokens of each of `rows` rows (at most HORIZON)."""
+    if behind <= 2 * rows:
+        return 0.0
+    return (profile.draft(behind) or 0.0) * ratio / (rows * max(1.0, min(HORIZON, room)))
+
+
 def chain_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens committed by one chain step of `gamma` drafts (bonus included)."""
     if alpha >= 1.0:
@@ -75,17 +87,21 @@ class Auto(Method):
             self.pending.append(costs.note)
 
     # -- choosing --------------------------------------------------------------------------
-    def rates(self, costs: EngineCosts, context: int) -> dict[int, float]:
-        """Expected tokens per ms for gamma = 0 (autoregressive) .. max_gamma."""
+    def rates(self, costs: EngineCosts, context: int, behind: int = 0, room: float = HORIZON) -> dict[int, float]:
+        """Expected tokens per ms for gamma = 0 (autoregressive) .. max_gamma; a chain also pays
+        its share of catching the draft up on `behind` unread tokens (a long prompt)."""
         profile = costs.profile
         assert profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         rates = {0: 1.0 / (profile.target(1, context) * costs.ratio(AR).value)}
         t_draft = profile.draft(1)
         if t_draft is not None:
-            r = costs.ratio("speculative").value
+            spec = costs.ratio("speculative")  # until a chain is timed, the profile is off as for AR
+            r = spec.value if spec.seen else costs.ratio(AR).value
+            share = catch_up_per_token(profile, behind, 1, room, r)
             for g in range(1, self.max_gamma + 1):
-                rates[g] = chain_tokens(alpha, g) / ((g * t_draft + profile.target(g + 1, context)) * r)
+                tokens = chain_tokens(alpha, g)
+                rates[g] = tokens / ((g * t_draft + profile.target(g + 1, context)) * r + tokens * share)
         return rates
 
     def predicted_ms(self, costs: EngineCosts, gamma: int, context: int) -> float:
@@ -102,7 +118,8 @@ class Auto(Method):
             return 0, "no draft"
         if costs is None or costs.profile is None:
             return self.fallback_gamma, "fixed default (no profile)"
-        rates = self.rates(costs, len(ctx.ids))
+        behind = len(ctx.ids) - 1 - ctx.draft.length
+        rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
         if best and rates[best] > rates[0] * (1.0 + self.margin):
@@ -113,7 +130,9 @@ class Auto(Method):
             why = f"alpha {alpha:.2f}: {rates[best] / rates[0]:.2f}x autoregressive expected"
             self.probe_gap = self.probe_every
             return best, why
-        if best and self.since_spec >= self.probe_gap:
+        # a probe refreshes alpha; not while the draft would first have to read a long prompt
+        cheap = (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids)) if behind > 2 else True
+        if best and self.since_spec >= self.probe_gap and cheap:
             self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)  # reset when speculation wins again
             return 1, f"probe: alpha {alpha:.2f}, speculation not expected to pay"
         return 0, f"alpha {alpha:.2f}: speculation not expected to pay ({rates[best] / rates[0]:.2f}x)"

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.costs import AcceptanceEstimate, EngineCosts
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
-from specui.engine.methods.auto import chain_tokens
+from specui.engine.methods.auto import HORIZON, catch_up_per_token, chain_tokens
 from specui.engine.methods.speculative import chain_step
 from specui.engine.ragged import RaggedSession, SessionRow, free_memory
 from specui.engine.sampling import sample, warp
@@ -40,9 +40,6 @@ class BatchRow:
     target: SessionRow
     draft: SessionRow | None
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # this row's running alpha
-
-
-HORIZON = 64  # tokens over which a draft catch-up is expected to pay back at most
 
 
 @dataclass
@@ -86,20 +83,20 @@ class GammaPolicy:
     def choose(self, rows: list[BatchRow], caps: list[int]) -> tuple[int, str]:
         profile = self.costs.profile
         context = sum(len(r.ctx.ids) for r in rows) // max(1, len(rows))
-        ratio_ar, ratio_spec = (self.costs.ratio(kind).value for kind in self.kinds(len(rows)))
-        # the draft first catches up on what it has not seen (prompts, steps decoded without it):
-        # paid once, spread over the steps left (the rows' mean room, at most HORIZON tokens: a
-        # reply often ends at EOS long before max new tokens)
+        ar, spec = (self.costs.ratio(kind) for kind in self.kinds(len(rows)))
+        ratio_ar = ar.value
+        ratio_spec = spec.value if spec.seen else ar.value  # until a chain is timed, off as for AR
+        # the draft first catches up on what it has not seen (prompts, steps decoded without it)
         behind = sum(max(0, len(r.ctx.ids) - 2 - len(r.draft.cached)) for r in rows if r.draft is not None)
-        catch_up = (profile.draft(behind) or 0.0) * ratio_spec if behind > len(rows) else 0.0
-        room = max(1.0, min(HORIZON, sum(r.ctx.remaining for r in rows) / len(rows)))
+        room = sum(r.ctx.remaining for r in rows) / len(rows)
+        share = catch_up_per_token(profile, behind, len(rows), room, ratio_spec)
 
         def rate(g: int, alpha: float | None = None) -> float:
             gammas = [min(g, cap) for cap in caps]
             tokens = sum(chain_tokens(min(r.acceptance.alpha, 0.999) if alpha is None else alpha, k)
                          for r, k in zip(rows, gammas))
             ms = self.predicted_ms(gammas, context) * (ratio_spec if g else ratio_ar)
-            return tokens / (ms + (catch_up * tokens / len(rows) / room if g else 0.0))
+            return tokens / (ms + (tokens * share if g else 0.0))
 
         rates = {g: rate(g) for g in range(max(caps) + 1)}
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
@@ -112,13 +109,14 @@ class GammaPolicy:
         # pay, and only once the draft's catch-up costs no more than one autoregressive step
         ceiling = max((rate(g, 1.0) for g in rates if g > 0), default=0.0)
         could_pay = ceiling > rates[0] * (1.0 + self.margin)
-        cheap = catch_up <= self.predicted_ms([0] * len(rows), context) * ratio_ar
+        catch_up_ms = share * len(rows) * min(HORIZON, max(1.0, room))
+        cheap = catch_up_ms <= self.predicted_ms([0] * len(rows), context) * ratio_ar
         if best and self.since_spec >= self.probe_gap and could_pay and cheap:
             self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)
             return 1, "probe: speculation not expected to pay"
         if best and not could_pay:
             return 0, f"even a draft that always agreed would not pay at batch size {len(rows)}" + (
-                " (with the draft's catch-up)" if catch_up else "")
+                " (with the draft's catch-up)" if share else "")
         return 0, f"speculation not expected to pay ({rates[best] / rates[0]:.2f}x)" if best else "no draft"
 
     @staticmethod
