@@ -79,19 +79,20 @@ def figure(lengths: list[dict], sizes: list[dict], title: str) -> go.Figure:
     fig = make_subplots(rows=2, cols=2, subplot_titles=[
         "tokens/s vs prompt length (prefill included)", "KV cache (target + draft) vs prompt length",
         "tokens/s vs gamma (speculative)", "tokens/s vs node budget (opt-tree)"])
-    for method in dict.fromkeys(r["method"] for r in lengths):
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2"]
+    for method, color in zip(dict.fromkeys(r["method"] for r in lengths), palette * 4):
         pts = [r for r in lengths if r["method"] == method]
         xs = [r["prompt_tokens"] for r in pts]
         fig.add_scatter(x=xs, y=[r["tokens_per_s"] for r in pts], name=method, legendgroup=method,
-                        mode="lines+markers", row=1, col=1)
+                        mode="lines+markers", line=dict(color=color), row=1, col=1)
         fig.add_scatter(x=xs, y=[r["cache_mb"] for r in pts], name=method, legendgroup=method, showlegend=False,
-                        mode="lines+markers", row=1, col=2)
+                        mode="lines+markers", line=dict(color=color), row=1, col=2)
     ar = next((r["tokens_per_s"] for r in sizes if r["method"] == AR), None)
     for col, prefix, key in ((1, "speculative gamma=", "gamma"), (2, "opt-tree nodes=", "nodes")):
         pts = [r for r in sizes if r["method"].startswith(prefix)]
         xs = [int(r["method"].removeprefix(prefix)) for r in pts]
         fig.add_scatter(x=xs, y=[r["tokens_per_s"] for r in pts], name=prefix.split()[0] + f" by {key}",
-                        mode="lines+markers", row=2, col=col)
+                        mode="lines+markers", line=dict(color=palette[4 + col]), row=2, col=col)
         if ar and xs:
             fig.add_scatter(x=[min(xs), max(xs)], y=[ar, ar], mode="lines", line=dict(dash="dot", color="#777"),
                             name=AR, showlegend=col == 1, row=2, col=col)
