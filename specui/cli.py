@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 
 from specui.engine.methods import METHODS
@@ -242,8 +243,7 @@ def run_prompts(service: ChatService, settings: ChatSettings, args: argparse.Nam
                     break
         else:
             for g in generations:
-                for _ in service.stream(g):
-                    pass
+                deque(service.stream(g), maxlen=0)  # run it to the end
     except KeyboardInterrupt:
         cancel.set()
         for g in generations:

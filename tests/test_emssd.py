@@ -183,6 +183,12 @@ def test_cli_decodes_repeated_prompts_as_one_batch(tiny_dirs, capsys):
         assert [r["text"] for r in records] == singles
         assert all(r["stats"]["method"] == "ems-sd" and r["batch"]["size"] == 3 for r in records)
         assert (records[0]["batch"]["target"]["padding_ratio"] == 0) == (padding == "unpad")
+    args = [*base, "--method", "speculative"]  # other methods: one after another, the same lines
+    for p in prompts:
+        args += ["--prompt", p]
+    assert run_cli(build_parser().parse_args(args)) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["text"] for r in records] == singles and "batch" not in records[0]
 
 
 def test_a_request_that_cannot_fit_is_refused_and_the_batch_goes_on(engine32, monkeypatch):
