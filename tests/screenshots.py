@@ -21,53 +21,48 @@ def shoot(page: tb.Page, name: str, css: str | None = None) -> None:
     print("wrote", OUT / f"{name}.png")
 
 
-def dsbd_forest(page: tb.Page) -> None:
-    """A DSBD step in the step inspector: the forest, one tree per input beam."""
-    page.choose("method", "dsbd")
-    page.set_number("set-max_new_tokens", 40)
-    page.set_number("set-width", 2)
-    page.set_number("set-gamma", 2)
-    page.send("Name three colours of the rainbow.")
+def answer(page: tb.Page, method: str, message: str, **numbers: int) -> None:
+    """Send `message` with `method` and the settings `numbers` (set-<name>), wait for the reply."""
+    page.choose("method", method)
+    for name, value in numbers.items():
+        page.set_number(f"set-{name}", value)
+    page.send(message)
     page.wait_done(1, timeout=240)
     time.sleep(2)
-    page.set_number("step-slider", 2)
-    tb._wait_until(lambda: "step 2 ·" in page.find("#step-info").text, 30, "step 2")
+
+
+def open_step(page: tb.Page, n: int) -> None:
+    """Re-open step n of the last reply in the step inspector."""
+    page.set_number("step-slider", n)
+    tb._wait_until(lambda: f"step {n} ·" in page.find("#step-info").text, 30, f"step {n}")
     time.sleep(1)
-    page.driver.execute_script("document.querySelector('#step-tree').scrollIntoView()")
+
+
+def shoot_panel(page: tb.Page, name: str, css: str) -> None:
+    page.driver.execute_script(f"document.querySelector('{css}').scrollIntoView()")
     time.sleep(1)
-    shoot(page, "dsbd-forest", "#step-tree")
+    shoot(page, name, css)
+
+
+def dsbd_forest(page: tb.Page) -> None:
+    """A DSBD step in the step inspector: the forest, one tree per input beam."""
+    answer(page, "dsbd", "Name three colours of the rainbow.", max_new_tokens=40, width=2, gamma=2)
+    open_step(page, 2)
+    shoot_panel(page, "dsbd-forest", "#step-tree")
 
 
 def specdec_choices(page: tb.Page) -> None:
     """SpecDec++'s dynamic choices: the length chosen per step, the risk at the stop, H."""
-    page.choose("method", "specdec++")
-    page.set_number("set-max_new_tokens", 120)
-    page.send("Explain in three sentences how a rainbow forms.")
-    page.wait_done(1, timeout=240)
-    time.sleep(2)
-    page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
-    time.sleep(1)
-    shoot(page, "specdec-choices", "#choices")
+    answer(page, "specdec++", "Explain in three sentences how a rainbow forms.", max_new_tokens=120)
+    shoot_panel(page, "specdec-choices", "#choices")
 
 
 def mcsd_fork(page: tb.Page) -> None:
     """An MCSD fork step: W chains under the target's own token, the decision model's stop."""
-    page.choose("method", "mcsd")
-    page.set_number("set-max_new_tokens", 60)
-    page.set_number("set-width", 4)
-    page.set_number("set-gamma", 4)
-    page.send("Explain in three sentences how a rainbow forms.")
-    page.wait_done(1, timeout=240)
-    time.sleep(2)
-    page.set_number("step-slider", 3)
-    tb._wait_until(lambda: "step 3 ·" in page.find("#step-info").text, 30, "step 3")
-    time.sleep(1)
-    page.driver.execute_script("document.querySelector('#step-tree').scrollIntoView()")
-    time.sleep(1)
-    shoot(page, "mcsd-fork", "#step-tree")
-    page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
-    time.sleep(1)
-    shoot(page, "mcsd-choices", "#choices")
+    answer(page, "mcsd", "Explain in three sentences how a rainbow forms.", max_new_tokens=60, width=4, gamma=4)
+    open_step(page, 3)
+    shoot_panel(page, "mcsd-fork", "#step-tree")
+    shoot_panel(page, "mcsd-choices", "#choices")
 
 
 def ems_sd_batch(page: tb.Page, url: str) -> None:
@@ -77,9 +72,7 @@ def ems_sd_batch(page: tb.Page, url: str) -> None:
         tb.send_together([page, other], "ems-sd", 96,
                          ["Explain in three sentences how a rainbow forms.", "Write a short poem about the sea."])
         time.sleep(2)
-        page.driver.execute_script("document.querySelector('#choices').scrollIntoView()")
-        time.sleep(1)
-        shoot(page, "ems-sd-batch", "#choices")
+        shoot_panel(page, "ems-sd-batch", "#choices")
     finally:
         other.close()
 
@@ -101,15 +94,9 @@ def main() -> None:
         if sys.argv[1:] == ["ems-sd"]:
             ems_sd_batch(page, url)
             return
-        page.choose("method", "opt-tree")
-        page.set_number("set-max_new_tokens", 80)
-        page.send("Explain in three sentences how a rainbow forms.")
-        page.wait_done(1, timeout=240)
-        time.sleep(2)
+        answer(page, "opt-tree", "Explain in three sentences how a rainbow forms.", max_new_tokens=80)
         shoot(page, "chat-opt-tree")
-        page.set_number("step-slider", 3)
-        tb._wait_until(lambda: "step 3 ·" in page.find("#step-info").text, 30, "step 3")
-        time.sleep(1)
+        open_step(page, 3)
         page.driver.execute_script("document.querySelector('#step-slider').scrollIntoView()")
         time.sleep(1)
         shoot(page, "step-inspector")

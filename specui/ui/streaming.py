@@ -85,6 +85,23 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
     return ChatSettings(**{**base.__dict__, "method": method, **fields})
 
 
+def _arrivals(updates: queue.Queue, interval_s: float, final: Callable[[Any], bool]) -> Iterator[list]:
+    """What arrives on `updates`, in lists: each starts with the next item (waited for) and
+    takes whatever else arrives until `interval_s` after the previous list was handed over, or
+    until an item that is `final` (handed over at once)."""
+    last = 0.0
+    while True:
+        items = [updates.get()]
+        while not final(items[-1]):
+            wait = last + interval_s - time.perf_counter()
+            try:
+                items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
+            except queue.Empty:
+                break
+        last = time.perf_counter()
+        yield items
+
+
 def run_alternatives(
     service, submit: Callable[..., Future], messages: list, settings: ChatSettings, cancel: threading.Event,
     interval_s: float,
@@ -99,17 +116,9 @@ def run_alternatives(
     service.batch_loop(submit).join(*(
         Request(messages, replace(settings, seed=seed, replies=1), cancel, lambda item, k=k: updates.put((k, item)))
         for k, seed in enumerate(seeds)))
-    running, last = set(range(n)), 0.0
+    running = set(range(n))
     try:
-        while running:
-            items = [updates.get()]
-            while True:
-                wait = last + interval_s - time.perf_counter()
-                try:
-                    items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
-                except queue.Empty:
-                    break
-            last = time.perf_counter()
+        for items in _arrivals(updates, interval_s, lambda item: False):
             newest: dict[int, StepTrace] = {}
             for k, item in items:
                 if item is DONE or isinstance(item, BaseException):
@@ -119,6 +128,8 @@ def run_alternatives(
                 elif isinstance(item, StepTrace):
                     newest[k] = item
             yield from sorted(newest.items())
+            if not running:
+                return
     finally:
         cancel.set()
 
@@ -153,17 +164,8 @@ def run_in_background(
     else:
         job = submit(produce)
         job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
-    last = 0.0
     try:
-        while True:
-            items = [updates.get()]
-            while items[-1] is not DONE and not isinstance(items[-1], BaseException):
-                try:
-                    wait = last + interval_s - time.perf_counter()
-                    items.append(updates.get(timeout=wait) if wait > 0 else updates.get_nowait())
-                except queue.Empty:
-                    break
-            last = time.perf_counter()
+        for items in _arrivals(updates, interval_s, lambda item: item is DONE or isinstance(item, BaseException)):
             for item in items:
                 if isinstance(item, BaseException):
                     raise item
