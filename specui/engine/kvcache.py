@@ -10,9 +10,13 @@ as the new buffer, so DynamicLayer's own reorder/offload/batch methods keep work
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from specui.engine.attention import cache_dtype
 
 MIN_CAPACITY = 256
 
@@ -20,7 +24,8 @@ MIN_CAPACITY = 256
 class GrowingLayer(DynamicLayer):
     """A full-attention DynamicLayer backed by a buffer of shape (B, H, capacity, D)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, store_dtype: torch.dtype | None = None, **kwargs) -> None:
+        self.store_dtype = store_dtype  # None: the dtype of the keys/values it is given
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
         self._len = 0
@@ -50,11 +55,11 @@ class GrowingLayer(DynamicLayer):
         return 0 if self._kbuf is None else self._kbuf.shape[-2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.store_dtype or key_states.dtype, key_states.device
         # capacity 0: the first update allocates
         self.keys = torch.empty((*key_states.shape[:-2], 0, key_states.shape[-1]), dtype=self.dtype, device=self.device)
         self.values = torch.empty(
-            (*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=value_states.dtype, device=self.device
+            (*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=self.dtype, device=self.device
         )
         self.is_initialized = True
 
@@ -116,13 +121,16 @@ class GrowingLayer(DynamicLayer):
 
 class GrowingCache(DynamicCache):
     """DynamicCache whose full-attention layers are GrowingLayers; other layer kinds (sliding
-    window, linear attention, ...) keep DynamicCache's own layers."""
+    window, linear attention, ...) keep DynamicCache's own layers. The layers store keys and
+    values in the dtype the model's attention measurement chose (specui.engine.attention),
+    by default the model's own."""
 
     def __init__(self, config=None) -> None:
         super().__init__(config=config)
+        layer = partial(GrowingLayer, store_dtype=cache_dtype(config) if config is not None else None)
         if self.layer_class_to_replicate is DynamicLayer:
-            self.layer_class_to_replicate = GrowingLayer
-        self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+            self.layer_class_to_replicate = layer
+        self.layers = [layer() if type(existing) is DynamicLayer else existing for existing in self.layers]
 
     def nbytes(self) -> int:
         """Memory the cache's buffers hold (their capacity, not only the valid entries)."""

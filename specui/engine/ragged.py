@@ -40,6 +40,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specui.engine.attention import attention_configs
 from specui.engine.session import common_prefix
 from specui.errors import SpecUIError
 from specui.settings import PADDINGS
@@ -97,13 +98,6 @@ def ragged_attention(module, query, key, value, attention_mask, specui_layout: L
     else:
         out, _ = sdpa_attention_forward(module, q, key, value, lay.mask, **kwargs)  # (B, width, H, D)
     return out[lay.rows, lay.cols][None], None
-
-
-def attention_configs(model: PreTrainedModel) -> list:
-    """The config objects `model`'s modules read their attention implementation from."""
-    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
-               if c is not None and hasattr(c, "_attn_implementation")}
-    return list(configs.values())
 
 
 @contextmanager

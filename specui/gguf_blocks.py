@@ -1,0 +1,91 @@
+"""A GGUF's own 4-bit weights, as the groups SpecUI's int4 kernel takes.
+
+transformers loads a GGUF by dequantizing it (its packed path needs kernels from the hub).
+A Q4_0 / Q4_1 block is 32 consecutive inputs of one output row with one scale (and, Q4_1, one
+minimum) in float16: w = d * q + m (Q4_1) or d * (q - 8) (Q4_0), q in 0..15. That is exactly an
+int4 group (specui/quantize.py), so `--quantization int4` on a GGUF computes with the file's
+own weights, not a second rounding of the dequantized ones.
+
+Each block tensor is matched to the module whose dequantized weight it equals: as stored, or
+with the rows of llama's query/key permutation undone (llama.cpp's converter permutes them for
+its RoPE layout). A tensor that matches neither is left out, and that module is quantized
+from its loaded weight instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specui.quantize import GROUP, dequantize_groups
+
+Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q (N, K) in 0..15, scale, low (N, K / GROUP)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def decode_blocks(raw: torch.Tensor, kind: str) -> Groups:
+    """Q4_0 / Q4_1 blocks, raw bytes (N, K / 32 * block bytes), as int4 groups."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, BLOCK_BYTES[kind])
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float().reshape(rows, -1)
+    qs = blocks[:, -16:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=1).reshape(rows, -1)  # low nibbles are inputs 0-15
+    low = (blocks[:, 2:4].contiguous().view(torch.float16).float().reshape(rows, -1) if kind == "Q4_1"
+           else -8 * d)
+    return q, d, low
+
+
+def read_four_bit(path: str | Path) -> dict[str, Groups]:
+    """The file's Q4_0 / Q4_1 layer matrices by transformers module name, as int4 groups
+    (not yet matched to the loaded weights: see `matched`)."""
+    from gguf import GGUFReader
+
+    found: dict[str, Groups] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        kind = tensor.tensor_type.name
+        parts = tensor.name.split(".")
+        if kind not in BLOCK_BYTES or len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES:
+            continue
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        found[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = decode_blocks(raw, kind)
+    return found
+
+
+def _row_permutation(rows: int, heads: int) -> torch.Tensor:
+    """Row i of transformers' weight is row perm[i] of the file's (llama's reverse permute)."""
+    index = torch.arange(rows)
+    return index.reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def matched(groups: dict[str, Groups], model: torch.nn.Module) -> dict[str, Groups]:
+    """The groups whose dequantized weight equals the loaded module's, rows reordered where
+    the file stores llama's permuted query/key rows; others left out."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    modules = dict(model.named_modules())
+    out: dict[str, Groups] = {}
+    for name, (q, scale, low) in groups.items():
+        module = modules.get(name)
+        if not isinstance(module, torch.nn.Linear) or tuple(module.weight.shape) != tuple(q.shape):
+            continue
+        weight = module.weight.detach().float()
+        tolerance = 0.01 * float(weight.abs().max()) + 1e-6
+        candidates = [None]
+        if name.endswith(("q_proj", "k_proj")):
+            count = heads if name.endswith("q_proj") else kv_heads
+            if q.shape[0] % (2 * count) == 0 and q.shape[1] % GROUP == 0:
+                candidates.append(_row_permutation(q.shape[0], count))
+        for perm in candidates:
+            picked = (q, scale, low) if perm is None else (q[perm], scale[perm], low[perm])
+            if float((dequantize_groups(*picked) - weight).abs().max()) <= tolerance:
+                out[name] = picked
+                break
+    return out
