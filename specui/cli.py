@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "measures faster, for target and draft separately; cached)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     m.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="target quantization: int8 (weight-only int8 kernel, CPU), 8bit / 4bit (bitsandbytes); "
-                        "default none")
+                   help="target quantization: auto (default: int4 for a GGUF of 4-bit blocks on a CPU, its own "
+                        "weights; else none), int8 / int4 (weight-only CPU kernels), 8bit / 4bit (bitsandbytes)")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")
     m.add_argument("--specdec-head", default="default",
                    help="specdec++: the acceptance head folder ('default': the shipped one for the shipped draft; "
@@ -123,7 +123,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | No
     preset = get_preset(args.preset) if args.preset else None
     target_src = args.target or (preset.target if preset else DEFAULT_TARGET)
     draft_src = args.draft or (preset.draft if preset else "default")
-    quant = args.quantization or (preset.quantization if preset else "none")
+    quant = args.quantization or (preset.quantization if preset else "auto")
     return pair_specs(PairChoice(target_src, draft_src, quant, args.device, args.dtype, args.draft_quantization,
                                  args.trust_remote_code))
 

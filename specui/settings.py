@@ -50,7 +50,7 @@ class PairChoice:
 
     target: str
     draft: str = "default"
-    quantization: str = "none"
+    quantization: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
     draft_quantization: str = "none"

@@ -36,9 +36,77 @@ def test_every_method_and_peer_on_two_workloads(tiny_dirs, tmp_path):
         assert (tmp_path / f"{name}.html").is_file()
 
 
+def test_quantized_rows_pareto_and_quality_in_the_one_command(tiny_dirs, tmp_path, monkeypatch):
+    from specui.errors import SpecUIError
+
+    real = suite.load_bench
+
+    def load(args):  # a backend this machine lacks: refused at load, as bitsandbytes on a GGUF is
+        if args.quantization == "4bit":
+            raise SpecUIError("bitsandbytes cannot load this model here")
+        return real(args)
+
+    monkeypatch.setattr(suite, "load_bench", load)
+    argv = args(tiny_dirs, tmp_path, "--methods", "autoregressive,speculative:2,speculative:3", "--workloads", "chat",
+                "--quantizations", "none,int8,4bit", "--quality", "--quality-configs",
+                "autoregressive;beam:width=2;dsbd:width=2,gamma=2")
+    assert suite.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    quants = {(r["quantization"], r["method"]) for r in data["rows"]}
+    assert {("none", "autoregressive"), ("int8", "autoregressive"), ("int8", "speculative gamma=3")} <= quants
+    assert not any(q == "4bit" for q, _ in quants)
+    skipped = data["meta"]["skipped"]
+    assert any(s.startswith("quantization 4bit: bitsandbytes cannot load") for s in skipped)
+    assert any(s.startswith("llama.cpp: the target is not a GGUF") for s in skipped)
+    int8 = [r for r in data["rows"] if r["quantization"] == "int8"]
+    assert all(r["dtype"].endswith("+int8") for r in int8)
+    assert all(r["differs_from_autoregressive"] is not None for r in int8 if r["method"] != "autoregressive")
+    assert [p["name"] for p in data["quality"]] == ["autoregressive", "beam:width=2", "dsbd:width=2,gamma=2"]
+    assert all(p["tokens_per_s"] > 0 and p["loglik_per_token"] < 0 for p in data["quality"])
+    for name in ("speedup", "tokens-per-s", "specdec-pareto", "quality"):
+        assert (tmp_path / f"{name}.html").is_file(), name
+
+
+def test_llama_cpp_rows_run_the_same_prompts_when_installed(tiny_dirs, tmp_path, monkeypatch):
+    """llama.cpp is an optional extra: a stand-in module checks the rows' wiring (greedy
+    settings, threads, the reply cut at EOS and at the token limit)."""
+    import sys
+    import types
+
+    from specui.bench import llamacpp
+
+    seen = {}
+
+    class Llama:
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, draft_model, verbose):
+            seen.setdefault("threads", n_threads)
+            seen.setdefault("drafts", []).append(draft_model)
+
+        def generate(self, tokens, top_k, top_p, min_p, temp, repeat_penalty, reset):
+            assert (top_k, temp, reset) == (1, 0.0, True)
+            yield from [7, 8, 9, 2, 5]  # 2 is EOS
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = Llama
+    spec_mod = types.ModuleType("llama_cpp.llama_speculative")
+    spec_mod.LlamaPromptLookupDecoding = lambda num_pred_tokens: f"lookup {num_pred_tokens}"
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec_mod)
+    run = llamacpp.llama_cpp_runner(tmp_path / "m.gguf", {2}, threads=2)
+    assert run([1, 2, 3], 10)[0] == [7, 8, 9, 2] and run([1], 2)[0] == [7, 8]
+    llamacpp.llama_cpp_runner(tmp_path / "m.gguf", {2}, threads=2, lookup=True)
+    assert seen == {"threads": 2, "drafts": [None, "lookup 10"]}
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: object())
+    import torch
+
+    assert llamacpp.unavailable(tmp_path / "m.gguf", torch.device("cpu")) is None
+    assert "not a GGUF" in llamacpp.unavailable(None, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--methods", "autoregressive,warp-drive"], "unknown method 'warp-drive'"),
     (["--workloads", "poetry"], "unknown workload 'poetry'"),
+    (["--quantizations", "none,3bit"], "unknown quantization '3bit'"),
 ])
 def test_bad_input_is_refused_before_loading(tiny_dirs, tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.setattr(suite, "load_bench", lambda *a: pytest.fail("a model was loaded"))
@@ -87,3 +155,31 @@ def test_scaling_tables_by_prompt_length_gamma_and_nodes(tiny_dirs, tmp_path):
     sizes = {r["method"] for r in data["by_size"]}
     assert {"speculative gamma=1", "speculative gamma=3", "opt-tree nodes=4", "opt-tree nodes=8"} <= sizes
     assert (tmp_path / "scaling.html").is_file()
+
+
+def test_readme_block_is_regenerated_from_results(tmp_path, capsys):
+    from specui.bench import readme
+
+    out = tmp_path / "assets" / "bench"
+    out.mkdir(parents=True)
+    row = dict(method="autoregressive", dtype="bfloat16", workload="chat", quantization="none", tokens_per_s=20.0,
+               speedup=1.0, differs_from_autoregressive=None)
+    rows = [row, dict(row, method="auto", speedup=1.25, tokens_per_s=25.0, differs_from_autoregressive=1),
+            dict(row, quantization="int4", tokens_per_s=40.0)]
+    meta = dict(command="python -m specui.bench --quantizations none,int4", cpu="Test CPU", threads=2,
+                date="2026-11-23", limit=4, max_new_tokens=48, repeats=1, skipped=["llama.cpp: not installed"])
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, quality=[])))
+    (out / "speedup.png").write_bytes(b"png")
+    page = tmp_path / "README.md"
+    page.write_text("# T\n\nbefore\n<!-- measured:begin -->\nold\n<!-- measured:end -->\nafter\n")
+    assert readme.main([str(out), "--readme", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# T\n\nbefore\n") and text.endswith("after\n") and "old" not in text
+    assert "| row | dtype | chat | chat · int4 |" in text
+    assert "| auto | bfloat16 | 25.0 (1.25x) | - |" in text
+    assert "| autoregressive | bfloat16 | 20.0 (1.00x) | 40.0" in text
+    assert "python -m specui.bench --quantizations none,int4" in text and "Test CPU" in text
+    assert "Skipped: llama.cpp: not installed." in text
+    assert "![speed-up over autoregressive](assets/bench/speedup.png)" in text
+    assert readme.main([str(tmp_path / "nowhere"), "--readme", str(page)]) == 2
+    assert "run `python -m specui.bench" in capsys.readouterr().err

@@ -148,3 +148,38 @@ def test_the_bundled_gguf_runs_on_its_own_4bit_blocks(bundled_pair):
     with torch.no_grad():
         a, b = loaded.model(input_ids=ids).logits[0].float(), dense.model(input_ids=ids).logits[0]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85  # the same weights, computed in bfloat16
+
+
+def _gguf_with(path, kinds: dict[str, str]):
+    """A GGUF file holding one (16, 64) tensor per name, quantized as given (header test only)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    writer = GGUFWriter(str(path), "llama")
+    for name, kind in kinds.items():
+        w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+        qtype = getattr(GGMLQuantizationType, kind)
+        data = w if kind == "F32" else quants.quantize(w, qtype)
+        writer.add_tensor(name, data, raw_dtype=None if kind == "F32" else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_quantization_auto_is_int4_for_a_4bit_gguf_on_a_cpu_and_none_otherwise(tmp_path):
+    from specui.loading import resolve_quantization
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    four = _gguf_with(tmp_path / "four.gguf", {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"})
+    eight = _gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"})
+    spec = ModelSpec("x", quantization="auto")
+    resolved, note = resolve_quantization(spec, cpu, four, "target")
+    assert resolved.quantization == "int4" and "own 4-bit blocks (1 matrices)" in note
+    resolved, note = resolve_quantization(spec, cpu, eight, "target")
+    assert resolved.quantization == "none" and "(Q8_0) have no SpecUI kernel" in note
+    as_float32 = ModelSpec("x", dtype="float32", quantization="auto")
+    for args in ((spec, cpu, None), (spec, cuda, four), (as_float32, cpu, four)):
+        resolved, note = resolve_quantization(*args, "target")
+        assert resolved.quantization == "none" and note is None  # a folder, a GPU, float32 asked for
+    assert resolve_quantization(ModelSpec("x", quantization="int8"), cpu, four, "target")[0].quantization == "int8"

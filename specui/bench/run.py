@@ -305,7 +305,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--draft", default="default")
     ap.add_argument("--dtype", default="auto", help="auto (measured on CPU), float32, bfloat16, float16")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--quantization", default="none", help="target: none, int8 (CPU kernel), 8bit, 4bit")
+    ap.add_argument("--quantization", default="auto",
+                    help="target: auto (the app's default), none, int8 / int4 (CPU kernels), 8bit, 4bit")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -6,15 +6,22 @@
 Rows: our methods (name[:value] specs, as `specui.bench.run`; `all` = every method with
 its usual setting) and the peers on the same pair and prompts: transformers greedy
 `generate`, assisted generation (`assistant_model=`) with its default dynamic schedule and
-with a constant one, and prompt-lookup decoding (`prompt_lookup_num_tokens`). Workloads are
-prompt sets: chat (the held-out prompts), code (complete / fix a given snippet) and summary
-(summarize / rewrite a given text): the last two copy from the prompt, which drafts love.
+with a constant one, prompt-lookup decoding (`prompt_lookup_num_tokens`), and llama.cpp on
+the same GGUF when it is installed (specui/bench/llamacpp.py). Workloads are prompt sets:
+chat (the held-out prompts), code (complete / fix a given snippet) and summary (summarize /
+rewrite a given text): the last two copy from the prompt, which drafts love.
+`--quantizations none,int4,...` repeats every row on each quantized target (a backend that
+cannot run here is skipped with its reason); "differs from AR" compares with autoregressive
+decoding of the same quantized target. `--quality` adds DSBD's throughput-vs-quality grid
+(temperature 1, specui.bench.quality) on the chat prompts.
 
-Writes DIR/results.json (one row per workload x method) and plotly figures (HTML, and PNG
-where a Chromium is found): speed-up bars, accepted-length histograms, time split per step.
+Writes DIR/results.json (one row per quantization x workload x method) and plotly figures
+(HTML, and PNG where a Chromium is found): speed-up bars, tokens/s bars, accepted-length
+histograms, time split per step, SpecDec++'s discard-vs-verification Pareto plot (from the
+speculative and specdec++ rows) and, with --quality, DSBD's quality-vs-throughput plot.
 Ctrl-C keeps what was measured (the rounds finished so far, marked interrupted). An unknown
-method or workload, or an output folder that cannot be written, is refused before any model
-loads."""
+method, workload or quantization, or an output folder that cannot be written, is refused
+before any model loads."""
 
 from __future__ import annotations
 
@@ -28,10 +35,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specui.bench import quality
+from specui.bench.llamacpp import LLAMA_CPP, llama_cpp_runner, unavailable
+from specui.bench.png import html_to_png
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, load_prompts
 from specui.bench.run import (
     AR,
     Row,
+    Sample,
     bench,
     bench_prompts,
     common_parser,
@@ -41,29 +52,41 @@ from specui.bench.run import (
     to_json,
     transformers_generate,
 )
+from specui.bench.specdec import pareto_figure
 from specui.bench.suite_figures import write_figures
 from specui.engine import METHODS
 from specui.engine.profile import cpu_model
+from specui.engine.sampling import SamplingConfig
 from specui.errors import SpecUIError
+from specui.loading import DTYPES, QUANTIZATIONS, gguf_path
 
 ALL = ["autoregressive", "auto", "speculative:2", "speculative:4", "specdec++", "tree:eagle-25", "opt-tree:25",
        "mcsd", "lookup", "dsbd:2", "beam:2"]
 WORKLOADS = {"chat": HELDOUT, "code": PROMPTS_DIR / "code.jsonl", "summary": PROMPTS_DIR / "summary.jsonl"}
 PEERS = ("transformers greedy", "transformers assisted", "transformers assisted constant",
          "transformers prompt lookup")
+QUALITY_GRID = ("autoregressive;beam:width=2;dsbd:width=2,gamma=2;dsbd:width=2,gamma=3,memory_mode=1;"
+                "speculative:gamma=3")
 
 
 def parser() -> argparse.ArgumentParser:
     ap = common_parser(__doc__.splitlines()[0])
     ap.add_argument("--methods", default="all", help=f"'all' ({','.join(ALL)}) or a comma list of method specs")
     ap.add_argument("--workloads", default="chat,code,summary", help=f"comma list of: {', '.join(WORKLOADS)}")
-    ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate rows")
+    ap.add_argument("--no-peers", action="store_true", help="skip the peers' rows (transformers, llama.cpp)")
+    ap.add_argument("--quantizations", default=None,
+                    help=f"comma list of target quantizations, each a set of rows ({', '.join(QUANTIZATIONS)}), "
+                         "each optionally @DTYPE (e.g. none@float32); default: --quantization")
+    ap.add_argument("--quality", action="store_true",
+                    help="also DSBD's throughput-vs-quality grid (temperature 1) on the chat prompts")
+    ap.add_argument("--quality-configs", default=QUALITY_GRID, help="';'-separated grid for --quality")
     ap.add_argument("--out", type=Path, default=Path("out/bench"))
     return ap
 
 
-def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path]]:
-    """Method specs and workload files, refused with a clear message before any model loads."""
+def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path], list[str]]:
+    """Method specs, workload files and quantizations, refused with a clear message before
+    any model loads."""
     specs = ALL if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     for spec in specs:
         name, _ = parse_method(spec)
@@ -78,6 +101,18 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path]]:
     if args.prompts != str(HELDOUT):  # an explicit prompt file is the chat workload
         load_prompts(Path(args.prompts), 1)
         workloads = {"custom": Path(args.prompts)}
+    quants = [q.strip() for q in (args.quantizations or args.quantization).split(",") if q.strip()]
+    for quant in quants:
+        name, _, dtype = quant.partition("@")
+        if name not in QUANTIZATIONS:
+            raise SpecUIError(f"unknown quantization {name!r}; choose from: {', '.join(QUANTIZATIONS)}")
+        if dtype and dtype not in DTYPES:
+            raise SpecUIError(f"unknown dtype {dtype!r} in {quant!r}; choose from: {', '.join(DTYPES)}")
+    if args.quality:
+        for config in args.quality_configs.split(";"):
+            name, params = quality.parse_config(config)
+            if name not in METHODS:
+                raise SpecUIError(f"unknown method {name!r} in --quality-configs")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 1:
         raise SpecUIError("--repeats, --max-new-tokens and --limit must be >= 1")
     try:
@@ -87,7 +122,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path]]:
         probe.unlink()
     except OSError as e:
         raise SpecUIError(f"cannot write to {args.out}: {e}") from None
-    return specs, workloads
+    return specs, workloads, quants or ["none"]
 
 
 def peer_rows(pair, gamma: int) -> list[Row]:
@@ -102,15 +137,32 @@ def peer_rows(pair, gamma: int) -> list[Row]:
     return rows
 
 
+def llama_cpp_runners(pair) -> tuple[list[tuple[str, object]], str | None]:
+    """llama.cpp's greedy and prompt-lookup runners on the target's GGUF, or why there are none."""
+    gguf = gguf_path(pair.target.spec)
+    why = unavailable(gguf, pair.target.device)
+    if why:
+        return [], why
+    eos, threads = set(pair.engine().eos_ids), torch.get_num_threads()
+    return [(LLAMA_CPP, llama_cpp_runner(gguf, eos, threads)),
+            (f"{LLAMA_CPP} prompt lookup", llama_cpp_runner(gguf, eos, threads, lookup=True))], None
+
+
+def runner_row(name: str, runner) -> Row:
+    return Row(name, "gguf", lambda prompt, n: Sample(*runner(prompt, n)))
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far (Linux: ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_workload(pair, specs: list[str], prompts: list[list[int]], args, bar: tqdm) -> tuple[list[Row], bool]:
+def run_workload(pair, specs: list[str], prompts: list[list[int]], args, bar: tqdm,
+                 runners: list[tuple[str, object]]) -> tuple[list[Row], bool]:
     """Bench the rows on one workload; (rows, interrupted)."""
     usable = [s for s in specs if not (parse_method(s)[0] == "specdec++" and pair.head.head is None)]
     rows = make_rows(pair, usable, 2, False) + ([] if args.no_peers else peer_rows(pair, 4))
+    rows += [runner_row(name, runner) for name, runner in runners]
     try:
         bench(rows, prompts, args.max_new_tokens, args.repeats, say=bar.write, progress=lambda: bar.update(1))
         return rows, False
@@ -135,37 +187,83 @@ def settings_of(name: str) -> dict:
     return dict(p.split("=", 1) for p in parts[1:] if "=" in p)
 
 
+def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: bool):
+    """Every workload's rows on the target quantized as args.quantization; with `first`,
+    llama.cpp's rows and the --quality grid too. -> (result rows, skipped, interrupted, quality points)."""
+    quant, skipped = args.quantization, []
+    args.quantization, _, dtype = quant.partition("@")
+    args.dtype = dtype or args.base_dtype
+    args.prompts = str(next(iter(workloads.values())))
+    try:
+        pair, prompts = load_bench(args)
+    except SpecUIError as e:
+        return [], [f"quantization {quant}: {e}"], False, []
+    if pair.head.head is None and "specdec++" in [parse_method(s)[0] for s in specs]:
+        skipped.append(f"specdec++: {pair.head.problem}")
+    runners, why = llama_cpp_runners(pair) if first and not args.no_peers else ([], None)
+    skipped += [why] if why else []
+    results, interrupted = [], False
+    for i, (workload, path) in enumerate(workloads.items()):
+        if i:
+            prompts = bench_prompts(pair.target.tokenizer, path, args.limit)
+        n_rows = len(specs) + (0 if args.no_peers else len(PEERS)) + len(runners)
+        with tqdm(total=n_rows * len(prompts) * args.repeats, desc=f"bench {workload} ({quant})", unit="reply") as bar:
+            rows, interrupted = run_workload(pair, specs, prompts, args, bar, runners)
+        rows = complete_rounds(rows, len(prompts)) if interrupted else rows
+        if rows and any(r.name == AR for r in rows):
+            results += [dict(row, workload=workload, quantization=quant, settings=settings_of(row["method"]),
+                             process_peak_rss_mb=round(peak_rss_mb())) for row in to_json(rows)]
+        if interrupted:
+            return results, skipped, True, []
+    points = []
+    if first and args.quality:
+        chat = bench_prompts(pair.target.tokenizer, next(iter(workloads.values())), args.limit)
+        points = quality.measure(pair, args.quality_configs.split(";"), chat, args.max_new_tokens, args.repeats,
+                                 SamplingConfig(1.0))
+    return results, skipped, False, points
+
+
+def write_pareto_figures(results: list[dict], points: list, out: Path, subtitle: str) -> None:
+    """SpecDec++'s D/N vs V/N plot from the first workload's rows, and DSBD's quality plot."""
+    first = [r for r in results if (r["workload"], r["quantization"]) == (results[0]["workload"],
+                                                                         results[0]["quantization"])] if results else []
+    if sum(r["method"].startswith(("speculative", "specdec++")) for r in first) >= 2:
+        fig = pareto_figure(first, f"SpecDec++ vs fixed gamma ({first[0]['workload']}): {subtitle}")
+        fig.write_html(out / "specdec-pareto.html", include_plotlyjs="cdn")
+        html_to_png(fig, out / "specdec-pareto.png")
+    if points:
+        fig = quality.figure(points, f"DSBD: throughput vs quality (temperature 1): {subtitle}")
+        fig.write_html(out / "quality.html", include_plotlyjs="cdn")
+        html_to_png(fig, out / "quality.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        specs, workloads = check_args(args)
+        specs, workloads, quants = check_args(args)
     except SpecUIError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results, skipped, interrupted = [], [], False
-    pair = None
-    for workload, path in workloads.items():
-        args.prompts = str(path)
-        if pair is None:
-            pair, prompts = load_bench(args)
-            if pair.head.head is None and "specdec++" in [parse_method(s)[0] for s in specs]:
-                skipped.append(f"specdec++: {pair.head.problem}")
-        else:
-            prompts = bench_prompts(pair.target.tokenizer, path, args.limit)
-        n_rows = len(specs) + (0 if args.no_peers else len(PEERS))
-        with tqdm(total=n_rows * len(prompts) * args.repeats, desc=f"bench {workload}", unit="reply") as bar:
-            rows, interrupted = run_workload(pair, specs, prompts, args, bar)
-        rows = complete_rounds(rows, len(prompts)) if interrupted else rows
-        if rows and any(r.name == AR for r in rows):
-            results += [dict(row, workload=workload, settings=settings_of(row["method"]),
-                             process_peak_rss_mb=round(peak_rss_mb())) for row in to_json(rows)]
+    results, skipped, interrupted, points = [], [], False, []
+    args.base_dtype = args.dtype
+    for i, quant in enumerate(quants):
+        args.quantization = quant
+        rows, skipped_here, interrupted, found = run_quantization(args, specs, workloads, first=i == 0)
+        results, skipped, points = results + rows, skipped + skipped_here, points or found
+        for line in skipped_here:
+            print(f"skipped: {line}", file=sys.stderr)
         if interrupted:
             break
-    meta = dict(cpu=cpu_model(), device=str(pair.target.device) if pair else None, date=time.strftime("%Y-%m-%d"),
-                max_new_tokens=args.max_new_tokens, limit=args.limit, repeats=args.repeats, interrupted=interrupted,
-                skipped=skipped, joules_per_token="not measured (CPU)" if not torch.cuda.is_available() else None,
+    meta = dict(cpu=cpu_model(), device="cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+                date=time.strftime("%Y-%m-%d"), max_new_tokens=args.max_new_tokens, limit=args.limit,
+                repeats=args.repeats, quantizations=quants, interrupted=interrupted, skipped=skipped,
+                threads=torch.get_num_threads(),
+                joules_per_token="not measured (CPU)" if not torch.cuda.is_available() else None,
                 command="python -m specui.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
-    (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
-    write_figures(results, args.out, f"{cpu_model()}, {meta['date']}")
+    quality_rows = [p.__dict__ for p in points]
+    (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=results, quality=quality_rows), indent=1))
+    subtitle = f"{cpu_model()}, {meta['date']}"
+    write_figures(results, args.out, subtitle)
+    write_pareto_figures(results, points, args.out, subtitle)
     print(f"wrote {args.out}/results.json and figures ({len(results)} rows){' [interrupted]' if interrupted else ''}")
     return 130 if interrupted else 0

@@ -11,18 +11,36 @@ import plotly.graph_objects as go
 from specui.bench.png import html_to_png
 
 
-def speedup_figure(rows: list[dict], subtitle: str) -> go.Figure:
+def group(row: dict) -> str:
+    """A row's bar group: its workload, and its target quantization where it has one."""
+    quant = row.get("quantization", "none")
+    return row["workload"] if quant == "none" else f"{row['workload']} · {quant}"
+
+
+def _bars(rows: list[dict], key: str, unit: str) -> go.Figure:
     fig = go.Figure()
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        part = [r for r in rows if r["workload"] == workload]
-        fig.add_bar(x=[r["method"] for r in part], y=[r["speedup"] for r in part], name=workload,
-                    error_y=dict(type="data", symmetric=False, array=[r["speedup_max"] - r["speedup"] for r in part],
-                                 arrayminus=[r["speedup"] - r["speedup_min"] for r in part]),
-                    hovertemplate="%{x}: %{y:.2f}x<extra>" + workload + "</extra>")
+    for name in dict.fromkeys(group(r) for r in rows):
+        part = [r for r in rows if group(r) == name]
+        fig.add_bar(x=[r["method"] for r in part], y=[r[key] for r in part], name=name,
+                    error_y=dict(type="data", symmetric=False, array=[r[f"{key}_max"] - r[key] for r in part],
+                                 arrayminus=[r[key] - r[f"{key}_min"] for r in part]),
+                    hovertemplate="%{x}: %{y:.2f}" + unit + "<extra>" + name + "</extra>")
+    return fig
+
+
+def speedup_figure(rows: list[dict], subtitle: str) -> go.Figure:
+    fig = _bars(rows, "speedup", "x")
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
-    fig.update_layout(title=f"Speed-up over autoregressive (median of rounds, min-max bars): {subtitle}",
-                      barmode="group", yaxis_title="tokens/s vs autoregressive", width=1100, height=520,
-                      xaxis_tickangle=-30)
+    fig.update_layout(title=f"Speed-up over autoregressive of the same target (median of rounds, min-max bars): "
+                            f"{subtitle}", barmode="group", yaxis_title="tokens/s vs autoregressive", width=1100,
+                      height=520, xaxis_tickangle=-30)
+    return fig
+
+
+def rate_figure(rows: list[dict], subtitle: str) -> go.Figure:
+    fig = _bars(rows, "tokens_per_s", " tok/s")
+    fig.update_layout(title=f"Tokens/s (median of rounds, min-max bars): {subtitle}", barmode="group",
+                      yaxis_title="tokens/s", width=1100, height=520, xaxis_tickangle=-30)
     return fig
 
 
@@ -54,8 +72,8 @@ def split_figure(rows: list[dict], subtitle: str) -> go.Figure:
 
 def write_figures(rows: list[dict], out: Path, subtitle: str) -> list[Path]:
     written = []
-    for name, build in (("speedup", speedup_figure), ("accepted-lengths", lengths_figure),
-                        ("time-split", split_figure)):
+    for name, build in (("speedup", speedup_figure), ("tokens-per-s", rate_figure),
+                        ("accepted-lengths", lengths_figure), ("time-split", split_figure)):
         fig = build(rows, subtitle)
         html = out / f"{name}.html"
         fig.write_html(html, include_plotlyjs="cdn")

@@ -120,7 +120,7 @@ class ChatAPI:
             yield answer()
         yield answer()
 
-    def load_models(self, target: str, draft: str = "default", quantization: str = "none",
+    def load_models(self, target: str, draft: str = "default", quantization: str = "auto",
                     device: str = "auto", dtype: str = "auto") -> dict:
         """Load a target (hub id, folder, .gguf or bundled:smollm2) and a draft ('default', 'none',
         or a model) in dtype auto (measured on CPU), float32, bfloat16 or float16; on failure the

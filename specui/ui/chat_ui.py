@@ -389,7 +389,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     draft = gr.Textbox(label="draft", value="default", elem_id="draft",
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")
                     quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
-                                     label="quantization (target, bitsandbytes)")
+                                     label="quantization (target)", info="auto: a GGUF's own 4-bit weights on "
+                                     "a CPU; int8/int4: CPU kernels; 8bit/4bit: bitsandbytes")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device")
                     dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
                                         elem_id="dtype", info="auto: measured on CPU (float32 or bfloat16, "
