@@ -59,7 +59,7 @@ def test_quantized_rows_pareto_and_quality_in_the_one_command(tiny_dirs, tmp_pat
     assert any(s.startswith("quantization 4bit: bitsandbytes cannot load") for s in skipped)
     assert any(s.startswith("llama.cpp: the target is not a GGUF") for s in skipped)
     int8 = [r for r in data["rows"] if r["quantization"] == "int8"]
-    assert all(r["dtype"].endswith("+int8") for r in int8)
+    assert all("+int8" in r["dtype"] for r in int8)
     assert all(r["differs_from_autoregressive"] is not None for r in int8 if r["method"] != "autoregressive")
     assert [p["name"] for p in data["quality"]] == ["autoregressive", "beam:width=2", "dsbd:width=2,gamma=2"]
     assert all(p["tokens_per_s"] > 0 and p["loglik_per_token"] < 0 for p in data["quality"])

@@ -213,10 +213,14 @@ def correlation(xs: list[float], ys: list[float]) -> float:
     return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
 
 
-def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> list[Row]:
+def target_dtype(pair: ModelPair) -> str:
+    """The target's dtype as the tables show it, with its quantization (e.g. bfloat16+int4)."""
     t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
-    if pair.target.spec.quantization != "none":
-        t_dtype += f"+{pair.target.spec.quantization}"
+    return t_dtype if pair.target.spec.quantization == "none" else f"{t_dtype}+{pair.target.spec.quantization}"
+
+
+def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> list[Row]:
+    t_dtype = target_dtype(pair)
     d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
     pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
     rows = []

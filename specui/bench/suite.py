@@ -49,6 +49,7 @@ from specui.bench.run import (
     load_bench,
     make_rows,
     parse_method,
+    target_dtype,
     to_json,
     transformers_generate,
 )
@@ -127,7 +128,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path], li
 
 def peer_rows(pair, gamma: int) -> list[Row]:
     """The four transformers rows on the same pair (greedy)."""
-    t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
+    t_dtype = target_dtype(pair)
     rows = [Row(PEERS[0], t_dtype, transformers_generate(pair))]
     if pair.draft is not None:
         rows.append(Row(PEERS[1], t_dtype, transformers_generate(pair, assistant_model=pair.draft.model)))
