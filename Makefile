@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
 
-.PHONY: setup setup-test browser run cli test lint bench clean
+.PHONY: setup setup-test browser run cli test lint bench measured clean
 
 setup: $(VENV)/.runtime
 
@@ -41,6 +41,13 @@ test: setup-test
 
 bench: setup
 	$(PY) -m specui.bench.run $(ARGS)
+
+# Every method and peer on this machine, then README's generated "Measured" block from it.
+MEASURED ?= --methods all --workloads chat,code,summary --quantizations int4,none --limit 4 \
+	--max-new-tokens 48 --repeats 1 --quality --out assets/bench/all
+measured: setup
+	$(PY) -m specui.bench $(MEASURED)
+	$(PY) -m specui.bench.readme assets/bench/all
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -183,3 +183,45 @@ def test_readme_block_is_regenerated_from_results(tmp_path, capsys):
     assert "![speed-up over autoregressive](assets/bench/speedup.png)" in text
     assert readme.main([str(tmp_path / "nowhere"), "--readme", str(page)]) == 2
     assert "run `python -m specui.bench" in capsys.readouterr().err
+
+
+def test_energy_counter_reads_nvml_and_says_why_not(monkeypatch):
+    import ctypes
+
+    import torch
+
+    from specui.bench import energy
+    from specui.bench.run import Row, Sample
+
+    class FakeNvml:
+        def __init__(self):
+            self.mj = 1000
+
+        def nvmlInit_v2(self):
+            return 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+            handle._obj.value = 7
+            return 0
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle, value):
+            self.mj += 2500
+            value._obj.value = self.mj
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeNvml())
+    counter = energy.EnergyCounter()
+    assert counter.problem is None and counter.read_mj() - counter.read_mj() == -2500
+
+    def missing(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert energy.EnergyCounter().problem == "NVML library not found"
+    meter = energy.ReplyMeter(torch.device("cpu"))
+    meter.start()
+    assert meter.stop() == energy.Reading() and meter.note == "not measured (CPU)"
+    row = Row("r", "x", None, rounds=[[Sample([1, 2], 1.0, joules=3.0, peak_mb=10.0), Sample([3, 4], 1.0, joules=1.0,
+                                                                                            peak_mb=12.0)]])
+    assert row.joules_per_token == 1.0 and row.peak_mb == 12.0
+    assert Row("r", "x", None, rounds=[[Sample([1], 1.0)]]).joules_per_token is None

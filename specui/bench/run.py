@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from specui.bench.energy import ReplyMeter
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.chat import build_prompt
 from specui.engine import GenerationRequest, make_method
@@ -61,6 +62,8 @@ class Sample:
     lengths: list[int] = field(default_factory=list)  # tokens each step committed (accepted length histograms)
     prefill_s: float = 0.0  # of `seconds`, the prompt's prefill (our methods)
     cache_mb: float = 0.0  # KV-cache buffers held at the end, target + draft (our methods)
+    joules: float | None = None  # GPU energy of the reply (NVML, CUDA only)
+    peak_mb: float | None = None  # peak device memory allocated during the reply (CUDA only)
 
 
 @dataclass
@@ -113,6 +116,18 @@ class Row:
         draft = sum(s.draft_ms for s in self.all_samples) / steps
         verify = sum(s.verify_ms for s in self.all_samples) / steps
         return draft, verify, sum(s.step_ms for s in self.all_samples) / steps - draft - verify
+
+    @property
+    def joules_per_token(self) -> float | None:
+        samples = self.all_samples
+        if not samples or any(s.joules is None for s in samples):
+            return None
+        return sum(s.joules for s in samples) / max(1, sum(len(s.output) for s in samples))
+
+    @property
+    def peak_mb(self) -> float | None:
+        peaks = [s.peak_mb for s in self.all_samples if s.peak_mb is not None]
+        return max(peaks) if peaks else None
 
     def divergent(self, base: Row) -> int:
         """Prompts whose reply (first round) differs from the base row's."""
@@ -239,9 +254,11 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
 
 
 def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
-          say: Callable[[str], None] = print, progress: Callable[[], None] | None = None) -> None:
+          say: Callable[[str], None] = print, progress: Callable[[], None] | None = None,
+          meter: ReplyMeter | None = None) -> None:
     """Warm every row up, then run `repeats` rounds, interleaving rows prompt by prompt
-    (`progress` is called after every reply)."""
+    (`progress` is called after every reply; `meter` reads each reply's energy and peak
+    memory on CUDA)."""
     for row in rows:
         row.run(prompts[0], 8)
     for r in range(repeats):
@@ -250,7 +267,13 @@ def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
         for i, prompt in enumerate(prompts):
             shift = (r + i) % len(rows)  # rotate the order: no row always runs first
             for row in rows[shift:] + rows[:shift]:
-                row.rounds[r].append(row.run(prompt, n))
+                if meter is not None:
+                    meter.start()
+                sample = row.run(prompt, n)
+                if meter is not None:
+                    reading = meter.stop()
+                    sample.joules, sample.peak_mb = reading.joules, reading.peak_mb
+                row.rounds[r].append(sample)
                 if progress is not None:
                     progress()
         say(f"round {r + 1}/{repeats}: " + ", ".join(f"{row.name} {row.round_rate(r):.1f}" for row in rows))
@@ -298,6 +321,7 @@ def to_json(rows: list[Row]) -> list[dict]:
                         draft_ms_per_step=split[0] if split else None, verify_ms_per_step=split[1] if split else None,
                         other_ms_per_step=split[2] if split else None,
                         differs_from_autoregressive=None if row is base else row.divergent(base),
+                        joules_per_token=row.joules_per_token, peak_memory_mb=row.peak_mb,
                         rounds=[[asdict(s) | {"output": None} for s in samples] for samples in row.rounds]))
     return out
 

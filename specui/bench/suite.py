@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from specui.bench import quality
+from specui.bench.energy import ReplyMeter
 from specui.bench.llamacpp import LLAMA_CPP, llama_cpp_runner, unavailable
 from specui.bench.png import html_to_png
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, load_prompts
@@ -165,7 +166,8 @@ def run_workload(pair, specs: list[str], prompts: list[list[int]], args, bar: tq
     rows = make_rows(pair, usable, 2, False) + ([] if args.no_peers else peer_rows(pair, 4))
     rows += [runner_row(name, runner) for name, runner in runners]
     try:
-        bench(rows, prompts, args.max_new_tokens, args.repeats, say=bar.write, progress=lambda: bar.update(1))
+        bench(rows, prompts, args.max_new_tokens, args.repeats, say=bar.write, progress=lambda: bar.update(1),
+              meter=ReplyMeter(pair.target.device))
         return rows, False
     except KeyboardInterrupt:
         bar.write("interrupted: keeping the rounds measured so far")
@@ -255,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped: {line}", file=sys.stderr)
         if interrupted:
             break
-    meta = dict(cpu=cpu_model(), device="cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+    meta_device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    gpu = f" ({torch.cuda.get_device_name()})" if meta_device == "cuda" else ""
+    meta = dict(cpu=cpu_model(), device=meta_device + gpu,
                 date=time.strftime("%Y-%m-%d"), max_new_tokens=args.max_new_tokens, limit=args.limit,
                 repeats=args.repeats, quantizations=quants, interrupted=interrupted, skipped=skipped,
                 threads=torch.get_num_threads(),
-                joules_per_token="not measured (CPU)" if not torch.cuda.is_available() else None,
+                joules_per_token=ReplyMeter(torch.device(meta_device)).note,
                 command="python -m specui.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     quality_rows = [p.__dict__ for p in points]
     (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=results, quality=quality_rows), indent=1))
