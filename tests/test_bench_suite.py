@@ -176,7 +176,7 @@ def test_readme_block_is_regenerated_from_results(tmp_path, capsys):
     text = page.read_text()
     assert text.startswith("# T\n\nbefore\n") and text.endswith("after\n") and "old" not in text
     assert "| row | dtype | chat | chat · int4 |" in text
-    assert "| auto | bfloat16 | 25.0 (1.25x) | - |" in text
+    assert "| auto | bfloat16 | 25.0 (1.25x, 1≠) | - |" in text and "n≠: of the 4 greedy replies" in text
     assert "| autoregressive | bfloat16 | 20.0 (1.00x) | 40.0" in text
     assert "python -m specui.bench --quantizations none,int4" in text and "Test CPU" in text
     assert "Skipped: llama.cpp: not installed." in text
