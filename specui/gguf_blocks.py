@@ -42,13 +42,19 @@ def decode_blocks(raw: torch.Tensor, kind: str) -> Groups:
     return q, d, low
 
 
-def read_four_bit(path: str | Path) -> dict[str, Groups]:
-    """The file's Q4_0 / Q4_1 layer matrices by transformers module name, as int4 groups
-    (not yet matched to the loaded weights: see `matched`)."""
+def open_gguf(path: str | Path):
+    """The `gguf` package's reader over the file (header parsed, weights memory-mapped): one
+    per load, shared by `block_types` and `read_four_bit`."""
     from gguf import GGUFReader
 
+    return GGUFReader(str(path))
+
+
+def read_four_bit(reader) -> dict[str, Groups]:
+    """The file's Q4_0 / Q4_1 layer matrices by transformers module name, as int4 groups
+    (not yet matched to the loaded weights: see `matched`)."""
     found: dict[str, Groups] = {}
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         parts = tensor.name.split(".")
         if kind not in BLOCK_BYTES or len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES:
@@ -58,12 +64,10 @@ def read_four_bit(path: str | Path) -> dict[str, Groups]:
     return found
 
 
-def block_types(path: str | Path) -> dict[str, int]:
-    """How many tensors of each GGML type the file holds (reads the header, not the weights)."""
-    from gguf import GGUFReader
-
+def block_types(reader) -> dict[str, int]:
+    """How many tensors of each GGML type the file holds (from the header, not the weights)."""
     counts: dict[str, int] = {}
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in reader.tensors:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     return counts
 

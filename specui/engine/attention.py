@@ -17,17 +17,18 @@ masks are SDPA's: the attention is registered with SDPA's mask function.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specui.engine.timing import median_ms
+
 ATTENTION = "specui"
 CACHE_KEY, GROUPED_KEY = "specui_cache_dtype", "specui_grouped_max_query"
 QUERY_SIZES = (1, 4, 16)  # query lengths timed at load: a decode token, a chain, a tree
 CONTEXT = 512  # keys in the timed calls
+REPEATS = 15  # timed calls per option (median)
 MARGIN = 0.8  # an option must take at most this share of the current one's time to replace it
 
 
@@ -72,14 +73,6 @@ def _grouped(query, key, value, attention_mask, scaling: float) -> torch.Tensor:
     return (probs @ value).view(b, h, q, d).transpose(1, 2)
 
 
-def _time(fn, repeats: int = 20) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
-
-
 def _timings(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
              device: torch.device) -> dict[int, tuple[float, float]]:
     """Per query length: (SDPA s, grouped s) for a `dtype` query over a cache of `cache_dtype`,
@@ -100,7 +93,7 @@ def _timings(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, cache
         def grouped(query=query, mask=mask):
             return _grouped(query.to(cache_dtype), key, value, mask, head_dim ** -0.5).to(dtype)
 
-        out[q] = (_time(sdpa), _time(grouped))
+        out[q] = (median_ms(sdpa, device, REPEATS) / 1000, median_ms(grouped, device, REPEATS) / 1000)
     return out
 
 

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specui.engine.session import ModelSession
+from specui.engine.timing import median_ms
 from specui.engine.tree import TokenTree
 
 TARGET_KS = (1, 2, 4, 8, 16, 32, 64)
@@ -196,19 +196,6 @@ def get_profile(
 
 
 # -- measuring -------------------------------------------------------------------------------
-def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
-
-
 def _forward_ms(session: ModelSession, context: int, width: int, repeats: int) -> float:
     """ms to feed `width` tokens in one forward after `context` cached ones, as the engine
     does: width 1 is a decode step (the last committed token alone); width k > 1 is that
@@ -226,7 +213,7 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int) -
             session.forward_tree(ids, star)
             session.commit_path(star, [])
 
-    return _timed(run, session.device, repeats)
+    return median_ms(run, session.device, repeats)
 
 
 def measure_profile(

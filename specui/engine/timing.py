@@ -1,0 +1,24 @@
+"""Timing a small piece of work on the device it runs on (the cost profile, attention choices)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median milliseconds of `repeats` calls of `fn` after one warm-up call, the device
+    synchronised around each (CUDA)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
