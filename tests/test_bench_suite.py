@@ -48,7 +48,7 @@ def test_quantized_rows_pareto_and_quality_in_the_one_command(tiny_dirs, tmp_pat
 
     monkeypatch.setattr(suite, "load_bench", load)
     argv = args(tiny_dirs, tmp_path, "--methods", "autoregressive,speculative:2,speculative:3", "--workloads", "chat",
-                "--quantizations", "none,int8,4bit", "--quality", "--quality-configs",
+                "--quantizations", "4bit,none,int8", "--quality", "--quality-configs",
                 "autoregressive;beam:width=2;dsbd:width=2,gamma=2")
     assert suite.main(argv) == 0
     data = json.loads((tmp_path / "results.json").read_text())

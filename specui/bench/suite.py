@@ -191,8 +191,9 @@ def settings_of(name: str) -> dict:
 
 
 def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: bool, base_dtype: str):
-    """Every workload's rows on the target quantized as args.quantization; with `first`,
-    llama.cpp's rows and the --quality grid too. -> (result rows, skipped, interrupted, quality points)."""
+    """Every workload's rows on the target quantized as args.quantization; with `first` (the
+    first target that loads), llama.cpp's rows and the --quality grid too.
+    -> (result rows, skipped, interrupted, quality points)."""
     quant, skipped = args.quantization, []
     args.quantization, _, dtype = quant.partition("@")
     args.dtype = dtype or base_dtype
@@ -249,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results, skipped, interrupted, points = [], [], False, []
     base_dtype = args.dtype
-    for i, quant in enumerate(quants):
+    for quant in quants:
         args.quantization = quant
-        rows, skipped_here, interrupted, found = run_quantization(args, specs, workloads, i == 0, base_dtype)
+        first = not results  # llama.cpp and the quality grid: with the first target that loads
+        rows, skipped_here, interrupted, found = run_quantization(args, specs, workloads, first, base_dtype)
         results, skipped, points = results + rows, skipped + skipped_here, points or found
         for line in skipped_here:
             print(f"skipped: {line}", file=sys.stderr)
