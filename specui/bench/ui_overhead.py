@@ -108,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", default="0", help="torch CPU threads (0: torch default; auto: as the app measures)")
     ap.add_argument("--browser", action="store_true", help="also drive the page in headless Chromium")
+    ap.add_argument("--dtype", default="float32", help="the bundled target's dtype (auto: as the app's default)")
+    ap.add_argument("--quantization", default="auto", help="auto (the app's default), none, int8, int4")
     ap.add_argument("--no-live-panels", action="store_true", help="browser: panels drawn once at the end")
     args = ap.parse_args(argv)
-    spec = ModelSpec(BUNDLED, dtype="float32", device="auto")
+    spec = ModelSpec(BUNDLED, dtype=args.dtype, device="auto", quantization=args.quantization)
     service = ChatService(load_pair(spec, spec.with_source(default_draft_source())))
     if args.threads != "0":
         requested = 0 if args.threads == "auto" else int(args.threads)
