@@ -45,9 +45,16 @@ def command_line(module: str, argv: list[str] | None) -> str:
     return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
+def save_figure(figure, out: Path, stem: str) -> list[Path]:
+    """A figure as `stem`.html (plotly from its CDN) and `stem`.png (where a Chromium renders
+    it); the paths written."""
+    html = out / f"{stem}.html"
+    figure.write_html(html, include_plotlyjs="cdn")
+    return [html] + ([out / f"{stem}.png"] if html_to_png(figure, out / f"{stem}.png") else [])
+
+
 def save_results(out: Path, stem: str, results: dict, figure) -> None:
     """A bench's outputs: results.json, and the figure as `stem`.html and `stem`.png."""
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    figure.write_html(out / f"{stem}.html", include_plotlyjs="cdn")
-    html_to_png(figure, out / f"{stem}.png")
+    save_figure(figure, out, stem)
     print(f"wrote {out}/results.json and {stem}.html/png")

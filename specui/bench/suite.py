@@ -38,7 +38,7 @@ from tqdm import tqdm
 from specui.bench import quality
 from specui.bench.energy import ReplyMeter
 from specui.bench.llamacpp import LLAMA_CPP, llama_cpp_runner, unavailable
-from specui.bench.png import html_to_png
+from specui.bench.png import save_figure
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, load_prompts
 from specui.bench.run import (
     AR,
@@ -206,7 +206,7 @@ def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: 
         skipped.append(f"specdec++: {pair.head.problem}")
     runners, why = llama_cpp_runners(pair) if first and not args.no_peers else ([], None)
     skipped += [why] if why else []
-    results, interrupted = [], False
+    results, interrupted, chat = [], False, prompts  # chat: the first workload's prompts (--quality)
     for i, (workload, path) in enumerate(workloads.items()):
         if i:
             prompts = bench_prompts(pair.target.tokenizer, path, args.limit)
@@ -221,7 +221,6 @@ def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: 
             return results, skipped, True, []
     points = []
     if first and args.quality:
-        chat = bench_prompts(pair.target.tokenizer, next(iter(workloads.values())), args.limit)
         points = quality.measure(pair, args.quality_configs.split(";"), chat, args.max_new_tokens, args.repeats,
                                  SamplingConfig(1.0))
     return results, skipped, False, points
@@ -232,13 +231,10 @@ def write_pareto_figures(results: list[dict], points: list, out: Path, subtitle:
     first = [r for r in results if (r["workload"], r["quantization"]) == (results[0]["workload"],
                                                                          results[0]["quantization"])] if results else []
     if sum(r["method"].startswith(("speculative", "specdec++")) for r in first) >= 2:
-        fig = pareto_figure(first, f"SpecDec++ vs fixed gamma ({first[0]['workload']}): {subtitle}")
-        fig.write_html(out / "specdec-pareto.html", include_plotlyjs="cdn")
-        html_to_png(fig, out / "specdec-pareto.png")
+        save_figure(pareto_figure(first, f"SpecDec++ vs fixed gamma ({first[0]['workload']}): {subtitle}"),
+                    out, "specdec-pareto")
     if points:
-        fig = quality.figure(points, f"DSBD: throughput vs quality (temperature 1): {subtitle}")
-        fig.write_html(out / "quality.html", include_plotlyjs="cdn")
-        html_to_png(fig, out / "quality.png")
+        save_figure(quality.figure(points, f"DSBD: throughput vs quality (temperature 1): {subtitle}"), out, "quality")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from specui.bench.png import html_to_png
+from specui.bench.png import save_figure
 
 
 def group(row: dict) -> str:
@@ -74,10 +74,5 @@ def write_figures(rows: list[dict], out: Path, subtitle: str) -> list[Path]:
     written = []
     for name, build in (("speedup", speedup_figure), ("tokens-per-s", rate_figure),
                         ("accepted-lengths", lengths_figure), ("time-split", split_figure)):
-        fig = build(rows, subtitle)
-        html = out / f"{name}.html"
-        fig.write_html(html, include_plotlyjs="cdn")
-        written.append(html)
-        if html_to_png(fig, out / f"{name}.png"):
-            written.append(out / f"{name}.png")
+        written += save_figure(build(rows, subtitle), out, name)
     return written

@@ -167,10 +167,9 @@ def figures(folder: Path, quality: acc.HeadQuality, points: list[dict]) -> None:
                     mode="lines+markers", name="head", text=[f"{c[2]} examples" for c in quality.calibration])
     cal.update_layout(title="Acceptance head calibration (held-out)", xaxis_title="predicted a_t",
                       yaxis_title="mean label min(1, p/q)", width=640, height=480)
-    cal.write_html(folder / "calibration.html", include_plotlyjs="cdn")
-    from specui.bench.png import html_to_png
+    from specui.bench.png import save_figure
 
-    html_to_png(cal, folder / "calibration.png")
+    save_figure(cal, folder, "calibration")
     pareto = go.Figure()
     for method in ("speculative", "specdec++"):
         pts = [p for p in points if p["method"] == method]
@@ -179,8 +178,7 @@ def figures(folder: Path, quality: acc.HeadQuality, points: list[dict]) -> None:
                            textposition="top right")
     pareto.update_layout(title="Held-out greedy replay: discard rate vs verification rate",
                          xaxis_title="discard rate D/N", yaxis_title="verification rate V/N", width=720, height=520)
-    pareto.write_html(folder / "pareto.html", include_plotlyjs="cdn")
-    html_to_png(pareto, folder / "pareto.png")
+    save_figure(pareto, folder, "pareto")
 
 
 def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, command: str) -> str:
