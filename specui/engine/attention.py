@@ -43,12 +43,28 @@ def specui_attention(module, query, key, value, attention_mask, scaling=None, dr
         query = query.to(key.dtype)
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(key.dtype)
-    if query.shape[2] > limit or dropout:
+    if dropout:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                         dropout=dropout, **kwargs)
+    elif query.shape[2] > limit:
+        out = _sdpa(module, query, key, value, attention_mask, scaling)
     else:
         out = _grouped(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
     return out.to(out_dtype), None
+
+
+def _sdpa(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """torch's SDPA with the key/value heads shared by GQA inside the kernel: transformers'
+    own call copies them (`repeat_kv`) whenever a mask is given, which a batch of rows always
+    has (32 rows, one query each over 300 float32 keys: 0.74 ms against 19 ms with the copy
+    here). Returns (B, q, H, D)."""
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., : key.shape[2]]
+    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2)
 
 
 def _grouped(query, key, value, attention_mask, scaling: float) -> torch.Tensor:

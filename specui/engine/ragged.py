@@ -40,7 +40,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specui.engine.attention import attention_configs
+from specui.engine.attention import attention_configs, cache_dtype, specui_attention
 from specui.engine.session import common_prefix
 from specui.errors import SpecUIError
 from specui.settings import PADDINGS
@@ -68,6 +68,10 @@ class Layout:
     attend: torch.Tensor | None = None
     kernel: str = "sdpa"
     flex: Callable | None = None
+    # packed forwards feeding only some rows (prompts joining a batch): the padded view holds
+    # those rows only, `active` (their cache rows) and `view_rows` (each token's view row)
+    active: torch.Tensor | None = None
+    view_rows: torch.Tensor | None = None
     _block_mask: object = None
 
     def block_mask(self):
@@ -90,14 +94,17 @@ def ragged_attention(module, query, key, value, attention_mask, specui_layout: L
     if specui_layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     lay = specui_layout
+    rows = lay.rows
+    if lay.active is not None:
+        key, value, rows = key.index_select(0, lay.active), value.index_select(0, lay.active), lay.view_rows
     q = query.new_zeros((key.shape[0], query.shape[1], lay.width, query.shape[-1]))
-    q[lay.rows, :, lay.cols] = query[0].transpose(0, 1)
+    q[rows, :, lay.cols] = query[0].transpose(0, 1)
     if lay.kernel == "flex":
         out = lay.flex(q, key, value, block_mask=lay.block_mask(), scale=kwargs.get("scaling"),
                        enable_gqa=key.shape[1] != q.shape[1]).transpose(1, 2)
-    else:
-        out, _ = sdpa_attention_forward(module, q, key, value, lay.mask, **kwargs)  # (B, width, H, D)
-    return out[lay.rows, lay.cols][None], None
+    else:  # SDPA or grouped matmuls, in the cache's dtype, as measured at load (attention.py)
+        out, _ = specui_attention(module, q, key, value, lay.mask, **kwargs)  # (B, width, H, D)
+    return out[rows, lay.cols][None], None
 
 
 @contextmanager
@@ -125,17 +132,22 @@ class RaggedLayer(DynamicLayer):
         self.session = session
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
+        self._added = 0  # rows added since the buffers last grew (grown together, once, when next used)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        # a half-precision model on a CPU may keep its cache in float32, where that measured faster
+        self.dtype, self.device = cache_dtype(self.session.model.config) or key_states.dtype, key_states.device
         rows = len(self.session.rows)
-        self.kbuf = key_states.new_zeros((rows, key_states.shape[1], MIN_CAPACITY, key_states.shape[-1]))
-        self.vbuf = value_states.new_zeros((rows, value_states.shape[1], MIN_CAPACITY, value_states.shape[-1]))
+        self.kbuf = key_states.new_zeros((rows, key_states.shape[1], MIN_CAPACITY, key_states.shape[-1]),
+                                         dtype=self.dtype)
+        self.vbuf = value_states.new_zeros((rows, value_states.shape[1], MIN_CAPACITY, value_states.shape[-1]),
+                                           dtype=self.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._grow_rows()
         lay = self.session.layout
         if lay.kv_len > self.kbuf.shape[2]:
             capacity = self.kbuf.shape[2]
@@ -144,16 +156,27 @@ class RaggedLayer(DynamicLayer):
             self.kbuf, self.vbuf = (_grown(b, capacity) for b in (self.kbuf, self.vbuf))
         for buf, new in ((self.kbuf, key_states), (self.vbuf, value_states)):
             src = new[0].transpose(0, 1) if lay.packed else new[lay.rows, :, lay.cols]  # (T, H, D)
-            buf[lay.rows, :, lay.slots] = src
+            buf[lay.rows, :, lay.slots] = src.to(buf.dtype)
         return self.kbuf[:, :, : lay.kv_len], self.vbuf[:, :, : lay.kv_len]
 
     def select_rows(self, index: torch.Tensor) -> None:
         if self.is_initialized:
+            self._grow_rows()
             self.kbuf, self.vbuf = self.kbuf.index_select(0, index), self.vbuf.index_select(0, index)
 
     def add_row(self) -> None:
         if self.is_initialized:
-            self.kbuf, self.vbuf = (torch.cat([b, b.new_zeros((1, *b.shape[1:]))]) for b in (self.kbuf, self.vbuf))
+            self._added += 1
+
+    def _grow_rows(self) -> None:
+        if self._added:
+            self.kbuf, self.vbuf = (torch.cat([b, b.new_zeros((self._added, *b.shape[1:]))])
+                                    for b in (self.kbuf, self.vbuf))
+            self._added = 0
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._grow_rows()
+        return self.kbuf, self.vbuf
 
     def get_seq_length(self) -> int:
         return self.session.layout.kv_len if self.session.layout is not None else 0
@@ -253,7 +276,8 @@ class RaggedSession:
         cfg = self.model.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        size = torch.finfo(self.model.dtype).bits // 8 if self.model.dtype.is_floating_point else 4
+        dtype = cache_dtype(cfg) or self.model.dtype
+        size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
         return 2 * cfg.num_hidden_layers * heads * head_dim * size
 
     def cache_bytes(self, rows: int, tokens: int) -> int:
@@ -350,9 +374,16 @@ class RaggedSession:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         packed = self.padding == "unpad"
         kernel = self.kernel if packed else "sdpa"
+        active = view_rows = None
+        fed = [r for r in range(b) if counts[r]]
+        if packed and len(fed) < b:  # only the fed rows' queries are computed, against their own cache rows
+            view_of = {r: i for i, r in enumerate(fed)}
+            view_rows, active = as_tensor([view_of[r] for r in rows]), as_tensor(fed)
+            mask, attend = mask[fed], attend[fed]
         return Layout(as_tensor(rows), as_tensor(cols), as_tensor(slots), width, kv_len,
                       mask[:, None].to(self.device), packed=packed, attend=attend.to(self.device),
-                      kernel=kernel, flex=self._flex_attention() if kernel == "flex" else None)
+                      kernel=kernel, flex=self._flex_attention() if kernel == "flex" else None,
+                      active=active, view_rows=view_rows)
 
     def _flex_attention(self) -> Callable:
         if self._flex is None:
@@ -414,5 +445,4 @@ class RaggedSession:
         """Per-layer (keys, values) (heads, len, D) of one row's committed entries (tests)."""
         r = self.rows.index(row)
         slots = torch.tensor(row.slots, dtype=torch.long, device=self.device)
-        return [(layer.kbuf[r].index_select(1, slots), layer.vbuf[r].index_select(1, slots))
-                for layer in self.cache.layers]
+        return [tuple(b[r].index_select(1, slots) for b in layer.buffers()) for layer in self.cache.layers]

@@ -33,8 +33,9 @@ from specui.draft_model import load_draft, save_draft
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
 from specui.train import decision_command, head_command
+from specui.train.collect_command import add_arguments, make_collector
 from specui.train.cost import decode_ms
-from specui.train.data import AnswerSet, check_chat_model, collect
+from specui.train.data import AnswerSet
 from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
 from specui.train.trainer import TrainConfig, train
 
@@ -62,12 +63,13 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--target", default=BUNDLED)
     common.add_argument("--device", default="auto")
     common.add_argument("--train-prompts", type=PromptSource.parse, nargs="+", default=[PromptSource(TRAIN)],
-                        help="JSONL files; FILE@N adds N sampled (T=0.8) answers per prompt to the greedy one")
+                        help="JSONL files; FILE@N adds N sampled answers per prompt (--temperatures) to the greedy one")
     common.add_argument("--heldout-prompts", type=Path, default=HELDOUT)
     common.add_argument("--work", type=Path, default=Path("out/distill"), help="data cache and checkpoints")
     common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
-    common.add_argument("--batch-size", type=int, default=32, help="prompts per batched target generate")
+    common.add_argument("--batch-size", type=int, default=32, help="answers generated together (rows of one batch)")
     common.add_argument("--seed", type=int, default=0)
+    add_arguments(common)
     sub.add_parser("collect", parents=[common], help="collect the target's answers and top-k distributions")
     d = sub.add_parser("draft", parents=[common], help="collect, build, train, evaluate and save a draft")
     d.add_argument("--out", type=Path, required=True)
@@ -85,25 +87,32 @@ def parser() -> argparse.ArgumentParser:
 
 
 def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
-    tok, model = target.tokenizer, target.model
-    check_chat_model(tok)
-    eos = stop_token_ids(tok, model.generation_config)
-    kw = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
+    """The training and held-out answers with the teacher's top-k: every missing answer is
+    collected first, all sets in one continuous batch."""
+    collector = make_collector(args, target)
     heldout_items = load_prompts(args.heldout_prompts)
     heldout_texts = {_user_text(i) for i in heldout_items}
-    train_set = AnswerSet()
+    train_jobs = {}
     for source in args.train_prompts:
         path = source.path
         items = load_prompts(path)
         leaked = [i.id for i in items if _user_text(i) in heldout_texts or i.id in {h.id for h in heldout_items}]
         if leaked:
             raise SpecUIError(f"{path} holds held-out prompts ({', '.join(leaked[:5])}); they are never trained on")
-        train_set.extend(collect(model, tok, items, eos, args.work / f"{path.stem}-greedy.pt", **kw))
-        for s in range(source.samples):
-            train_set.extend(collect(model, tok, items, eos, args.work / f"{path.stem}-sampled-{s}.pt",
-                                     temperature=0.8, **dict(kw, seed=args.seed + 1000 * (s + 1))))
-    heldout = collect(model, tok, heldout_items, eos, args.work / "heldout-greedy.pt", **kw)
-    return train_set, heldout
+        train_jobs[path.stem] = collector.jobs(items, path.stem, source.samples)
+    heldout_jobs = collector.jobs(heldout_items, "heldout")
+    # held-out first, then round by round over every file: a collection stopped early still covers every prompt
+    report = collector.gather(heldout_jobs + sorted((j for jobs in train_jobs.values() for j in jobs),
+                                                    key=lambda j: j.round))
+    if report.answers:
+        print(f"collected {report.answers} answers, {report.tokens} tokens, {report.tokens_per_s:.0f} tok/s",
+              file=sys.stderr)
+    if args.cmd == "collect":
+        return AnswerSet(), AnswerSet()
+    train_set = AnswerSet()
+    for stem, jobs in train_jobs.items():
+        train_set.extend(collector.answer_set(jobs, f"teacher-{stem}"))
+    return train_set, collector.answer_set(heldout_jobs, "teacher-heldout")
 
 
 def _user_text(item) -> str:

@@ -1,10 +1,12 @@
-"""Training data along the target's own answers: the target answers each prompt (batched,
-left-padded generate), then one teacher-forced forward per conversation records the target's
-top-k log-probabilities p at every answer position. Collected in chunks and saved as it goes,
-so an interrupted run resumes where it stopped."""
+"""Training data along the target's own answers: the answers themselves are collected fast
+and kept as token ids (answers.py); the target's top-k log-probabilities p at every answer
+position are recomputed here, in batched prefill forwards, and cached under the work folder
+(resumable, like everything else)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specui.bench.prompts import PromptItem
 from specui.chat import build_prompt
+from specui.draft_model import vocab_fingerprint
+from specui.engine import Engine
 from specui.errors import SpecUIError
+from specui.train.answers import Answer, AnswerStore, CollectReport, Job, answer_key, collect_answers
 
 
 class SavedFields:
@@ -52,8 +57,21 @@ class AnswerSet(SavedFields):
         return sum(len(a) for a in self.answer_ids)
 
     def extend(self, other: AnswerSet) -> None:
-        for name in ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp"):
+        for name in FIELDS:
             getattr(self, name).extend(getattr(other, name))
+
+    def append(self, answer: Answer, topk_ids: torch.Tensor, topk_logp: torch.Tensor) -> None:
+        self.ids.append(answer.key)
+        self.prompt_ids.append(list(answer.prompt_ids))
+        self.answer_ids.append(list(answer.answer_ids))
+        self.topk_ids.append(topk_ids)
+        self.topk_logp.append(topk_logp)
+
+    def subset(self, index: Sequence[int]) -> AnswerSet:
+        return AnswerSet(*([getattr(self, name)[i] for i in index] for name in FIELDS))
+
+
+FIELDS = ("ids", "prompt_ids", "answer_ids", "topk_ids", "topk_logp")
 
 
 def check_chat_model(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -62,69 +80,116 @@ def check_chat_model(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 @torch.inference_mode()
-def generate_answers(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
-    eos_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-) -> list[list[int]]:
-    """Answers for a batch of prompts (left padding), each cut after its first EOS."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    torch.manual_seed(seed)
-    sample = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
-    out = model.generate(
-        ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0, eos_token_id=eos_ids, pad_token_id=pad, **sample,
-    )
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        answers.append(row[:cut])
-    return answers
+def teacher_topk(model: PreTrainedModel, answers: Sequence[Answer], k: int, batch_tokens: int = 4096):
+    """The target's top-k (ids int32, log-probs float16) at each answer position of every
+    answer, in right-padded batches of about `batch_tokens` tokens (causal attention: padding
+    after a sequence changes nothing before it); the output layer runs on answer positions only."""
+    order = sorted(range(len(answers)), key=lambda i: len(answers[i].prompt_ids) + len(answers[i].answer_ids))
+    out: list = [None] * len(answers)
+    head = model.get_output_embeddings()
+    group: list[int] = []
+    for i in order + [None]:
+        width = max((len(answers[j].prompt_ids) + len(answers[j].answer_ids) for j in group), default=0)
+        if i is None or (group and width * (len(group) + 1) > batch_tokens):
+            if group:
+                seqs = [answers[j].prompt_ids + answers[j].answer_ids for j in group]
+                ids = torch.zeros((len(seqs), max(len(s) for s in seqs)), dtype=torch.long)
+                for r, seq in enumerate(seqs):
+                    ids[r, :len(seq)] = torch.tensor(seq)
+                hidden = model.model(input_ids=ids.to(model.device), use_cache=False).last_hidden_state
+                for r, j in enumerate(group):
+                    start, n = len(answers[j].prompt_ids) - 1, len(answers[j].answer_ids)
+                    logp = head(hidden[r, start:start + n]).float().log_softmax(-1)
+                    top = logp.topk(k, dim=-1)
+                    out[j] = (top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu())
+            group = []
+        if i is not None:
+            group.append(i)
+    return out
 
 
-@torch.inference_mode()
-def teacher_topk(model: PreTrainedModel, prompt: list[int], answer: list[int], k: int):
-    """The target's top-k (ids int32, log-probs float16) at each answer position."""
-    seq = torch.tensor([prompt + answer], device=model.device)
-    logits = model(input_ids=seq, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
-    logp = logits.log_softmax(-1)
-    top = logp.topk(k, dim=-1)
-    return top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu()
+@dataclass
+class Collector:
+    """The target's answers to prompt sets, as AnswerSets: answers from the store (collected
+    by `engine`, the precision measured fastest, where missing), the teacher's top-k from
+    `teacher` (the target in float32) cached in `cache_dir`."""
+
+    teacher: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_ids: list[int]
+    store: AnswerStore
+    cache_dir: Path
+    make_engine: Callable[[], Engine | None] | None = None  # the collection engine (None: the teacher's)
+    max_new_tokens: int = 160
+    batch_size: int = 32
+    k: int = 32
+    context: int = 2048
+    temperatures: tuple[float, ...] = (0.8,)
+    _engine: Engine | None = field(default=None, repr=False)
+
+    def jobs(self, items: Sequence[PromptItem], set_name: str, samples: int = 0, greedy: bool = True) -> list[Job]:
+        """Greedy answers (when `greedy`) and `samples` sampled ones per prompt; sample s is
+        drawn at temperatures[s % len(temperatures)]."""
+        check_chat_model(self.tokenizer)
+        out = []
+        for item in items:
+            prompt = tuple(build_prompt(self.tokenizer, item.messages, self.context - self.max_new_tokens)[0])
+            if greedy:
+                out.append(Job(answer_key(set_name, item.id, 0.0, 0), prompt))
+            for s in range(samples):
+                t = self.temperatures[s % len(self.temperatures)]
+                out.append(Job(answer_key(set_name, item.id, t, s), prompt, t, s + 1))
+        return sorted(out, key=lambda j: j.round)  # every prompt's greedy answer first, then round by round
+
+    def gather(self, jobs: Sequence[Job], desc: str = "target answers", **kw) -> CollectReport:
+        have = self.store.keys()
+        if all(j.key in have for j in jobs):
+            return CollectReport()
+        if self._engine is None:  # built (precision measured) only when something is missing
+            made = self.make_engine() if self.make_engine is not None else None
+            self._engine = made or Engine(self.teacher, self.tokenizer, None, self.eos_ids)
+        return collect_answers(self._engine, jobs, self.store, batch_size=self.batch_size,
+                               max_new_tokens=self.max_new_tokens, desc=desc, **kw)
+
+    def answer_set(self, jobs: Sequence[Job], name: str, save_every_s: float = 60.0) -> AnswerSet:
+        """The stored answers of `jobs` (collected first where missing) with the teacher's
+        top-k, cached in `cache_dir / name.pt` and extended (resumably) as answers are added."""
+        self.gather(jobs, desc=f"target answers ({name})")
+        stored = self.store.answers()
+        answers = [stored[j.key] for j in jobs if j.key in stored]
+        path = self.cache_dir / f"{name}.pt"
+        cached = AnswerSet.load(path) if path.is_file() else AnswerSet()
+        at = {key: i for i, key in enumerate(cached.ids)}
+        missing = [a for a in answers if a.key not in at]
+        bar = tqdm(total=sum(len(a.answer_ids) for a in missing), desc=f"teacher top-{self.k} ({name})", unit="tok")
+        last = time.perf_counter()
+        step = max(1, self.batch_size * 4)
+        for start in range(0, len(missing), step):
+            part = missing[start:start + step]
+            for a, (ids, logp) in zip(part, teacher_topk(self.teacher, part, self.k)):
+                at[a.key] = len(cached.ids)
+                cached.append(a, ids, logp)
+            bar.update(sum(len(a.answer_ids) for a in part))
+            if time.perf_counter() - last >= save_every_s:
+                cached.save(path)
+                last = time.perf_counter()
+        bar.close()
+        if missing:
+            cached.save(path)
+        return cached.subset([at[a.key] for a in answers])
 
 
-def collect(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[PromptItem], eos_ids: list[int],
-    path: Path, *, max_new_tokens: int = 192, temperature: float = 0.0, batch_size: int = 16, k: int = 32,
-    seed: int = 0, context: int = 2048,
-) -> AnswerSet:
-    """Answer every prompt not yet in `path` (resuming), record the teacher top-k, save
-    after every batch."""
-    check_chat_model(tokenizer)
-    data = AnswerSet.load(path) if path.is_file() else AnswerSet()
-    done = set(data.ids)
-    todo = [it for it in items if it.id not in done]
-    rendered = [(it.id, build_prompt(tokenizer, it.messages, context - max_new_tokens)[0]) for it in todo]
-    rendered.sort(key=lambda r: len(r[1]))  # similar lengths batch together: less padding
-    bar = tqdm(total=len(items), initial=len(done), desc=f"target answers -> {path.name}", unit="prompt")
-    for start in range(0, len(rendered), batch_size):
-        chunk = rendered[start:start + batch_size]
-        answers = generate_answers(model, tokenizer, [p for _, p in chunk], eos_ids, max_new_tokens,
-                                   temperature, seed + start)
-        for (pid, prompt), answer in zip(chunk, answers):
-            if not answer:
-                continue
-            ids, logp = teacher_topk(model, prompt, answer, k)
-            data.ids.append(pid)
-            data.prompt_ids.append(prompt)
-            data.answer_ids.append(answer)
-            data.topk_ids.append(ids)
-            data.topk_logp.append(logp)
-        data.save(path)
-        bar.update(len(chunk))
-    bar.close()
-    return data
+def collect(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[PromptItem], eos_ids: list[int],
+            path: Path, *, max_new_tokens: int = 192, temperature: float = 0.0, batch_size: int = 16, k: int = 32,
+            seed: int = 0, context: int = 2048, engine: Engine | None = None) -> AnswerSet:
+    """One answer per prompt (greedy, or sampled at `temperature` as sample number `seed`),
+    collected on `engine` (default: `model` itself) into the store next to `path`, with the
+    teacher's top-k from `model` cached at `path`."""
+    store = AnswerStore(path.with_name(path.stem + "-answers"), vocab_fingerprint(tokenizer))
+    c = Collector(model, tokenizer, eos_ids, store, path.parent, lambda: engine, max_new_tokens, batch_size, k,
+                  context, (temperature,) if temperature > 0 else (0.8,))
+    jobs = c.jobs(items, "prompts", samples=0, greedy=True)
+    if temperature > 0:
+        jobs = [Job(answer_key("prompts", j.key.split("/")[1], temperature, seed), j.prompt_ids, temperature)
+                for j in jobs]
+    return c.answer_set(jobs, path.stem)

@@ -300,10 +300,12 @@ class Batch:
     def generations(self) -> list:
         return [r.generation for r in self.running]
 
-    def leave(self, generation) -> None:
-        self.decoder.remove([r.row for r in self.running if r.generation is generation])
-        self.running = [r for r in self.running if r.generation is not generation]
-        self.left.append(generation)
+    def leave(self, *generations) -> None:
+        """Drop these generations' rows (all in one cache copy)."""
+        going = {id(g) for g in generations}
+        self.decoder.remove([r.row for r in self.running if id(r.generation) in going])
+        self.running = [r for r in self.running if id(r.generation) not in going]
+        self.left.extend(generations)
 
     def drain_left(self) -> list:
         """The generations that left (finished, stopped or dropped) since the last call."""
@@ -313,11 +315,14 @@ class Batch:
     def step(self) -> list[tuple[object, StepTrace]]:
         """Drop finished / cancelled generations, run one batched step, commit each row's
         result through its own Generation (stops, text, stats)."""
+        stopped = []
         for g in self.generations:
             reason = g.stop_reason()
             if reason:
                 g.stats.finish_reason = reason
-                self.leave(g)
+                stopped.append(g)
+        if stopped:
+            self.leave(*stopped)
         if not self.running:
             return []
         self.sizes.append(len(self.running))
@@ -334,8 +339,9 @@ class Batch:
             g.stats.mean_batch_size += (len(results) - g.stats.mean_batch_size) / (steps_before + 1)
             g.stats.decode_s = time.perf_counter() - running.started
             out.append((g, trace))
-            if g.stats.finish_reason:
-                self.leave(g)
+        finished = [g for g, _ in out if g.stats.finish_reason]
+        if finished:
+            self.leave(*finished)
         return out
 
     def run(self) -> None:

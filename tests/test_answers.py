@@ -1,0 +1,142 @@
+"""Fast answer collection (issue 18) on a tiny local model: continuous batching gives the
+target's own greedy answers, an interrupted collection resumes without duplicating or losing
+an answer, the store keeps token ids only and refuses another target's, and the teacher's
+top-k recomputed in batched prefills equals one forward per conversation."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_model
+from test_train import write_prompts
+
+from specui.bench.prompts import load_prompts
+from specui.chat import stop_token_ids
+from specui.draft_model import vocab_fingerprint
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.errors import SpecUIError
+from specui.loading import ModelSpec, load_model
+from specui.train.__main__ import main as train_main
+from specui.train.answers import AnswerStore, collect_answers
+from specui.train.data import Collector, teacher_topk
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("answers")
+    folder = save_tiny_model(root / "target", seed=0, layers=2)
+    target = load_model(ModelSpec(str(folder), dtype="float32"))
+    prompts = write_prompts(root / "train.jsonl", 10, "train")
+    eos = stop_token_ids(target.tokenizer, target.model.generation_config)
+    return root, folder, target, prompts, eos
+
+
+def collector(target, eos, folder, cache, batch_size=4, max_new_tokens=12):
+    store = AnswerStore(folder, vocab_fingerprint(target.tokenizer), "tiny")
+    return Collector(target.model, target.tokenizer, eos, store, cache, None, max_new_tokens, batch_size, k=4,
+                     temperatures=(0.7, 1.2))
+
+
+def test_greedy_answers_are_the_targets_own(tiny, tmp_path):
+    _, _, target, prompts, eos = tiny
+    c = collector(target, eos, tmp_path / "store", tmp_path)
+    jobs = c.jobs(load_prompts(prompts), "train")
+    report = c.gather(jobs)
+    assert report.answers == 10 and report.steps > 0 and report.rows / report.steps <= 4
+    engine = Engine(target.model, target.tokenizer, None, eos)
+    stored = c.store.answers()
+    for job in jobs:
+        alone = engine.generate(GenerationRequest(list(job.prompt_ids), 12), make_method("autoregressive")).run()
+        assert stored[job.key].answer_ids == alone.output_ids
+        assert stored[job.key].prompt_ids == list(job.prompt_ids)
+        assert stored[job.key].ended == (alone.output_ids[-1] in eos)
+
+
+def test_interrupted_collection_resumes_without_duplicates_or_losses(tiny, tmp_path):
+    _, _, target, prompts, eos = tiny
+    whole = collector(target, eos, tmp_path / "whole", tmp_path)
+    jobs = whole.jobs(load_prompts(prompts), "train", samples=2)
+    assert [j.round for j in jobs] == sorted(j.round for j in jobs) and len(jobs) == 30
+    whole.gather(jobs)
+
+    parts = collector(target, eos, tmp_path / "parts", tmp_path)
+    engine = Engine(target.model, target.tokenizer, None, eos)
+    first = collect_answers(engine, jobs, parts.store, batch_size=4, max_new_tokens=12, save_every_s=0.0,
+                            stop_after=9)  # killed after its 9th answer: what was not saved is collected again
+    saved = len(AnswerStore(tmp_path / "parts", vocab_fingerprint(target.tokenizer)).keys())
+    assert first.answers == 9 and 0 < saved < 9
+    again = collector(target, eos, tmp_path / "parts", tmp_path)  # a new process, another day
+    assert again.gather(jobs).answers == 30 - saved
+    keys = chunk_keys_of(again.store.folder)
+    assert len(keys) == len(set(keys)) == 30
+    assert again.gather(jobs).answers == 0  # nothing left to do
+    mine, reference = again.store.answers(), whole.store.answers()
+    for job in jobs:  # greedy and seeded samples alike: the same answer whatever rows it shared a batch with
+        assert mine[job.key].answer_ids == reference[job.key].answer_ids, job.key
+    sampled = [mine[j.key].answer_ids for j in jobs if j.round]
+    assert len({tuple(a) for a in sampled}) > len(sampled) // 2  # sampled answers differ from each other
+
+    again.store.compact()
+    compacted = AnswerStore(tmp_path / "parts", vocab_fingerprint(target.tokenizer))
+    assert len(compacted.chunks()) == 1 and compacted.answers() == mine
+
+
+def test_store_keeps_token_ids_of_one_target_only(tiny, tmp_path):
+    _, _, target, prompts, eos = tiny
+    c = collector(target, eos, tmp_path / "store", tmp_path)
+    c.gather(c.jobs(load_prompts(prompts)[:3], "train"))
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["vocab_fingerprint"] == vocab_fingerprint(target.tokenizer)
+    with np.load(c.store.chunks()[0]) as z:
+        assert z["tokens"].dtype == np.uint16 and set(z.files) == {"keys", "tokens", "prompt_len", "answer_len",
+                                                                  "ended"}
+    with pytest.raises(SpecUIError, match="another target"):
+        AnswerStore(tmp_path / "store", "0123456789abcdef")
+    c.store.chunks()[0].write_bytes(b"not a chunk")
+    with pytest.raises(SpecUIError, match="delete it"):
+        AnswerStore(tmp_path / "store", vocab_fingerprint(target.tokenizer)).keys()
+
+
+def test_batched_teacher_topk_equals_one_forward_per_conversation(tiny, tmp_path):
+    _, _, target, prompts, eos = tiny
+    c = collector(target, eos, tmp_path / "store", tmp_path)
+    jobs = c.jobs(load_prompts(prompts), "train", samples=1)
+    data = c.answer_set(jobs, "teacher")
+    assert data.ids == [j.key for j in jobs]
+    model = target.model
+    for prompt, answer, ids, logp in zip(data.prompt_ids, data.answer_ids, data.topk_ids, data.topk_logp):
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1]
+        top = logits.float().log_softmax(-1).topk(4, dim=-1)
+        assert torch.allclose(logp.float(), top.values, atol=2e-3)
+        assert bool((ids[:, 0] == top.indices[:, 0]).all())
+    # the cache is resumable: more answers extend it, the ones computed are not recomputed
+    again = c.answer_set(jobs + c.jobs(load_prompts(prompts), "train", samples=2)[-5:], "teacher")
+    assert again.ids[: len(jobs)] == data.ids and len(again) == len(jobs) + 5
+    assert [a.shape for a in teacher_topk(model, [c.store.answers()[jobs[0].key]], 4)[0]] == [
+        (len(data.answer_ids[0]), 4)] * 2
+
+
+def test_collect_cli_with_a_measured_precision(tiny, tmp_path, capsys):
+    root, folder, _, prompts, _ = tiny
+    heldout = write_prompts(tmp_path / "heldout.jsonl", 3, "heldout", offset=3)
+    argv = ["collect", "--target", str(folder), "--train-prompts", f"{prompts}@1", "--heldout-prompts", str(heldout),
+            "--work", str(tmp_path / "work"), "--max-new-tokens", "8", "--batch-size", "4",
+            "--collect-with", "auto", "--temperatures", "0.9"]
+    assert train_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "answers generated in" in err and "float32:" in err and "bfloat16:" in err
+    keys = set(chunk_keys_of(tmp_path / "work" / "answers"))
+    assert len(keys) == 10 * 2 + 3 and "train/train-0/t0.9-s0" in keys and "heldout/heldout-0/greedy" in keys
+    assert train_main(argv) == 0 and "answers generated in" not in capsys.readouterr().err  # nothing to do
+    bad = argv[:-1] + ["0,-1"]
+    assert train_main(bad) == 2 and "--temperatures" in capsys.readouterr().err
+
+
+def chunk_keys_of(folder) -> list[str]:
+    keys = []
+    for path in sorted(folder.glob("chunk-*.npz")):
+        with np.load(path) as z:
+            keys += z["keys"].tolist()
+    return keys
