@@ -140,3 +140,37 @@ def chunk_keys_of(folder) -> list[str]:
         with np.load(path) as z:
             keys += z["keys"].tolist()
     return keys
+
+
+def test_target_written_requests_are_filtered_and_resumable(tiny, tmp_path, monkeypatch):
+    from specui.train import questions
+
+    _, _, target, prompts, eos = tiny
+    held = [questions.words("How do I boil an egg so the yolk stays soft?")]
+    shown = ["What is a good name for a cat?", "Give me a tip for sleeping better.", "How do I fold a shirt?"]
+    assert questions.clean('New request: "Suggest three easy houseplants for a dark flat."', shown, held) == \
+        "Suggest three easy houseplants for a dark flat."
+    assert questions.clean("How do I fold a shirt?", shown, held) is None  # a copy of an example
+    assert questions.clean("How can I boil an egg so the yolk stays soft?", shown, held) is None  # held-out-like
+    assert questions.clean("ok", shown, held) is None
+    assert questions.clean("Suggest three easy houseplants for a dark", shown, held, ended=False) is None
+    assert questions.clean("First idea.\n\nSecond idea, another request.", shown, held) is None
+
+    items = load_prompts(prompts)
+    assert questions.requests(questions.single_turn(items), 3, seed=0, start=2) == \
+        questions.requests(questions.single_turn(items), 5, seed=0)[2:]
+    c = collector(target, eos, tmp_path / "q-store", tmp_path, max_new_tokens=12)
+    # the tiny model writes word salad; its decoded reply stands for a usable request half the time
+    decode = target.tokenizer.decode
+    monkeypatch.setattr(target.tokenizer, "decode", lambda ids, **kw: (
+        f"Please explain topic number {sum(ids)} in simple words." if sum(ids) % 2 else decode(ids, **kw)))
+    monkeypatch.setattr(questions, "clean",
+                        lambda reply, shown, held, ended: reply if reply.startswith("Please") else None)
+    out = tmp_path / "generated.jsonl"
+    first = questions.generate(c, items, [], out, 6)
+    again = questions.generate(c, items, [], out, 4)  # asks for requests 6..9, keeps its earlier ones
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert first and again and len(rows) == first + again
+    assert len({r["messages"][0]["content"] for r in rows}) == len(rows)
+    assert json.loads(out.with_suffix(".state.json").read_text())["asked"] == 10
+    assert all(r["id"].startswith("gen-") and r["category"] == "chat" for r in rows)

@@ -4,6 +4,7 @@
     python -m specui.train collect --train-prompts assets/prompts/train.jsonl@1   # + 1 sampled answer each
     python -m specui.train collect                                    # only the target's answers
     python -m specui.train eval --draft models/smollm2-135m-draft     # quality + cost on held-out
+    python -m specui.train questions --count 2000                     # the target writes new training prompts
     python -m specui.train head --draft models/smollm2-135m-draft --out models/smollm2-135m-specdec-head
                                                                       # SpecDec++'s acceptance head (sweep)
     python -m specui.train decision --draft models/smollm2-135m-draft --out models/smollm2-135m-mcsd-decision
@@ -27,17 +28,19 @@ from pathlib import Path
 
 import torch
 
-from specui.bench.prompts import HELDOUT, TRAIN, load_prompts
+from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
 from specui.draft_model import load_draft, save_draft
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
-from specui.train import decision_command, head_command
+from specui.train import decision_command, head_command, questions
 from specui.train.collect_command import add_arguments, make_collector
 from specui.train.cost import decode_ms
 from specui.train.data import AnswerSet
 from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
 from specui.train.trainer import TrainConfig, train
+
+GENERATED = PROMPTS_DIR / "generated.jsonl"
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--weight-decay", type=float, default=0.0)
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
     e.add_argument("--draft", type=Path, required=True)
+    q = sub.add_parser("questions", parents=[common], help="the target writes new training prompts")
+    q.add_argument("--count", type=int, default=2000, help="requests to ask for (usable ones are kept)")
+    q.add_argument("--out", type=Path, default=GENERATED)
     head_command.add_parser(sub, common)
     decision_command.add_parser(sub, common)
     return ap
@@ -165,6 +171,16 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     return report
 
 
+def cmd_questions(args, target: LoadedModel) -> int:
+    collector = make_collector(args, target, store=args.work / "questions")
+    collector.max_new_tokens = 96
+    train_items = [item for source in args.train_prompts for item in load_prompts(source.path)]
+    kept = questions.generate(collector, train_items, load_prompts(args.heldout_prompts), args.out, args.count,
+                              args.seed)
+    print(f"{kept} of {args.count} requests kept -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -174,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "collect":
             answer_sets(args, target)
             return 0
+        if args.cmd == "questions":
+            return cmd_questions(args, target)
         if args.cmd == "head":
             train_set, heldout = answer_sets(args, target)
             report = head_command.cmd_head(args, target, train_set, heldout)

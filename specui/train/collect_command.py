@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specui.bench.prompts import load_prompts
+from specui.bench.prompts import PROMPTS_DIR, load_prompts
 from specui.chat import build_prompt, stop_token_ids
 from specui.draft_model import vocab_fingerprint
 from specui.engine import Engine
@@ -22,7 +22,7 @@ from specui.loading import BUNDLED, LoadedModel, load_model
 from specui.train.answers import AnswerStore, batched_tokens_per_s
 from specui.train.data import Collector
 
-BUNDLED_DATA = Path("assets/distill/smollm2-135m")
+BUNDLED_DATA = PROMPTS_DIR.parent / "distill" / "smollm2-135m"
 PRECISIONS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "float16": ("float16", "none"),
               "int8": ("auto", "int8"), "int4": ("auto", "int4")}
 
@@ -86,10 +86,11 @@ def collection_engine(args, target: LoadedModel, eos: list[int]) -> Engine | Non
     return None if best[0] == "float32" and best[1].target.model is target.model else best[1]
 
 
-def make_collector(args, target: LoadedModel) -> Collector:
+def make_collector(args, target: LoadedModel, store: Path | None = None) -> Collector:
+    """A collector on the answer store (`store` overrides --data)."""
     tok, model = target.tokenizer, target.model
     eos = stop_token_ids(tok, model.generation_config)
-    data = args.data or (BUNDLED_DATA if args.target == BUNDLED else args.work / "answers")
+    data = store or args.data or (BUNDLED_DATA if args.target == BUNDLED else args.work / "answers")
     store = AnswerStore(data, vocab_fingerprint(tok), target.label)
     return Collector(model, tok, eos, store, args.work, lambda: collection_engine(args, target, eos),
                      args.max_new_tokens, args.batch_size, temperatures=temperatures(args.temperatures))
