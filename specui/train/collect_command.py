@@ -56,9 +56,9 @@ def candidates(args, target: LoadedModel) -> list[str]:
 
 
 def collection_engine(args, target: LoadedModel, eos: list[int]) -> Engine | None:
-    """The engine answers are generated on: each candidate precision decodes a few batched
-    steps of the first training prompts with --batch-size rows, and the fastest wins (None:
-    the float32 target itself)."""
+    """The engine answers are generated on: each candidate precision prefills and decodes a
+    few batched steps of the first training prompts with --batch-size rows, and the fastest
+    (answer tokens/s, prefills included) wins (None: the float32 target itself)."""
     names = candidates(args, target)
     if names == ["float32"] and target.model.dtype == torch.float32:
         return None
@@ -76,7 +76,8 @@ def collection_engine(args, target: LoadedModel, eos: list[int]) -> Engine | Non
                 lines.append(f"{name}: not loadable ({e})")
                 continue
             engine = Engine(loaded.model, loaded.tokenizer, None, eos)
-        rate = batched_tokens_per_s(engine, prompts, args.batch_size) if len(names) > 1 else 1.0
+        rate = batched_tokens_per_s(engine, prompts, args.batch_size, args.max_new_tokens * 2 // 3) \
+            if len(names) > 1 else 1.0
         lines.append(f"{name}: {rate:.0f} tok/s" if len(names) > 1 else f"{name}: as asked")
         if rate > best_rate:
             best, best_rate = (name, engine), rate
