@@ -116,6 +116,10 @@ def test_batched_teacher_topk_equals_one_forward_per_conversation(tiny, tmp_path
     assert again.ids[: len(jobs)] == data.ids and len(again) == len(jobs) + 5
     assert [a.shape for a in teacher_topk(model, [c.store.answers()[jobs[0].key]], 4)[0]] == [
         (len(data.answer_ids[0]), 4)] * 2
+    hard = c.answer_set(jobs, "never-written", labels="hard")  # the answer tokens themselves, no teacher pass
+    assert hard.ids == data.ids and not (tmp_path / "never-written.pt").exists()
+    assert all(ids[:, 0].tolist() == answer and float(logp.abs().max()) == 0.0
+               for answer, ids, logp in zip(hard.answer_ids, hard.topk_ids, hard.topk_logp))
 
 
 def test_collect_cli_with_a_measured_precision(tiny, tmp_path, capsys):

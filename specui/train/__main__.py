@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--batch-tokens", type=int, default=4096)
     d.add_argument("--weight-decay", type=float, default=0.0)
+    d.add_argument("--labels", choices=["soft", "hard"], default="soft",
+                   help="soft: the target's top-32 distribution (a float32 teacher pass over every answer); "
+                        "hard: its answer tokens themselves (no teacher pass)")
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
     e.add_argument("--draft", type=Path, required=True)
     q = sub.add_parser("questions", parents=[common], help="the target writes new training prompts")
@@ -117,7 +120,7 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
         return AnswerSet(), AnswerSet()
     train_set = AnswerSet()
     for stem, jobs in train_jobs.items():
-        train_set.extend(collector.answer_set(jobs, f"teacher-{stem}"))
+        train_set.extend(collector.answer_set(jobs, f"teacher-{stem}", labels=getattr(args, "labels", "soft")))
     return train_set, collector.answer_set(heldout_jobs, "teacher-heldout")
 
 
@@ -145,7 +148,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     before = evaluate(draft, heldout)
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
-                                         args.batch_tokens, args.seed, *map(str, args.train_prompts)))
+                                         args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
+                                         args.temperatures))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")

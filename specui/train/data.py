@@ -151,12 +151,21 @@ class Collector:
         return collect_answers(self._engine, jobs, self.store, batch_size=self.batch_size,
                                max_new_tokens=self.max_new_tokens, desc=desc, **kw)
 
-    def answer_set(self, jobs: Sequence[Job], name: str, save_every_s: float = 60.0) -> AnswerSet:
+    def answer_set(self, jobs: Sequence[Job], name: str, save_every_s: float = 60.0,
+                   labels: str = "soft") -> AnswerSet:
         """The stored answers of `jobs` (collected first where missing) with the teacher's
-        top-k, cached in `cache_dir / name.pt` and extended (resumably) as answers are added."""
+        top-k, cached in `cache_dir / name.pt` and extended (resumably) as answers are added.
+        labels "hard": no teacher pass; each position's distribution is its answer token
+        (one-hot: the soft cross-entropy becomes the usual one on the target's own tokens)."""
         self.gather(jobs, desc=f"target answers ({name})")
         stored = self.store.answers()
         answers = [stored[j.key] for j in jobs if j.key in stored]
+        if labels == "hard":
+            out = AnswerSet()
+            for a in answers:
+                out.append(a, torch.tensor(a.answer_ids, dtype=torch.int32)[:, None],
+                           torch.zeros(len(a.answer_ids), 1, dtype=torch.float16))
+            return out
         path = self.cache_dir / f"{name}.pt"
         cached = AnswerSet.load(path) if path.is_file() else AnswerSet()
         at = {key: i for i, key in enumerate(cached.ids)}
