@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specui.bench.prompts import PromptItem
+from specui.chat import build_prompt
 from specui.train.answers import Job, answer_key
 from specui.train.data import Collector
 
@@ -56,8 +57,6 @@ def requests(examples: dict[str, list[str]], count: int, seed: int, start: int =
 
 
 def question_jobs(collector: Collector, plan: list[tuple[str, str, list[str]]]) -> list[Job]:
-    from specui.chat import build_prompt
-
     jobs = []
     for qid, cat, shown in plan:
         text = INSTRUCTION.format(examples="\n\n".join(f"{i + 1}. {e}" for i, e in enumerate(shown)), category=cat)
