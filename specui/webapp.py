@@ -38,6 +38,7 @@ def _log_to_stderr() -> None:
 
 def launch(args: argparse.Namespace) -> int:
     from specui.ui.chat_ui import build_ui
+    from specui.ui.live_panels import PAGE_CSS
 
     _log_to_stderr()
     auth = parse_auth(args.auth)
@@ -53,7 +54,7 @@ def launch(args: argparse.Namespace) -> int:
     runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/runner.py
     demo = build_ui(service, settings_from_args(args), submit=runner.submit).queue(
         max_size=args.queue, default_concurrency_limit=1)
-    kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True)
+    kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True, css=PAGE_CSS)
     if not args.share:
         demo.launch(**kwargs)
     else:

@@ -17,6 +17,28 @@ CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-qu
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage", "--window-size=1500,1900")
 FINISHED = ("· eos", "· length", "· stop", "· cancelled", "⚠️")
+# Sets window.__specuiSeen to the text of `arguments[0]` once it contains one of `arguments[1]`:
+# a MutationObserver in the page. The driver then reads that variable twice a second. Polling the
+# element instead (innerText every 0.1 s, which forces a layout) took more CPU than the page's own
+# drawing, and an async script waiting in the page kept Chromium's compositor busy (0.5 core), so
+# either slowed the engine being measured.
+WATCH_TEXT_JS = """
+const [selector, marks] = arguments;
+window.__specuiSeen = null;
+const el = document.querySelector(selector);
+if (!el) return false;
+const check = () => {
+  const text = el.textContent || "";
+  if (!marks.some(m => text.includes(m))) return false;
+  window.__specuiSeen = el.innerText;
+  observer.disconnect();
+  return true;
+};
+const observer = new MutationObserver(check);
+observer.observe(el, {subtree: true, childList: true, characterData: true});
+check();
+return true;
+"""
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.1):
@@ -66,6 +88,16 @@ class PageDriver:
     def stats(self) -> str:
         return "".join(self.texts("#stats"))
 
+    def watch_text(self, css: str, marks: tuple[str, ...]) -> None:
+        """Start watching the element for one of `marks` (see `seen_text`)."""
+        if not self.driver.execute_script(WATCH_TEXT_JS, css, list(marks)):
+            raise RuntimeError(f"the page has no {css}")
+
+    def seen_text(self, timeout: float, every: float = 0.5) -> str:
+        """The watched element's text once it showed a mark, checked every `every` seconds."""
+        return wait_until(lambda: self.driver.execute_script("return window.__specuiSeen"), timeout,
+                          "the watched text", every=every)
+
     def set_number(self, elem_id: str, value) -> None:
         from selenium.webdriver.common.keys import Keys
 
@@ -87,7 +119,8 @@ class PageDriver:
         items[0].click()
         wait_until(lambda: field.get_property("value") == option, 45, f"{elem_id} = {option}")
 
-    def ask(self, prompt: str, method: str, max_new_tokens: int, timeout: float = 600) -> tuple[float, str, float]:
+    def ask(self, prompt: str, method: str, max_new_tokens: int, timeout: float = 600,
+            settle_s: float = 1.0) -> tuple[float, str, float]:
         """One reply in a fresh chat: (wall seconds from Enter to the final stats, reply text,
         the engine's tokens/s as the page shows it)."""
         from selenium.webdriver.common.keys import Keys
@@ -98,9 +131,11 @@ class PageDriver:
         self.set_number("set-max_new_tokens", max_new_tokens)
         box = self.find("#msg textarea")
         box.send_keys(prompt)
+        self.watch_text("#stats", FINISHED)
+        time.sleep(settle_s)  # the page redraws after Clear and the settings; a person takes a moment to type
         t0 = time.perf_counter()
         box.send_keys(Keys.ENTER)
-        stats = wait_until(lambda: (s := self.stats()) and any(f in s for f in FINISHED) and s, timeout, "the reply")
+        stats = self.seen_text(timeout)
         seconds = time.perf_counter() - t0
         text = (self.texts("#chatbot .message.bot") or [""])[-1]
         if "⚠️" in stats:

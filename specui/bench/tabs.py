@@ -28,6 +28,7 @@ from specui.runner import MainThreadRunner
 from specui.service import ChatService
 from specui.settings import ChatSettings
 from specui.ui.chat_ui import build_ui
+from specui.ui.live_panels import PAGE_CSS
 
 
 def _client(url: str, conn) -> None:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     runner = MainThreadRunner()
     demo = build_ui(service, ChatSettings(), submit=runner.submit).queue(default_concurrency_limit=1)
-    demo.launch(server_port=port, prevent_thread_lock=True, quiet=True)
+    demo.launch(server_port=port, prevent_thread_lock=True, quiet=True, css=PAGE_CSS)
     url = f"http://127.0.0.1:{port}"
     spawn = mp.get_context("spawn")
     pipes = [spawn.Pipe() for _ in range(max(tabs))]

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections import deque
 
+from specui.bench.cpu_usage import CpuShares, JobMeter
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.bench.run import parse_method
 from specui.loading import BUNDLED, ModelSpec
@@ -25,6 +26,7 @@ from specui.service import ChatService
 from specui.settings import ChatSettings
 from specui.threads import choose_threads
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui
+from specui.ui.live_panels import PAGE_CSS
 
 
 def settings_for(spec: str, max_new_tokens: int) -> ChatSettings:
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch threads: {choose_threads(service.pair.target.model, True, requested).reason}")
     port = _free_port()
     runner = MainThreadRunner()
-    demo = build_ui(service, submit=runner.submit).queue(default_concurrency_limit=1)
-    demo.launch(server_port=port, prevent_thread_lock=True, quiet=True)
+    meter = JobMeter()  # CPU shares while each reply decodes
+    demo = build_ui(service, submit=lambda fn, *a: runner.submit(meter.wrap(fn), *a)).queue(default_concurrency_limit=1)
+    demo.launch(server_port=port, prevent_thread_lock=True, quiet=True, css=PAGE_CSS)
     url = f"http://127.0.0.1:{port}"
     spawn = mp.get_context("spawn")
     conn, child_conn = spawn.Pipe()
@@ -137,15 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_for(method, args.max_new_tokens)
         direct(service, prompts[0], settings)  # warm-up
         tps: dict[str, list[float]] = {"cli": [], "api": [], "browser": []}
+        cpu = {"cli": CpuShares(), "api": CpuShares(), "browser": CpuShares()}
         same = True
         for prompt in prompts:
             for _ in range(args.repeats):
-                _, d_text, d_tps = direct(service, prompt, settings)
+                meter.client_pid, meter.shares = None, cpu["cli"]
+                _, d_text, d_tps = meter.wrap(direct)(service, prompt, settings)
+                meter.client_pid, meter.shares = workers[0].pid, cpu["api"]
                 _, u_text, _, u_tps = through_ui(conn, runner, prompt, settings)
                 tps["cli"].append(d_tps)
                 tps["api"].append(u_tps)
                 same &= d_text.strip() == u_text.strip()
                 if args.browser:
+                    meter.client_pid, meter.shares = workers[1].pid, cpu["browser"]
                     _, b_text, _, b_tps = through_browser(bconn, runner, prompt, settings)
                     tps["browser"].append(b_tps)
         cli = statistics.median(tps["cli"])
@@ -154,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             b = statistics.median(tps["browser"])
             cols.append(f"{b:>12.1f} ({b / cli:.2f}x)")
         print(f"{method:<18}{''.join(cols)}  {same}", flush=True)
+        for channel in ("cli", "api", "browser") if args.browser else ("cli", "api"):
+            print(f"{'':<18}{channel}: {cpu[channel].line()}", flush=True)
     conn.send(None)
     if args.browser:
         bconn.send(None)

@@ -14,9 +14,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import gradio as gr
 
@@ -37,6 +36,8 @@ from specui.ui.figures import (
     timing_figure,
     tree_figure,
 )
+from specui.ui.live_panels import CARRIER_ID, DRAW_JS, live_payload
+from specui.ui.outputs import Outputs, stats_line
 from specui.ui.streaming import (
     ENGINE,
     STOPPED_MARK,
@@ -60,34 +61,6 @@ def stamp_js(n_inputs: int) -> str:
     browser's clock (ms), so a Stop or Clear pressed while a message waits in the queue is
     known to come after it."""
     return f"(...args) => {{ const a = args.slice(0, {n_inputs}); a[{n_inputs - 1}] = Date.now(); return a; }}"
-
-
-def stats_line(stats: dict, notes: list[str] = ()) -> str:
-    extra = "".join(f"\n\nℹ️ {n}" for n in dict.fromkeys(notes))
-    return extra.lstrip() + "\n\n" + (
-        f"**{stats['method']}** · {stats['new_tokens']} tokens · {stats['target_forwards']} target forwards · "
-        f"mean accepted length {stats['mean_accepted_length']:.2f} · acceptance {stats['acceptance_rate']:.0%} · "
-        f"{stats['tokens_per_s']:.1f} tok/s · {stats['finish_reason'] or 'running'}"
-    )
-
-
-@dataclass
-class Outputs:
-    """What one update of the page carries, in the order of build_ui's `outputs`; None = unchanged."""
-
-    history: list
-    tree: Any = None
-    accept: Any = None
-    choices: Any = None
-    timing: Any = None
-    stats: Any = None
-    provenance: Any = None
-    steps: Any = None
-    slider: Any = None
-    export: Any = None
-
-    def as_tuple(self) -> tuple:
-        return tuple(gr.skip() if getattr(self, f.name) is None else getattr(self, f.name) for f in fields(self))
 
 
 class ChatPage:
@@ -234,9 +207,14 @@ class ChatPage:
         return Outputs(history, tree_figure(step), acceptance_figure(steps), choices_figure(steps),
                        timing_figure(steps), stats_line(generation.stats.to_dict(), notes), provenance_html(steps))
 
-    def _live(self, history, generation, step: StepTrace, notes: list[str]) -> Outputs:
+    @staticmethod
+    def _live(history, generation, step: StepTrace, notes: list[str]) -> Outputs:
+        """The panels mid-reply, redrawn in place by the page (see specui/ui/live_panels.py)."""
         steps = list(generation.steps)  # a snapshot: the generation thread keeps appending
-        return self._panels(history, generation, steps, step, notes + step.notes)
+        figures = {"tree": tree_figure(step), "accept": acceptance_figure(steps), "choices": choices_figure(steps),
+                   "timing": timing_figure(steps)}
+        return Outputs(history, stats=stats_line(generation.stats.to_dict(), notes + step.notes),
+                       provenance=provenance_html(steps), live=live_payload(figures))
 
     def _final(self, history, generation, notes: list[str]) -> Outputs:
         steps = generation.steps
@@ -249,6 +227,7 @@ class ChatPage:
             history[-1]["content"] += STOPPED_MARK
         out = self._panels(history, generation, steps, steps[-1] if steps else None,
                            notes + [n for s in steps for n in s.notes])
+        out.live = ""  # a live draw not made yet is dropped: the final figures replace the charts
         out.steps = [s.to_dict() for s in steps]
         last = len(steps) - 1
         out.slider = gr.update(minimum=0, maximum=max(last, 1), value=max(last, 0), step=1, interactive=last > 0)
@@ -270,7 +249,7 @@ class ChatPage:
         self.stop(request)
         return Outputs([], tree_figure(None), acceptance_figure([]), choices_figure([]), timing_figure([]), "",
                        provenance_html([]), [], gr.update(value=0, maximum=1, interactive=False),
-                       gr.update(value=None)).as_tuple()
+                       gr.update(value=None), "").as_tuple()
 
     # --- step inspector ---------------------------------------------------------------------
     @staticmethod
@@ -418,7 +397,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
             step_info = gr.Markdown(step_markdown(None), elem_id="step-info")
 
         settings_inputs = [controls[name] for name in SETTING_FIELDS]
-        outputs = [chatbot, tree, accept, choices, timing, stats, prov, steps_state, slider, export]
+        carrier = gr.Textbox(visible=False, elem_id=CARRIER_ID)  # the live panels' figures, drawn in place
+        outputs = [chatbot, tree, accept, choices, timing, stats, prov, steps_state, slider, export, carrier]
         hidden = dict(api_visibility="private")  # the page's own events; scripts use the named API below
         clock = gr.Number(visible=False)  # the browser's clock when Send / Retry / Stop / Clear was pressed
         send_inputs, retry_inputs = [box, chatbot, method, *settings_inputs, clock], [chatbot, method,
@@ -435,6 +415,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)
         live.change(page.set_live, live, None, queue=False, **hidden)
+        carrier.change(None, carrier, None, js=DRAW_JS, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         measure.click(page.measure_profile, None, [profile_plot, load_status], **ENGINE, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method],

@@ -1,0 +1,89 @@
+"""Who spends the CPU while a reply streams: the engine thread, the app's other threads (the web
+server building and sending updates) and the browser (every process under it), in CPU seconds
+per wall second. Linux only (reads /proc); elsewhere the browser's share reads as unknown."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """user + system CPU seconds of `pid` and every live process below it (None off Linux)."""
+    if not Path(f"/proc/{pid}").exists():
+        return None
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+        todo += _children(p)
+    return total
+
+
+@dataclass
+class CpuShares:
+    """CPU seconds per wall second, summed over the replies measured."""
+
+    wall: float = 0.0
+    engine: float = 0.0
+    app: float = 0.0
+    browser: float | None = 0.0
+
+    def add(self, wall: float, engine: float, app: float, browser: float | None) -> None:
+        self.wall += wall
+        self.engine += engine
+        self.app += app
+        self.browser = None if browser is None or self.browser is None else self.browser + browser
+
+    def line(self) -> str:
+        if not self.wall:
+            return "no replies measured"
+        w = self.wall
+        client = "" if self.browser is None else f", client {self.browser / w:.2f}"
+        return (f"cores busy while decoding: engine thread {self.engine / w:.2f}, "
+                f"app's other threads {max(self.app - self.engine, 0) / w:.2f}{client} (of {os.cpu_count()})")
+
+
+class JobMeter:
+    """Wraps the jobs the app hands to its model thread (a whole generation is one job) and
+    measures each while it runs: wall time, the model thread's CPU, the whole app's CPU, and
+    the CPU of `client_pid`'s process tree (the browser or API client then watching)."""
+
+    def __init__(self) -> None:
+        self.client_pid: int | None = None
+        self.shares: CpuShares | None = None
+
+    def wrap(self, fn):
+        def measured(*args):
+            pid, shares = self.client_pid, self.shares
+            start = (time.perf_counter(), time.thread_time(), time.process_time(), _tree(pid))
+            try:
+                return fn(*args)
+            finally:
+                end = (time.perf_counter(), time.thread_time(), time.process_time(), _tree(pid))
+                if shares is not None:
+                    browser = None if start[3] is None or end[3] is None else end[3] - start[3]
+                    shares.add(end[0] - start[0], end[1] - start[1], end[2] - start[2], browser)
+        return measured
+
+
+def _tree(pid: int | None) -> float | None:
+    return None if pid is None else tree_cpu_seconds(pid)
