@@ -126,6 +126,46 @@ def test_chat_streams_draws_the_tree_and_inspects_steps(page):
     assert trace["stats"]["method"] == "speculative" and trace["steps"][0]["index"] == 0
 
 
+LIVE_CHARTS = ("tree", "accept", "choices")
+# per chart: whether the chart drawn when the probe was armed is still the one on the page (drawn
+# in place, not rebuilt), how many steps its traces cover, and the page's count of live draws
+CHART_PROBE_JS = """
+const [ids, arm] = arguments;
+return ids.map(id => {
+  const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+  if (!gd) return [id, false, 0];
+  if (arm) gd.__specuiArmed = true;
+  const xs = (gd.data || []).map(t => (t.x ? t.x.length : 0));
+  return [id, gd.__specuiArmed === true, Math.max(0, ...xs)];
+}).concat([(window.__specuiLive || {draws: 0}).draws]);
+"""
+
+
+def test_live_panels_update_in_place_while_a_reply_streams(page):
+    """The tree, the accepted-vs-rejected bars and the dynamic choices change while the reply
+    streams, redrawn in place (the charts are not rebuilt), and the final charts hold the whole
+    recorded trace."""
+    page.clear_chat()
+    page.set_checkbox("live-panels", True)
+    page.set_number("set-max_new_tokens", 160)
+    page.send("Write a long story about a dragon who learns to play the guitar.")
+    _wait_until(lambda: "running" in page.stats(), 120, "the first live panels")
+    page.driver.execute_script(CHART_PROBE_JS, list(LIVE_CHARTS), True)
+    seen = []
+    while "running" in page.stats():
+        seen.append(page.driver.execute_script(CHART_PROBE_JS, list(LIVE_CHARTS), False))
+        time.sleep(0.3)
+    page.wait_done(1)
+    live = [probe for probe in seen if all(armed for _, armed, _ in probe[:-1])]
+    assert len(live) >= 2, f"too few live probes: {seen}"
+    assert live[-1][-1] > live[0][-1], "no live draw happened while the reply streamed"
+    for i, chart in enumerate(LIVE_CHARTS[1:], start=1):  # the bars and the choices grow step by step
+        assert len({probe[i][2] for probe in live}) >= 2, f"#{chart} did not change while streaming: {seen}"
+    final = page.driver.execute_script(CHART_PROBE_JS, list(LIVE_CHARTS), False)
+    steps = int(page.find("#step-slider input[type=range]").get_attribute("max")) + 1
+    assert final[1][2] == steps  # the final bars: one per recorded step
+
+
 def test_stop_mid_reply_then_send_and_switch_method(page):
     page.clear_chat()
     page.set_number("set-max_new_tokens", 600)

@@ -3,6 +3,8 @@ and still draws every panel, with the whole trace, at the end."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from conftest import form_values, tiny_llama
 
@@ -39,10 +41,35 @@ def test_paused_panels_stream_text_then_draw_everything_once(tiny_dirs):
     *streamed, final = outs
     tree_index = 2  # (box, chatbot, tree, accept, ...)
     assert all(not _is_figure(o[tree_index]) for o in streamed)  # text only while streaming
+    assert not any(_live_figures(o) for o in streamed)
     assert _is_figure(final[tree_index]) and final[8]  # every panel at the end, with the whole trace
     page.set_live(True, None)
     outs = list(page.respond(None, "w3", [], "speculative", *form_values(max_new_tokens=60)))
-    assert _is_figure(outs[-1][tree_index])
+    *streamed, final = outs
+    assert _is_figure(final[tree_index]) and final[-1] == ""
+
+
+def test_live_panels_travel_as_figures_drawn_in_place(tiny_dirs):
+    """Mid-reply the four charts' figures come in the hidden carrier (the page redraws the charts
+    in place); the Plot components themselves are only set at the end."""
+    target, draft, _ = tiny_dirs
+    spec = ModelSpec(str(target), dtype="float32", device="cpu")
+    page = ChatPage(ChatService(load_pair(spec, spec.with_source(str(draft)))))
+    *streamed, final = list(page.respond(None, "w1 w2", [], "speculative", *form_values(max_new_tokens=60)))
+    live = [figures for o in streamed if (figures := _live_figures(o))]
+    assert live, "no live panels while the reply streamed"
+    for figures in live:
+        assert set(figures) == {"tree", "accept", "choices", "timing"}
+        assert all(isinstance(f["data"], list) and "layout" in f for f in figures.values())
+    assert not any(_is_figure(o[i]) for o in streamed for i in range(2, 6))
+    accepted = [t for t in live[-1]["accept"]["data"] if t.get("name") == "accepted"]
+    assert accepted and len(accepted[0]["x"]) <= len(final[7])  # the bars cover the steps made so far
+    assert final[-1] == "" and all(_is_figure(final[i]) for i in range(2, 6))
+
+
+def _live_figures(outputs) -> dict:
+    value = outputs[-1]
+    return json.loads(value) if isinstance(value, str) and value else {}
 
 
 def _is_figure(value) -> bool:

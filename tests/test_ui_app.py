@@ -133,9 +133,10 @@ values = form_values
 
 
 def test_respond_streams_and_ends_with_trace_slider_and_export(page):
-    outs = list(page.respond(None, "w1 w2 w3", [], "speculative", *values()))
+    outs = list(page.respond(None, "w1 w2 w3", [], "speculative", *values(max_new_tokens=40)))
     assert outs[0][0] == "" and outs[0][1][-1] == {"role": "user", "content": "w1 w2 w3"}
-    box, history, *_rest, steps, slider, export = outs[-1]
+    box, history, *_rest, steps, slider, export, live = outs[-1]
+    assert live == ""  # the final figures go to the charts themselves; no live draw is left to make
     assert history[-1]["role"] == "assistant" and history[-1]["content"]
     assert steps and steps[-1]["text"] == history[-1]["content"]
     assert slider["maximum"] >= len(steps) - 1 and slider["value"] == len(steps) - 1
@@ -165,7 +166,7 @@ def test_empty_message_and_retry(page):
     again = list(page.retry(None, first, "autoregressive", *values()))[-1][0]
     assert [m["role"] for m in again] == ["user", "assistant"] and again[0]["content"] == "w5 w6"
     nothing = list(page.retry(None, [], "speculative", *values()))
-    assert len(nothing) == 1 and len(nothing[0]) == 10  # every output left as it was
+    assert len(nothing) == 1 and len(nothing[0]) == 11  # every output left as it was
 
 
 def test_method_switch_shows_that_methods_settings(page):
