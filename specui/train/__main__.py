@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft", parents=[common], help="collect, build, train, evaluate and save a draft")
     d.add_argument("--out", type=Path, required=True)
     d.add_argument("--layers", default="0,-1", help="target layers the draft's layers start from")
+    d.add_argument("--init", type=Path, default=None,
+                   help="start from this trained draft (its layers and head) instead of the target's layers")
     d.add_argument("--head-size", type=int, default=8192, help="tokens the draft can propose")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--lr", type=float, default=1e-3)
@@ -138,10 +140,16 @@ def measure(draft, target: LoadedModel, heldout: AnswerSet) -> dict:
 def cmd_draft(args, target: LoadedModel) -> dict:
     train_set, heldout = answer_sets(args, target)
     eos = stop_token_ids(target.tokenizer, target.model.generation_config)
-    head = choose_head_tokens(train_set, args.head_size, eos)
     layers = [int(x) for x in args.layers.split(",")]
     torch.manual_seed(args.seed)
-    draft = build_draft(target.model, layers, head)
+    if args.init:  # go on from a trained draft: its layers, head tokens and weights (float32)
+        draft = load_draft(args.init, target.model, target.tokenizer, int8_kernels=False, dtype=torch.float32)
+        draft.model.embed_tokens.weight.requires_grad_(False)  # the target's, shared
+        head = draft.token_map.clone()
+        layers = draft.config.specui_draft.get("init_layers", layers)
+    else:
+        head = choose_head_tokens(train_set, args.head_size, eos)
+        draft = build_draft(target.model, layers, head)
     batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
@@ -149,7 +157,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
                                          args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
-                                         args.temperatures))
+                                         args.temperatures, args.init))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
