@@ -3,11 +3,13 @@
 Gradio's Plot component re-creates its chart whenever its value changes: a keyed block mounts a
 new element, plotly builds the whole figure again, and a second `Plotly.react` follows. Counted
 in headless Chromium on a 2-core CPU (opt-tree, panels once a second): 8 plotly calls a second
-for the four panels, 28 ms each, and the renderer took 0.4-0.8 of a core, which the engine
-lost. So while a reply streams the four figures travel as JSON in one hidden text carrier, and a
-script in the page hands them to `Plotly.react` on the charts already drawn: the traces are
-replaced in place and nothing is rebuilt. A draw still running when the next figures arrive
-folds them into one (only the newest is drawn). The Plot components get the final figures
+for the four panels, 28 ms each. So while a reply streams the four figures travel as JSON in
+one hidden text carrier, and a script in the page hands them to `Plotly.react` on the charts
+already drawn: the traces are replaced in place and nothing is rebuilt (4 calls a second, about
+20 ms each). Figures that arrive while a draw runs, or sooner after it than ten times its
+duration, wait and fold into one (only the newest is drawn): on a slow machine the charts
+redraw less often, and plotly takes at most a tenth of a core. In a background tab the browser
+pauses animation frames, so nothing piles up there. The Plot components get the final figures
 once, when the reply ends, so the final panels are exactly the recorded trace's."""
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ PAGE_CSS = ".generating { animation: none !important; }"
 # sets it (autosize, margins that grow for a title), so a live chart looks like the final one.
 DRAW_JS = """
 (payload) => {
-  const live = window.__specuiLive = window.__specuiLive || {pending: null, busy: false, draws: 0};
+  const SHARE = 10;  // after a draw of d ms the next waits >= SHARE * d ms: plotly gets <= 1/SHARE of a core
+  const live = window.__specuiLive = window.__specuiLive || {pending: null, busy: false, draws: 0, nextAt: 0};
   live.pending = payload || null;  // "": the reply ended, its final charts replace these; drop the rest
   if (live.pending === null || live.busy || !window.Plotly) return [];
   live.busy = true;
+  const schedule = () => setTimeout(() => requestAnimationFrame(drawNewest),
+                                    Math.max(0, live.nextAt - performance.now()));
   const drawNewest = () => {
     const text = live.pending;
     live.pending = null;
     if (text === null) { live.busy = false; return; }
+    const t0 = performance.now();
     let figures = {};
     try { figures = JSON.parse(text); } catch (e) { figures = {}; }
     const draws = Object.entries(figures).map(([id, fig]) => {
@@ -48,13 +54,15 @@ DRAW_JS = """
       if (layout.title) layout.margin.t = Math.max(100, layout.margin.t || 0);
       return Plotly.react(gd, fig.data || [], layout);
     });
-    live.draws += 1;
     Promise.all(draws).catch(() => null).then(() => {
-      if (live.pending !== null) requestAnimationFrame(drawNewest);
+      live.draws += 1;
+      live.lastMs = performance.now() - t0;
+      live.nextAt = performance.now() + SHARE * live.lastMs;
+      if (live.pending !== null) schedule();
       else live.busy = false;
     });
   };
-  requestAnimationFrame(drawNewest);
+  schedule();
   return [];
 }
 """
