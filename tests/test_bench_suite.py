@@ -225,3 +225,18 @@ def test_energy_counter_reads_nvml_and_says_why_not(monkeypatch):
                                                                                             peak_mb=12.0)]])
     assert row.joules_per_token == 1.0 and row.peak_mb == 12.0
     assert Row("r", "x", None, rounds=[[Sample([1], 1.0)]]).joules_per_token is None
+
+
+def test_run_bench_puts_another_draft_beside_the_first(tiny_dirs, tmp_path, capsys):
+    """`--other-draft`: the drafting methods run again with a second draft, interleaved in the
+    same rounds (an old and a new draft compared in one run)."""
+    from specui.bench import run
+
+    target, draft, _ = tiny_dirs
+    out = tmp_path / "rows.json"
+    assert run.main(["--target", str(target), "--draft", str(draft), "--other-draft", str(target),
+                     "--dtype", "float32", "--limit", "2", "--max-new-tokens", "6", "--repeats", "1",
+                     "--methods", "autoregressive,speculative:2", "--no-peers", "--json", str(out)]) == 0
+    names = [r["method"] for r in json.loads(out.read_text())]
+    assert names == ["autoregressive", "speculative gamma=2", "speculative gamma=2 [other draft]"]
+    assert "other draft:" in capsys.readouterr().out

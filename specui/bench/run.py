@@ -382,18 +382,34 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     return pair, prompts
 
 
+def other_draft_rows(args: argparse.Namespace, pair: ModelPair) -> list[Row]:
+    """Rows of the drafting methods with another draft for the same target (an old and a new
+    draft side by side in one run)."""
+    other = load_pair(pair.target.spec, ModelSpec(args.other_draft, args.dtype, args.device))
+    print(f"other draft: {other.draft.label}")
+    drafting = [m for m in args.methods.split(",") if parse_method(m)[0] != AR]
+    rows = make_rows(other, drafting, args.gamma, False)
+    for row in rows:
+        row.name += " [other draft]"
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common_parser(__doc__.splitlines()[0])
     ap.add_argument("--methods", default="autoregressive,auto,speculative")
     ap.add_argument("--gamma", type=int, default=ChatSettings().gamma, help="gamma of a bare 'speculative'")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--json", help="also write the rows (per-round samples included) to this JSON file")
+    ap.add_argument("--other-draft", help="also run the methods that draft with this draft (same target), "
+                                          "interleaved with the rest; rows marked [other draft]")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.max_new_tokens < 1:
         ap.error("--repeats and --max-new-tokens must be >= 1")
 
     pair, prompts = load_bench(args)
     rows = make_rows(pair, args.methods.split(","), args.gamma, not args.no_peers)
+    if args.other_draft:
+        rows += other_draft_rows(args, pair)
     bench(rows, prompts, args.max_new_tokens, args.repeats)
     print("\n" + table(rows, len(prompts)))
     if args.json:
