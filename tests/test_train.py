@@ -173,6 +173,18 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     assert "never trained on" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == shipped
 
+    # --init goes on from the trained draft: its weights (so its agreement before training), its head
+    again = tmp_path / "draft-again"
+    resumed = [*argv[: argv.index("--out")], "--out", str(again), *argv[argv.index("--out") + 2:], "--init", str(out)]
+    resumed[resumed.index("--epochs") + 1] = "1"
+    resumed[resumed.index("--layers") + 1] = "0,1"  # ignored: the init draft's own layers and head are kept
+    resumed[resumed.index("--head-size") + 1] = "16"
+    assert train_main(resumed) == 0
+    second = json.loads((again / "metrics.json").read_text())
+    assert second["agreement_before_training"] == pytest.approx(report["agreement"], abs=0.05)
+    first, then = (load_draft(f, pair.target.model, int8_kernels=False) for f in (out, again))
+    assert then.config.num_hidden_layers == 1 and torch.equal(first.token_map, then.token_map)
+
     (out / "README.md").write_text("how this draft was made")
     assert train_main(argv) == 0  # a retrain replaces the weights and keeps the hand-written README
     assert (out / "README.md").read_text() == "how this draft was made"
