@@ -169,14 +169,20 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
     loaded_target = load_model(target, role="target")
     if on_target_loaded is not None:
         on_target_loaded()
+    return pair_with_draft(loaded_target, draft, head, decision)
+
+
+def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "default",
+                    decision: str = "default") -> ModelPair:
+    """A loaded target paired with a draft (loaded here, with its head and decision model)."""
     loaded_draft = None
     if draft is not None:
         if is_specui_draft(draft.source):  # uses the target's tokenizer; checked by its vocabulary fingerprint
-            loaded_draft = load_specui_draft(draft, loaded_target)
+            loaded_draft = load_specui_draft(draft, target)
         else:
             loaded_draft = load_model(draft, role="draft")
-            check_same_tokenizer(loaded_target.tokenizer, loaded_draft.tokenizer)
-    return ModelPair(loaded_target, loaded_draft, load_head_choice(head_folder(head, draft), loaded_draft),
+            check_same_tokenizer(target.tokenizer, loaded_draft.tokenizer)
+    return ModelPair(target, loaded_draft, load_head_choice(head_folder(head, draft), loaded_draft),
                      load_decision_choice(head_folder(decision, draft, SHIPPED_DECISION), loaded_draft))
 
 

@@ -37,7 +37,7 @@ from specui.engine import GenerationRequest, make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
 from specui.loading import BUNDLED, ModelSpec
-from specui.pair import ModelPair, default_draft_source, load_pair
+from specui.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
 
 AR = "autoregressive"
@@ -385,7 +385,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
 def other_draft_rows(args: argparse.Namespace, pair: ModelPair) -> list[Row]:
     """Rows of the drafting methods with another draft for the same target (an old and a new
     draft side by side in one run)."""
-    other = load_pair(pair.target.spec, ModelSpec(args.other_draft, args.dtype, args.device))
+    other = pair_with_draft(pair.target, ModelSpec(args.other_draft, args.dtype, args.device))  # same target
     print(f"other draft: {other.draft.label}")
     drafting = [m for m in args.methods.split(",") if parse_method(m)[0] != AR]
     rows = make_rows(other, drafting, args.gamma, False)

@@ -204,17 +204,15 @@ class ChatPage:
 
     @staticmethod
     def _panels(history, generation, steps: list[StepTrace], step: StepTrace | None, notes: list[str]) -> Outputs:
-        return Outputs(history, tree_figure(step), acceptance_figure(steps), choices_figure(steps),
-                       timing_figure(steps), stats_line(generation.stats.to_dict(), notes), provenance_html(steps))
+        return Outputs(history, **_figures(steps, step), stats=stats_line(generation.stats.to_dict(), notes),
+                       provenance=provenance_html(steps))
 
     @staticmethod
     def _live(history, generation, step: StepTrace, notes: list[str]) -> Outputs:
         """The panels mid-reply, redrawn in place by the page (see specui/ui/live_panels.py)."""
         steps = list(generation.steps)  # a snapshot: the generation thread keeps appending
-        figures = {"tree": tree_figure(step), "accept": acceptance_figure(steps), "choices": choices_figure(steps),
-                   "timing": timing_figure(steps)}
         return Outputs(history, stats=stats_line(generation.stats.to_dict(), notes + step.notes),
-                       provenance=provenance_html(steps), live=live_payload(figures))
+                       provenance=provenance_html(steps), live=live_payload(_figures(steps, step)))
 
     def _final(self, history, generation, notes: list[str]) -> Outputs:
         steps = generation.steps
@@ -310,6 +308,12 @@ class ChatPage:
     def header(self) -> str:
         s = self.service
         return f"Target: `{s.target_label}` · draft: `{s.draft_label}` · device: `{s.device_label}`"
+
+
+def _figures(steps: list[StepTrace], step: StepTrace | None) -> dict:
+    """The four panels, keyed by their Outputs field, which is also their chart's elem_id."""
+    return {"tree": tree_figure(step), "accept": acceptance_figure(steps), "choices": choices_figure(steps),
+            "timing": timing_figure(steps)}
 
 
 def _split_sent_at(values: tuple) -> tuple[tuple, float | None]:
