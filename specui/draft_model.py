@@ -28,20 +28,33 @@ SCALE = ".int8_scale"
 class SpecUIDraftForCausalLM(LlamaForCausalLM):
     """Llama-architecture draft with a reduced-vocabulary head.
     config.specui_draft = {"head_size": K, "target_vocab": V, ...}; buffer token_map (K,)
-    maps head rows to vocabulary ids."""
+    maps head rows to vocabulary ids. With "features": true it also reads the target's
+    hidden state before each position (`features`, zeros where unknown), mixed into the
+    token's embedding by `feature_fc` (H + H -> H)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
         k = int(config.specui_draft["head_size"])
         self.lm_head = torch.nn.Linear(config.hidden_size, k, bias=False)
         self.register_buffer("token_map", torch.arange(k, dtype=torch.long), persistent=True)
+        h = config.hidden_size
+        self.feature_fc = torch.nn.Linear(2 * h, h, bias=False) if reads_features(config) else None
+
+    def mix_features(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The decoder's input: the token embeddings with the target's states (zeros where None)."""
+        emb = self.model.embed_tokens(input_ids)
+        if features is None:
+            features = emb.new_zeros(emb.shape)
+        return self.feature_fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., K) logits over the head's tokens."""
         return self.lm_head(hidden)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, logits_to_keep=0, labels=None, **kwargs):
+                inputs_embeds=None, use_cache=None, logits_to_keep=0, labels=None, features=None, **kwargs):
+        if self.feature_fc is not None and inputs_embeds is None:
+            inputs_embeds, input_ids = self.mix_features(input_ids, features), None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)
@@ -53,6 +66,24 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
         logits.index_copy_(-1, self.token_map, small)
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values,
                                       hidden_states=out.hidden_states, attentions=out.attentions)
+
+
+def add_feature_input(draft: SpecUIDraftForCausalLM) -> SpecUIDraftForCausalLM:
+    """Make a token draft read the target's features too: a new feature_fc that starts as
+    [I | 0], so the draft begins exactly as it was and training learns what the features add."""
+    h = draft.config.hidden_size
+    draft.config.specui_draft = {**draft.config.specui_draft, "features": True}
+    weight = draft.model.norm.weight
+    draft.feature_fc = torch.nn.Linear(2 * h, h, bias=False).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        draft.feature_fc.weight.zero_()
+        draft.feature_fc.weight[:, :h].copy_(torch.eye(h))
+    return draft
+
+
+def reads_features(config) -> bool:
+    """Whether a draft's config says it reads the target's features."""
+    return bool(getattr(config, MARKER, None) and getattr(config, MARKER).get("features"))
 
 
 def use_int8_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:

@@ -190,6 +190,33 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     assert (out / "README.md").read_text() == "how this draft was made"
 
 
+def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path):
+    """--features --init: the token draft gains the target's states as input (starting as it
+    was), trains, ships, and decodes losslessly in the engine; the states pass is cached."""
+    root, folder, _, _, train_file, heldout_file = setup
+    base = ["--target", str(folder), "--train-prompts", str(train_file), "--heldout-prompts", str(heldout_file),
+            "--work", str(tmp_path / "work"), "--max-new-tokens", "16", "--batch-size", "8", "--head-size", "24",
+            "--epochs", "2", "--layers", "0", "--batch-tokens", "256"]
+    assert train_main(["draft", *base, "--out", str(tmp_path / "tok")]) == 0
+    token = json.loads((tmp_path / "tok" / "metrics.json").read_text())
+    argv = ["draft", *base, "--out", str(tmp_path / "feat"), "--init", str(tmp_path / "tok"), "--features",
+            "--lr", "3e-3", "--epochs", "4"]
+    assert train_main(argv) == 0
+    report = json.loads((tmp_path / "feat" / "metrics.json").read_text())
+    assert report["agreement_before_training"] == pytest.approx(token["agreement"], abs=0.05)  # starts as it was
+    assert 0 <= report["agreement_unknown_state"] <= 1 and report["expected_accepted"]["2"] >= 1
+    chunks = sorted((tmp_path / "work" / "states").glob("chunk-*.pt"))
+    assert chunks  # the target's states are cached: a rerun computes none again
+    assert train_main(["eval", *base[: base.index("--head-size")], "--draft", str(tmp_path / "feat")]) == 0
+    assert sorted((tmp_path / "work" / "states").glob("chunk-*.pt")) == chunks
+    pair = load_pair(ModelSpec(str(folder)), ModelSpec(str(tmp_path / "feat")))
+    engine = pair.engine()
+    for prompt in ([1, 5, 9, 13], [1, 22, 8, 30, 4, 17]):
+        ar = engine.generate(GenerationRequest(prompt, 20), make_method("autoregressive")).run().output_ids
+        spec = engine.generate(GenerationRequest(prompt, 20), make_method("speculative", gamma=3)).run()
+        assert spec.output_ids == ar and spec.stats.accepted > 0
+
+
 def test_target_without_chat_template_is_refused(setup, tmp_path, capsys):
     _, folder, _, _, train_file, heldout_file = setup
     plain = save_tiny_model(tmp_path / "plain", seed=0, layers=1)

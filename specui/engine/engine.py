@@ -11,7 +11,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.decision import DecisionModels
+from specui.draft_model import reads_features
 from specui.engine.costs import EngineCosts
+from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
 from specui.engine.methods.emssd import Batch, EmsSd
@@ -41,7 +43,7 @@ class Engine:
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.target = ModelSession(target, vocab)
-        self.draft = ModelSession(draft, vocab) if draft is not None else None
+        self.draft = _draft_session(draft, vocab, self.target) if draft is not None else None
         if self.draft is not None:  # SpecDec++ reads its head from the draft's session
             self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
             if acceptance_head is not None:
@@ -112,6 +114,13 @@ class Engine:
             self.ensure_profile()
         return Batch(method.decoder(self.target.model, self.draft.model if self.draft is not None else None,
                                     self.target.vocab_size, self.costs))
+
+
+def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession) -> ModelSession:
+    """A draft that reads the target's features gets a session that passes them on."""
+    if reads_features(draft.config):
+        return FeatureDraftSession(draft, vocab, target)
+    return ModelSession(draft, vocab)
 
 
 def _context_len(model: PreTrainedModel) -> int:

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.kvcache import GrowingCache
 from specui.engine.tree import TokenTree
+from specui.errors import SpecUIError
 
 
 @contextmanager
@@ -27,6 +28,11 @@ def output_layer_inputs(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]:
         yield seen
     finally:
         hook.remove()
+
+
+def final_norm(model: PreTrainedModel) -> torch.nn.Module | None:
+    """The norm a decoder applies last (its output is what the output layer reads)."""
+    return getattr(model.get_decoder(), "norm", None)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -53,6 +59,16 @@ class ModelSession:
         # MCSD: the draft's early-stop decision models by kind ("hidden", "entropy"), or why there are none
         self.decision_models: dict[str, torch.nn.Module] = {}
         self.decision_problem = "no MCSD decision models are loaded for this draft"
+        # a feature draft's input: this (target) session's hidden states after the final norm,
+        # one row per cached position (None: not kept)
+        self.features: torch.Tensor | None = None
+
+    def keep_features(self) -> None:
+        """Keep the hidden state (after the final norm) at every cached position, for a
+        draft that reads the target's features (specui/engine/feature_draft.py)."""
+        if final_norm(self.model) is None:
+            raise SpecUIError("a feature draft needs a target whose decoder ends in a final norm (Llama-like)")
+        self.features = torch.empty((0, self.model.config.hidden_size), device=self.device)
 
     # -- cache bookkeeping -------------------------------------------------------------
     @property
@@ -62,6 +78,8 @@ class ModelSession:
     def reset(self) -> None:
         self.cache = GrowingCache(config=self.model.config)
         self.cached_ids = []
+        if self.features is not None:
+            self.features = self.features[:0]
         self._tree_pending = False
 
     def _crop(self, keep: int) -> None:
@@ -71,6 +89,8 @@ class ModelSession:
                 return
             self.cache.crop(keep - self.length)  # transformers 5: negative = tokens to drop
             del self.cached_ids[keep:]
+            if self.features is not None:
+                self.features = self.features[:keep]
 
     def _drop_pending_tree(self) -> None:
         """Tree entries are not a sequence: never let prefix matching reuse them."""
@@ -169,7 +189,16 @@ class ModelSession:
         """The one place the model runs on this cache; a failure mid-forward (out of
         memory, cancel) leaves no half-written cache behind."""
         try:
-            return self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+            if self.features is None:
+                return self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+            seen: list[torch.Tensor] = []
+            hook = final_norm(self.model).register_forward_hook(lambda _m, _a, out: seen.append(out))
+            try:
+                out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+            finally:
+                hook.remove()
+            self.features = torch.cat([self.features[: self.length], seen[-1][0].to(self.features.dtype)])
+            return out
         except BaseException:
             self.reset()
             raise
@@ -187,6 +216,8 @@ class ModelSession:
             for layer in self.cache.layers:
                 layer.keys[..., base:base + len(path), :] = layer.keys.index_select(-2, src)
                 layer.values[..., base:base + len(path), :] = layer.values.index_select(-2, src)
+            if self.features is not None:
+                self.features[base:base + len(path)] = self.features.index_select(0, src)
             self.cached_ids[base:base + len(path)] = [tree.tokens[i] for i in path]
         self._tree_pending = False
         self._crop(base + len(path))

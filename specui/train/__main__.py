@@ -30,7 +30,7 @@ import torch
 
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import load_draft, save_draft
+from specui.draft_model import add_feature_input, load_draft, save_draft
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
 from specui.train import decision_command, head_command, questions
@@ -38,6 +38,7 @@ from specui.train.collect_command import add_arguments, make_collector
 from specui.train.cost import decode_ms
 from specui.train.data import AnswerSet
 from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
+from specui.train.states import states_for
 from specui.train.trainer import TrainConfig, train
 
 GENERATED = PROMPTS_DIR / "generated.jsonl"
@@ -84,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--batch-tokens", type=int, default=4096)
     d.add_argument("--weight-decay", type=float, default=0.0)
+    d.add_argument("--features", action="store_true",
+                   help="the draft also reads the target's hidden state before each position (EAGLE's idea; "
+                        "a float32 pass over every conversation computes them)")
+    d.add_argument("--unknown-state", type=float, default=0.3,
+                   help="--features: share of positions trained without the target's state, as at the "
+                        "draft's own proposals")
     d.add_argument("--labels", choices=["soft", "hard"], default="soft",
                    help="soft: the target's top-32 distribution (a float32 teacher pass over every answer); "
                         "hard: its answer tokens themselves (no teacher pass)")
@@ -130,8 +137,16 @@ def _user_text(item) -> str:
     return "\n".join(m["content"].strip() for m in item.messages if m["role"] == "user")
 
 
-def measure(draft, target: LoadedModel, heldout: AnswerSet) -> dict:
-    quality = evaluate(draft, heldout)
+def states(args, target: LoadedModel, data: AnswerSet, draft) -> list[torch.Tensor] | None:
+    """The target's states along `data` for a feature draft (cached under --work), else None."""
+    if draft.feature_fc is None:
+        return None
+    seqs = [p + a for p, a in zip(data.prompt_ids, data.answer_ids)]
+    return states_for(target.model, data.ids, seqs, args.work / "states")
+
+
+def measure(draft, target: LoadedModel, heldout: AnswerSet, heldout_states=None) -> dict:
+    quality = evaluate(draft, heldout, states=heldout_states)
     prompt = heldout.prompt_ids[0]
     t_ms, d_ms = decode_ms(target.model, prompt), decode_ms(draft, prompt)
     return {**asdict(quality), "target_ms_per_token": t_ms, "draft_ms_per_token": d_ms, "cost_ratio": d_ms / t_ms}
@@ -150,19 +165,22 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     else:
         head = choose_head_tokens(train_set, args.head_size, eos)
         draft = build_draft(target.model, layers, head)
-    batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens)
+    if args.features and draft.feature_fc is None:
+        add_feature_input(draft)
+    train_states, heldout_states = states(args, target, train_set, draft), states(args, target, heldout, draft)
+    batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens, train_states)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
-    before = evaluate(draft, heldout)
+    before = evaluate(draft, heldout, states=heldout_states)
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
                                          args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
-                                         args.temperatures, args.init))
+                                         args.temperatures, args.init, args.features, args.unknown_state))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
     t0 = time.time()
-    losses = train(draft, batches, lambda b: distill_loss(draft, b), cfg, desc="distil draft")
+    losses = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft")
     report = {}
     report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),
                   agreement_before_training=before.agreement, train_answer_tokens=train_set.answer_tokens,
@@ -172,7 +190,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     save_draft(draft, tmp, target.tokenizer)
     shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
-    report.update(measure(shipped, target, heldout))  # figures of the stored (int8) weights
+    report.update(measure(shipped, target, heldout, heldout_states))  # figures of the stored (int8) weights
     (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
     for kept in ("README.md",):  # hand-written notes about the draft survive a retrain (update them)
         if (args.out / kept).is_file() and not (tmp / kept).exists():
@@ -212,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             report = decision_command.cmd_decision(args, target, train_set, heldout)
         elif args.cmd == "eval":
             _, heldout = answer_sets(args, target)
-            report = measure(load_draft(args.draft, target.model, target.tokenizer), target, heldout)
+            draft = load_draft(args.draft, target.model, target.tokenizer)
+            report = measure(draft, target, heldout, states(args, target, heldout, draft))
         else:
             report = cmd_draft(args, target)
     except SpecUIError as e:

@@ -20,6 +20,7 @@ from specui.draft_model import vocab_fingerprint
 from specui.engine import Engine
 from specui.errors import SpecUIError
 from specui.train.answers import Answer, AnswerStore, CollectReport, Job, answer_key, collect_answers
+from specui.train.states import padded_groups
 
 
 class SavedFields:
@@ -84,27 +85,15 @@ def teacher_topk(model: PreTrainedModel, answers: Sequence[Answer], k: int, batc
     """The target's top-k (ids int32, log-probs float16) at each answer position of every
     answer, in right-padded batches of about `batch_tokens` tokens (causal attention: padding
     after a sequence changes nothing before it); the output layer runs on answer positions only."""
-    order = sorted(range(len(answers)), key=lambda i: len(answers[i].prompt_ids) + len(answers[i].answer_ids))
     out: list = [None] * len(answers)
     head = model.get_output_embeddings()
-    group: list[int] = []
-    for i in order + [None]:
-        width = max((len(answers[j].prompt_ids) + len(answers[j].answer_ids) for j in group), default=0)
-        if i is None or (group and width * (len(group) + 1) > batch_tokens):
-            if group:
-                seqs = [answers[j].prompt_ids + answers[j].answer_ids for j in group]
-                ids = torch.zeros((len(seqs), max(len(s) for s in seqs)), dtype=torch.long)
-                for r, seq in enumerate(seqs):
-                    ids[r, :len(seq)] = torch.tensor(seq)
-                hidden = model.model(input_ids=ids.to(model.device), use_cache=False).last_hidden_state
-                for r, j in enumerate(group):
-                    start, n = len(answers[j].prompt_ids) - 1, len(answers[j].answer_ids)
-                    logp = head(hidden[r, start:start + n]).float().log_softmax(-1)
-                    top = logp.topk(k, dim=-1)
-                    out[j] = (top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu())
-            group = []
-        if i is not None:
-            group.append(i)
+    for group, ids in padded_groups([a.prompt_ids + a.answer_ids for a in answers], batch_tokens):
+        hidden = model.model(input_ids=ids.to(model.device), use_cache=False).last_hidden_state
+        for r, j in enumerate(group):
+            start, n = len(answers[j].prompt_ids) - 1, len(answers[j].answer_ids)
+            logp = head(hidden[r, start:start + n]).float().log_softmax(-1)
+            top = logp.topk(k, dim=-1)
+            out[j] = (top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu())
     return out
 
 

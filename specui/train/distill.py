@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from specui.draft_model import SpecUIDraftForCausalLM
 from specui.train.data import AnswerSet
+from specui.train.states import padded_groups
 
 
 def choose_head_tokens(data: AnswerSet, size: int, always: list[int]) -> torch.Tensor:
@@ -68,50 +69,59 @@ class Batch:
     answer: torch.Tensor  # (N,) the target's token (vocabulary id)
     teacher_idx: torch.Tensor  # (N, k) head index of each teacher top-k token, -1 if not in the head
     teacher_p: torch.Tensor  # (N, k) teacher probabilities
+    features: torch.Tensor | None = None  # (B, T, H) bfloat16: the target's state before each position
 
 
-def make_batches(data: AnswerSet, head_tokens: torch.Tensor, vocab: int, batch_tokens: int) -> list[Batch]:
+def make_batches(data: AnswerSet, head_tokens: torch.Tensor, vocab: int, batch_tokens: int,
+                 states: list[torch.Tensor] | None = None) -> list[Batch]:
+    """Training batches; with `states` (the target's states along each conversation, aligned
+    with data) each batch carries the features a feature draft reads."""
     to_head = torch.full((vocab,), -1, dtype=torch.long)
     to_head[head_tokens] = torch.arange(len(head_tokens))
-    order = sorted(range(len(data)), key=lambda i: len(data.prompt_ids[i]) + len(data.answer_ids[i]))
-    batches, group = [], []
-    for i in order + [None]:
-        longest = max((len(data.prompt_ids[j]) + len(data.answer_ids[j]) for j in group), default=0)
-        if i is None or (group and longest * (len(group) + 1) > batch_tokens):
-            if group:
-                batches.append(_batch(data, group, to_head))
-            group = []
-        if i is not None:
-            group.append(i)
-    return batches
+    seqs = [p + a for p, a in zip(data.prompt_ids, data.answer_ids)]
+    return [_batch(data, group, ids, to_head, states) for group, ids in padded_groups(seqs, batch_tokens)]
 
 
-def _batch(data: AnswerSet, group: list[int], to_head: torch.Tensor) -> Batch:
-    seqs = [data.prompt_ids[i] + data.answer_ids[i] for i in group]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
+def _batch(data: AnswerSet, group: list[int], input_ids: torch.Tensor, to_head: torch.Tensor,
+           states: list[torch.Tensor] | None) -> Batch:
     rows, cols, answer, t_idx, t_p = [], [], [], [], []
-    for r, (i, seq) in enumerate(zip(group, seqs)):
-        input_ids[r, : len(seq)] = torch.tensor(seq)
+    features = None
+    if states is not None:  # position t reads the state at t - 1 (zeros at 0 and after the end)
+        features = torch.zeros((*input_ids.shape, states[group[0]].shape[-1]), dtype=torch.bfloat16)
+        for r, i in enumerate(group):
+            features[r, 1:len(states[i])] = states[i][:-1]
+    for r, i in enumerate(group):
         start, n = len(data.prompt_ids[i]) - 1, len(data.answer_ids[i])
         rows.append(torch.full((n,), r))
         cols.append(torch.arange(start, start + n))
         answer.append(torch.tensor(data.answer_ids[i]))
         t_idx.append(to_head[data.topk_ids[i].long()])
         t_p.append(data.topk_logp[i].float().exp())
-    return Batch(input_ids, torch.cat(rows), torch.cat(cols), torch.cat(answer), torch.cat(t_idx), torch.cat(t_p))
+    return Batch(input_ids, torch.cat(rows), torch.cat(cols), torch.cat(answer), torch.cat(t_idx), torch.cat(t_p),
+                 features)
 
 
-def answer_logits(draft: SpecUIDraftForCausalLM, batch: Batch) -> torch.Tensor:
-    """Head logits (N, K) at every answer position of the batch."""
-    hidden = draft.model(input_ids=batch.input_ids.to(draft.device), use_cache=False).last_hidden_state
+def answer_logits(draft: SpecUIDraftForCausalLM, batch: Batch, unknown: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """Head logits (N, K) at every answer position of the batch. A feature draft reads the
+    batch's features, zeroed (as at the positions it proposes itself) at a random share
+    `unknown` of positions, or where a (B, T) bool tensor `unknown` says."""
+    ids = batch.input_ids.to(draft.device)
+    if draft.feature_fc is None:
+        hidden = draft.model(input_ids=ids, use_cache=False).last_hidden_state
+    else:
+        feats = batch.features.to(draft.device, torch.float32)
+        if isinstance(unknown, torch.Tensor):
+            feats = feats * ~unknown.to(draft.device)[..., None]
+        elif unknown > 0:
+            feats = feats * (torch.rand(feats.shape[:2], device=draft.device) >= unknown)[..., None]
+        hidden = draft.model(inputs_embeds=draft.mix_features(ids, feats), use_cache=False).last_hidden_state
     return draft.head_logits(hidden[batch.rows, batch.cols])
 
 
-def distill_loss(draft: SpecUIDraftForCausalLM, batch: Batch) -> torch.Tensor:
+def distill_loss(draft: SpecUIDraftForCausalLM, batch: Batch, unknown: float = 0.0) -> torch.Tensor:
     """Soft cross-entropy to the target's top-k distribution (tokens outside the head are
     unreachable for the draft and dropped): KL(p || q) up to the target's entropy."""
-    logq = answer_logits(draft, batch).log_softmax(-1)
+    logq = answer_logits(draft, batch, unknown).log_softmax(-1)
     idx = batch.teacher_idx.to(logq.device)
     p = batch.teacher_p.to(logq.device) * (idx >= 0)
     picked = logq.gather(-1, idx.clamp_min(0))
@@ -125,44 +135,61 @@ class DraftQuality:
     alpha: float  # seeds' acceptance measure: E[sum_x min(p(x), q(x))] (p from the teacher's top-k)
     head_coverage: float  # fraction of answer tokens the head can propose
     expected_accepted: dict[int, float]  # greedy: mean tokens per target forward at gamma, teacher-forced
+    # a feature draft: agreement where the state before its input is unknown (its own proposals)
+    agreement_unknown_state: float | None = None
 
 
 @torch.inference_mode()
 def evaluate(draft: SpecUIDraftForCausalLM, data: AnswerSet, batch_tokens: int = 4096,
-             gammas: tuple[int, ...] = (2, 3, 4, 5, 6)) -> DraftQuality:
+             gammas: tuple[int, ...] = (2, 3, 4, 5, 6), states: list[torch.Tensor] | None = None) -> DraftQuality:
+    """Held-out quality along the target's answers. A feature draft (given the target's
+    `states`) is measured twice: its first proposal of a step reads the target's state, the
+    later ones do not (their input position was proposed by the draft); the replay uses the
+    first for a step's first draft and the second for the rest (approximated by zeroing every
+    other position's state)."""
     vocab = draft.config.vocab_size
     head = draft.token_map.cpu()
     in_head = torch.zeros(vocab, dtype=torch.bool)
     in_head[head] = True
-    agree_runs: list[list[bool]] = []
-    n = agree = covered = 0
+    runs: list[tuple[list[bool], list[bool]]] = []
+    n = agree = later_agree = covered = 0
     alpha = 0.0
-    for batch in make_batches(data, head, vocab, batch_tokens):
+    for batch in make_batches(data, head, vocab, batch_tokens, states):
         logq = answer_logits(draft, batch).float().log_softmax(-1).cpu()
-        guess = head[logq.argmax(-1)]
-        hit = guess == batch.answer
+        hit = head[logq.argmax(-1)] == batch.answer
+        later = hit
+        if draft.feature_fc is not None:
+            later = torch.zeros_like(hit)
+            parity = torch.arange(batch.input_ids.shape[1]) % 2
+            for odd in (0, 1):
+                unknown = (parity == odd).expand(batch.input_ids.shape)
+                rows = unknown[batch.rows, batch.cols]
+                later[rows] = (head[answer_logits(draft, batch, unknown).argmax(-1).cpu()] == batch.answer)[rows]
         agree += int(hit.sum())
+        later_agree += int(later.sum())
         n += len(hit)
         covered += int(in_head[batch.answer].sum())
         q_at = torch.where(batch.teacher_idx >= 0, logq.gather(-1, batch.teacher_idx.clamp_min(0)).exp(), 0.0)
         alpha += float(torch.minimum(batch.teacher_p, q_at).sum())
         for r in range(int(batch.rows.max()) + 1):
-            agree_runs.append(hit[batch.rows == r].tolist())
+            runs.append((hit[batch.rows == r].tolist(), later[batch.rows == r].tolist()))
     return DraftQuality(
         positions=n, agreement=agree / n, alpha=alpha / n, head_coverage=covered / n,
-        expected_accepted={g: _mean_tokens_per_forward(agree_runs, g) for g in gammas},
+        expected_accepted={g: _mean_tokens_per_forward(runs, g) for g in gammas},
+        agreement_unknown_state=later_agree / n if draft.feature_fc is not None else None,
     )
 
 
-def _mean_tokens_per_forward(runs: list[list[bool]], gamma: int) -> float:
+def _mean_tokens_per_forward(runs: list[tuple[list[bool], list[bool]]], gamma: int) -> float:
     """Replay greedy speculative decoding over teacher-forced agreement: each step accepts
-    the drafts up to the first disagreement (at most gamma) and adds the target's token."""
+    the drafts up to the first disagreement (at most gamma) and adds the target's token. A
+    run is (hits of a step's first draft, hits of its later drafts) at each position."""
     tokens = forwards = 0
-    for hits in runs:
+    for first, later in runs:
         t = 0
-        while t < len(hits):
+        while t < len(first):
             a = 0
-            while a < gamma and t + a < len(hits) and hits[t + a]:
+            while a < gamma and t + a < len(first) and (first if a == 0 else later)[t + a]:
                 a += 1
             t += a + 1
             tokens += a + 1
