@@ -45,7 +45,8 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
         emb = self.model.embed_tokens(input_ids)
         if features is None:
             features = emb.new_zeros(emb.shape)
-        return self.feature_fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
+        scale = float(self.config.specui_draft.get("feature_scale", 1.0))  # states to the embeddings' size
+        return self.feature_fc(torch.cat([emb, features.to(emb.dtype) * scale], dim=-1))
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., K) logits over the head's tokens."""
@@ -68,11 +69,13 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
                                       hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-def add_feature_input(draft: SpecUIDraftForCausalLM) -> SpecUIDraftForCausalLM:
+def add_feature_input(draft: SpecUIDraftForCausalLM, scale: float = 1.0) -> SpecUIDraftForCausalLM:
     """Make a token draft read the target's features too: a new feature_fc that starts as
-    [I | 0], so the draft begins exactly as it was and training learns what the features add."""
+    [I | 0], so the draft begins exactly as it was and training learns what the features add.
+    `scale` multiplies the states first (training sets it to bring their size to the
+    embeddings': the target's states are about 14x larger for SmolLM2)."""
     h = draft.config.hidden_size
-    draft.config.specui_draft = {**draft.config.specui_draft, "features": True}
+    draft.config.specui_draft = {**draft.config.specui_draft, "features": True, "feature_scale": scale}
     weight = draft.model.norm.weight
     draft.feature_fc = torch.nn.Linear(2 * h, h, bias=False).to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

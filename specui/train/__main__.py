@@ -137,12 +137,18 @@ def _user_text(item) -> str:
     return "\n".join(m["content"].strip() for m in item.messages if m["role"] == "user")
 
 
-def states(args, target: LoadedModel, data: AnswerSet, draft) -> list[torch.Tensor] | None:
+def states(args, target: LoadedModel, data: AnswerSet, wanted: bool) -> list[torch.Tensor] | None:
     """The target's states along `data` for a feature draft (cached under --work), else None."""
-    if draft.feature_fc is None:
+    if not wanted:
         return None
     seqs = [p + a for p, a in zip(data.prompt_ids, data.answer_ids)]
     return states_for(target.model, data.ids, seqs, args.work / "states")
+
+
+def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:
+    """RMS of the input embeddings over RMS of the target's states (a sample of them)."""
+    sample = torch.cat([s.float() for s in states[:: max(1, len(states) // 200)]])
+    return float(embeddings.float().pow(2).mean().sqrt() / sample.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
 def measure(draft, target: LoadedModel, heldout: AnswerSet, heldout_states=None) -> dict:
@@ -165,9 +171,10 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     else:
         head = choose_head_tokens(train_set, args.head_size, eos)
         draft = build_draft(target.model, layers, head)
+    reads = args.features or draft.feature_fc is not None
+    train_states, heldout_states = states(args, target, train_set, reads), states(args, target, heldout, reads)
     if args.features and draft.feature_fc is None:
-        add_feature_input(draft)
-    train_states, heldout_states = states(args, target, train_set, draft), states(args, target, heldout, draft)
+        add_feature_input(draft, size_ratio(draft.model.embed_tokens.weight, train_states))
     batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens, train_states)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "eval":
             _, heldout = answer_sets(args, target)
             draft = load_draft(args.draft, target.model, target.tokenizer)
-            report = measure(draft, target, heldout, states(args, target, heldout, draft))
+            report = measure(draft, target, heldout, states(args, target, heldout, draft.feature_fc is not None))
         else:
             report = cmd_draft(args, target)
     except SpecUIError as e:
