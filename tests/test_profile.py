@@ -16,6 +16,7 @@ def synthetic(t1=10.0, slope=0.5, draft=1.0, key="k") -> CostProfile:
         key=key,
         target_ms={64: {k: t1 + slope * (k - 1) for k in ks}, 512: {k: 2 * (t1 + slope * (k - 1)) for k in ks}},
         draft_ms={w: draft * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8)},
+        draft_context_ms={64: draft, 512: 1.5 * draft},
     )
 
 
@@ -30,16 +31,27 @@ def test_interpolation_in_k_and_context():
     assert p.target(1, 64) == 10.0
     assert p.target(3, 64) == pytest.approx(11.0)  # between k=2 (10.5) and k=4 (11.5)
     assert p.target(1, 288) == pytest.approx(15.0)  # halfway between contexts 64 and 512
-    assert p.target(1, 10) == 10.0 and p.target(1, 4096) == 20.0  # clamped to the measured contexts
+    assert p.target(1, 10) == 10.0  # held at the shortest context below it
+    assert p.target(1, 960) == pytest.approx(30.0)  # linear beyond the longest context: 10 ms per 448 tokens
     assert p.target(128, 64) == pytest.approx(p.target(64, 64) * 2)  # linear beyond the last k
     assert p.draft(1) == 1.0 and p.draft(3) == pytest.approx(1.2)
+    # the draft's time grows with the context as its one-token time measured there does
+    assert p.draft(1, 64) == 1.0 and p.draft(1, 288) == pytest.approx(1.25) and p.draft(3, 512) == pytest.approx(1.8)
+    assert p.draft(1, 960) == pytest.approx(2.0)
     assert p.mu(4) == pytest.approx(p.draft(4) / p.target(4))
     assert "target ms for k tokens" in p.table()
 
 
+def test_a_noisy_longer_context_never_extrapolates_downwards():
+    p = CostProfile(key="k", target_ms={64: {1: 12.0}, 512: {1: 11.0}})  # noise: the longer context timed faster
+    assert p.target(1, 300) == pytest.approx(12.0 - 236 / 448)
+    assert p.target(1, 4096) == 11.0  # held, never below the longest measured context
+
+
 def test_bad_profiles_are_refused():
     d = synthetic().to_dict()
-    for bad in ({**d, "version": 0}, {**d, "target_ms": {}}, {**d, "target_ms": {"64": {"1": -1.0}}}):
+    for bad in ({**d, "version": 0}, {**d, "target_ms": {}}, {**d, "target_ms": {"64": {"1": -1.0}}},
+                {**d, "draft_context_ms": {"64": 0.0}}):
         with pytest.raises((ValueError, KeyError)):
             CostProfile.from_dict(bad)
 
@@ -49,6 +61,7 @@ def test_measure_on_tiny_models_leaves_caches_clean(tiny_engine):
     p = measure_profile(tiny_engine.target, tiny_engine.draft, contexts=(8, 32), ks=(1, 4), widths=(1, 2),
                         repeats=1)
     assert set(p.target_ms) == {8, 32} and set(p.target_ms[8]) == {1, 4} and set(p.draft_ms) == {1, 2}
+    assert set(p.draft_context_ms) == {8, 32} and p.draft_context_ms[8] == p.draft_ms[1]
     assert all(v > 0 for row in p.target_ms.values() for v in row.values())
     assert tiny_engine.target.length == 0 and tiny_engine.draft.length == 0
 

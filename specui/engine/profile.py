@@ -1,5 +1,6 @@
 """The cost profile of a loaded pair (DESIGN.md 4.2): target ms for k tokens at a few
-contexts, draft ms per token and per tree layer of width w. Measured once, cached on disk
+contexts (64, 512 and 2048 cached tokens; linear in the context beyond), draft ms per token
+and per tree layer of width w, and the draft's one-token ms at each context. Measured once, cached on disk
 under a key of everything that changes the figures (model files, dtype, quantization,
 device, threads, torch version, CPU); a corrupt or mismatched file is re-measured.
 
@@ -26,8 +27,8 @@ from specui.engine.tree import TokenTree
 
 TARGET_KS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
-CONTEXTS = (64, 512)
-PROFILE_VERSION = 2  # 2: k counts every token fed (was k + 1)
+CONTEXTS = (64, 512, 2048)
+PROFILE_VERSION = 3  # 2: k counts every token fed (was k + 1); 3: 2048 context, draft by context
 
 Progress = Callable[[float, str], None]
 
@@ -39,6 +40,7 @@ class CostProfile:
     key: str
     target_ms: dict[int, dict[int, float]]  # {context: {k: ms}}
     draft_ms: dict[int, float] = field(default_factory=dict)  # {width: ms per layer}; width 1 = one token
+    draft_context_ms: dict[int, float] = field(default_factory=dict)  # {context: ms for one draft token}
     created: float = 0.0
     measure_s: float = 0.0
     describe: dict[str, str] = field(default_factory=dict)  # what the key was made of, for display
@@ -48,6 +50,7 @@ class CostProfile:
         d = asdict(self)
         d["target_ms"] = {str(c): {str(k): v for k, v in row.items()} for c, row in self.target_ms.items()}
         d["draft_ms"] = {str(w): v for w, v in self.draft_ms.items()}
+        d["draft_context_ms"] = {str(c): v for c, v in self.draft_context_ms.items()}
         return d
 
     @classmethod
@@ -56,27 +59,34 @@ class CostProfile:
             raise ValueError(f"profile version {d.get('version')!r}, expected {PROFILE_VERSION}")
         target = {int(c): {int(k): float(v) for k, v in row.items()} for c, row in d["target_ms"].items()}
         draft = {int(w): float(v) for w, v in d.get("draft_ms", {}).items()}
+        draft_context = {int(c): float(v) for c, v in d.get("draft_context_ms", {}).items()}
         if not target or any(not row for row in target.values()):
             raise ValueError("profile has no target timings")
         if any(not math.isfinite(v) or v <= 0 for row in target.values() for v in row.values()):
             raise ValueError("profile has non-positive target timings")
-        return cls(key=str(d["key"]), target_ms=target, draft_ms=draft, created=float(d.get("created", 0.0)),
-                   measure_s=float(d.get("measure_s", 0.0)), describe=dict(d.get("describe", {})))
+        if any(not math.isfinite(v) or v <= 0 for v in [*draft.values(), *draft_context.values()]):
+            raise ValueError("profile has non-positive draft timings")
+        return cls(key=str(d["key"]), target_ms=target, draft_ms=draft, draft_context_ms=draft_context,
+                   created=float(d.get("created", 0.0)), measure_s=float(d.get("measure_s", 0.0)),
+                   describe=dict(d.get("describe", {})))
 
     # -- reading -----------------------------------------------------------------------
     def target(self, k: int, context: int = CONTEXTS[0]) -> float:
-        """Target ms to score k tokens after `context` cached ones (interpolated)."""
-        ctxs = sorted(self.target_ms)
-        lo = max([c for c in ctxs if c <= context], default=ctxs[0])
-        hi = min([c for c in ctxs if c >= context], default=ctxs[-1])
-        a, b = _interp(self.target_ms[lo], k), _interp(self.target_ms[hi], k)
-        if hi == lo:
-            return a
-        return a + (b - a) * (context - lo) / (hi - lo)
+        """Target ms to score k tokens after `context` cached ones: interpolated between the
+        measured contexts, extrapolated linearly beyond the longest (attention reads every
+        cached entry), held at the shortest below it."""
+        return _in_context({c: _interp(row, k) for c, row in self.target_ms.items()}, context)
 
-    def draft(self, width: int = 1) -> float | None:
-        """Draft ms for one layer of `width` nodes (width 1: one chain token); None without a draft."""
-        return _interp(self.draft_ms, width) if self.draft_ms else None
+    def draft(self, width: int = 1, context: int | None = None) -> float | None:
+        """Draft ms for one layer of `width` nodes (width 1: one chain token) after the shortest
+        profiled context, or after `context` cached ones (scaled as the draft's one-token time
+        grows with it); None without a draft."""
+        if not self.draft_ms:
+            return None
+        ms = _interp(self.draft_ms, width)
+        if context is not None and len(self.draft_context_ms) > 1:
+            ms *= _in_context(self.draft_context_ms, context) / self.draft_context_ms[min(self.draft_context_ms)]
+        return ms
 
     @property
     def has_draft(self) -> bool:
@@ -97,10 +107,26 @@ class CostProfile:
             lines.append("draft ms per layer of width w:")
             lines.append("      w " + "".join(f"{w:>8}" for w in sorted(self.draft_ms)))
             lines.append("        " + "".join(f"{self.draft_ms[w]:>8.2f}" for w in sorted(self.draft_ms)))
+            if self.draft_context_ms:
+                lines.append("draft ms for one token after c cached: " + ", ".join(
+                    f"{c}: {ms:.2f}" for c, ms in sorted(self.draft_context_ms.items())))
         else:
             lines.append("no draft loaded")
         lines.append(f"measured in {self.measure_s:.1f} s; " + ", ".join(f"{k}={v}" for k, v in self.describe.items()))
         return "\n".join(lines)
+
+
+def _in_context(by_context: dict[int, float], context: int) -> float:
+    """Piecewise-linear in the context; beyond the longest measured one, linear from the last
+    two (never decreasing); at or below the shortest, its value."""
+    ctxs = sorted(by_context)
+    if context <= ctxs[0] or len(ctxs) == 1:
+        return by_context[ctxs[0]] if context <= ctxs[0] else by_context[ctxs[-1]]
+    for a, b in zip(ctxs, ctxs[1:], strict=False):
+        if context <= b:
+            return by_context[a] + (by_context[b] - by_context[a]) * (context - a) / (b - a)
+    a, b = ctxs[-2], ctxs[-1]
+    return by_context[b] + max(0.0, (by_context[b] - by_context[a]) / (b - a)) * (context - b)
 
 
 def _interp(row: dict[int, float], k: int) -> float:
@@ -196,12 +222,18 @@ def get_profile(
 
 
 # -- measuring -------------------------------------------------------------------------------
+def _context_ids(session: ModelSession, context: int) -> list[int]:
+    """`context` made-up tokens; a shorter context's ids are a prefix of a longer one's, so
+    each prefill only feeds what the last one lacks."""
+    return [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
+
+
 def _forward_ms(session: ModelSession, context: int, width: int, repeats: int) -> float:
     """ms to feed `width` tokens in one forward after `context` cached ones, as the engine
     does: width 1 is a decode step (the last committed token alone); width k > 1 is that
     token and a star of k - 1 children after it, as a verification or a tree layer is.
     The cache is left as it was: the star's entries are dropped by commit_path."""
-    ids = [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
+    ids = _context_ids(session, context)
     session.prefill(ids)
     star = TokenTree(tokens=[ids[-1]] * (width - 1), parents=[-1] * (width - 1))
 
@@ -216,21 +248,32 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int) -
     return median_ms(run, session.device, repeats)
 
 
+def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:
+    """The contexts after which `widest` more tokens fit the session's model."""
+    limit = getattr(session.model.config, "max_position_embeddings", None) or 2048
+    return tuple(c for c in contexts if c + widest < limit) or (min(16, limit // 2),)
+
+
 def measure_profile(
     target: ModelSession, draft: ModelSession | None, progress: Progress | None = None,
     contexts: tuple[int, ...] = CONTEXTS, ks: tuple[int, ...] = TARGET_KS,
     widths: tuple[int, ...] = DRAFT_WIDTHS, repeats: int = 3,
 ) -> CostProfile:
     """Median of `repeats` timed forwards after a warm-up, for each (context, k) of the
-    target and each width of the draft. Both sessions are reset afterwards."""
+    target, each width of the draft after the shortest context and one draft token after
+    every context. Contexts run shortest first, so each prefill extends the last. Both
+    sessions are reset afterwards."""
     t0 = time.perf_counter()
-    limit = getattr(target.model.config, "max_position_embeddings", None) or 2048
-    contexts = tuple(c for c in contexts if c + max(ks) < limit) or (min(16, limit // 2),)
-    jobs = [(target, c, k) for c in contexts for k in ks]
+    contexts = tuple(sorted(contexts))
+    target_contexts = _fits(target, contexts, max(ks))
+    jobs = [(target, c, k) for c in target_contexts for k in ks]
     if draft is not None:
-        jobs += [(draft, contexts[0], w) for w in widths]
-    target_ms: dict[int, dict[int, float]] = {c: {} for c in contexts}
+        draft_contexts = _fits(draft, contexts, max(widths))
+        jobs += [(draft, draft_contexts[0], w) for w in widths]
+        jobs += [(draft, c, 1) for c in draft_contexts[1:]]
+    target_ms: dict[int, dict[int, float]] = {c: {} for c in target_contexts}
     draft_ms: dict[int, float] = {}
+    draft_context_ms: dict[int, float] = {}
     try:
         for i, (session, c, k) in enumerate(jobs):
             if progress is not None:
@@ -239,13 +282,16 @@ def measure_profile(
             ms = _forward_ms(session, c, k, repeats)
             if session is target:
                 target_ms[c][k] = ms
-            else:
+                continue
+            if c == draft_contexts[0]:
                 draft_ms[k] = ms
+            if k == 1:
+                draft_context_ms[c] = ms
     finally:
         target.reset()
         if draft is not None:
             draft.reset()
     if progress is not None:
         progress(1.0, "profiling done")
-    return CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, created=time.time(),
-                       measure_s=time.perf_counter() - t0)
+    return CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, draft_context_ms=draft_context_ms,
+                       created=time.time(), measure_s=time.perf_counter() - t0)

@@ -94,7 +94,7 @@ class Auto(Method):
         assert profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         rates = {0: 1.0 / (profile.target(1, context) * costs.ratio(AR).value)}
-        t_draft = profile.draft(1)
+        t_draft = profile.draft(1, context)
         if t_draft is not None:
             spec = costs.ratio("speculative")  # until a chain is timed, the profile is off as for AR
             r = spec.value if spec.seen else costs.ratio(AR).value
@@ -109,7 +109,7 @@ class Auto(Method):
         assert profile is not None
         if gamma == 0:
             return profile.target(1, context)
-        return gamma * (profile.draft(1) or 0.0) + profile.target(gamma + 1, context)
+        return gamma * (profile.draft(1, context) or 0.0) + profile.target(gamma + 1, context)
 
     def choose(self, ctx: DecodeContext) -> tuple[int, str]:
         """(gamma, why); gamma 0 = autoregressive."""

@@ -78,7 +78,7 @@ class GammaPolicy:
         b, g = len(gammas), max(gammas)
         if g == 0:
             return profile.target(b, context)
-        return g * (profile.draft(b) or 0.0) + profile.target(sum(gammas) + b, context)
+        return g * (profile.draft(b, context) or 0.0) + profile.target(sum(gammas) + b, context)
 
     def choose(self, rows: list[BatchRow], caps: list[int]) -> tuple[int, str]:
         profile = self.costs.profile
