@@ -35,7 +35,8 @@ def padded_groups(seqs: Sequence[Sequence[int]], batch_tokens: int) -> Iterator[
 
 
 @torch.inference_mode()
-def target_states(model: PreTrainedModel, seqs: Sequence[Sequence[int]], batch_tokens: int = 4096) -> list[torch.Tensor]:
+def target_states(model: PreTrainedModel, seqs: Sequence[Sequence[int]],
+                  batch_tokens: int = 4096) -> list[torch.Tensor]:
     """The model's last hidden states (after the final norm) at every position of each sequence,
     as bfloat16 (len, H) tensors."""
     out: list = [None] * len(seqs)
