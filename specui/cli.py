@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the reply and stats as JSON (--cli)")
     c.add_argument("--profile", action="store_true",
                    help="measure (or read the cached) cost profile of the pair, print it and exit")
+    c.add_argument("--quantization-options", action="store_true",
+                   help="load the target with each quantization this device offers in turn, print each one's weight "
+                        "size and measured ms per token, and exit")
     c.add_argument("--profile-dir", type=Path, help="where cost profiles are cached (default ~/.cache/specui/profiles)")
     c.add_argument("--trace", type=Path, help="write every step's trace as JSON to this file (--cli)")
 
@@ -171,6 +174,18 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0 if costs.profile is not None else 1
 
 
+def run_quantization_options(args: argparse.Namespace) -> int:
+    from specui.engine.profile import cpu_model
+    from specui.quant_choice import CONTEXT, measure_options, options_table
+
+    target, _ = specs_from_args(args)
+    costs = measure_options(target, "target", print_progress)
+    print_progress(1.0, "done")
+    print(f"{target.source} on {cpu_model()}, one token and four in one forward after {CONTEXT} cached tokens:")
+    print(options_table(costs))
+    return 0 if any(c.ms_token is not None for c in costs) else 1
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
@@ -178,6 +193,8 @@ def run_cli(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.profile:
         return run_profile(args)
+    if args.quantization_options:
+        return run_quantization_options(args)
     if not args.prompt:
         raise SpecUIError("--cli needs --prompt \"your message\"")
     if any(not p.strip() for p in args.prompt):

@@ -64,7 +64,7 @@ def choice_key(model: torch.nn.Module, extra: str = "") -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -95,7 +95,7 @@ def choose_dtype(
     """Time one token in each candidate dtype (`variants(dtype)` builds the model in it),
     interleaved over ROUNDS, the best of each, and choose; cached under `key`."""
     path = cache_file if cache_file is not None else default_cache_file()
-    cache = _read_cache(path)
+    cache = read_cache(path)
     if (hit := _cached_choice(cache.get(key))) is not None:
         return hit
     models = {dtype_name(d): variants(d) for d in CANDIDATES}
@@ -106,14 +106,19 @@ def choose_dtype(
     del models
     choice = DtypeChoice(decide(ms), ms)
     cache[key] = {"dtype": dtype_name(choice.dtype), "ms": ms}
+    write_cache(path, cache)
+    return choice
+
+
+def write_cache(path: Path, cache: dict) -> None:
+    """Write a choices file atomically; an unwritable one only costs a re-measure next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.replace(path)
     except OSError:
-        pass  # an unwritable cache only costs a re-measure next time
-    return choice
+        pass
 
 
 def auto_dtype_model(model: torch.nn.Module, cache_file: Path | None = None,

@@ -95,26 +95,22 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_quantization(spec: ModelSpec, device: torch.device, gguf,
-                         role: str) -> tuple[ModelSpec, str | None]:
-    """`auto` made concrete: int4 for a local GGUF (`gguf`: its open reader, or None) of Q4_0 /
-    Q4_1 blocks on a CPU (its own 4-bit weights on torch's int4 kernel, activations in
-    bfloat16) unless a dtype other than bfloat16 was asked for; none otherwise. Returns the
-    spec and a note of the choice."""
-    if spec.quantization != "auto":
-        return spec, None
+def auto_candidates(spec: ModelSpec, device: torch.device, gguf, role: str) -> tuple[tuple[str, ...], str | None]:
+    """The quantizations `auto` chooses between, most preferred first, and a note where there
+    is a reason to give. Only those that compute with the model's own weights: for a local
+    GGUF (`gguf`: its open reader, or None) of Q4_0 / Q4_1 blocks on a CPU, int4 (the file's
+    own 4-bit blocks on torch's int4 kernel, activations in bfloat16) and none (its weights
+    dequantized), unless a dtype other than bfloat16 was asked for; none otherwise. Between
+    several, specui.quant_choice measures."""
     if device.type != "cpu" or gguf is None or spec.dtype not in ("auto", "bfloat16"):
-        return replace(spec, quantization="none"), None
+        return ("none",), None
     types = block_types(gguf)
     four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
     if not four_bit:
         kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
-        return replace(spec, quantization="none"), (
-            f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI kernel, so it loads "
-            "dequantized")
-    return replace(spec, quantization="int4"), (
-        f"{role} quantization auto -> int4: the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 "
-        "kernel, activations in bfloat16 (--quantization none: its weights dequantized)")
+        return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
+                           "kernel, so it loads dequantized")
+    return ("int4", "none"), f"the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 kernel"
 
 
 def gguf_path(spec: ModelSpec) -> Path | None:
@@ -175,17 +171,45 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
         raise SpecUIError(f"could not load the tokenizer of '{spec.source}': {_short(e)}") from None
 
 
+def _open_reader(spec: ModelSpec) -> tuple[object | None, str]:
+    """The open GGUF reader of a local GGUF spec (None otherwise), and why it could not be
+    opened ("" if it could, or there is none)."""
+    where, gguf, local = _locate(spec.source)
+    if not (gguf and local):
+        return None, ""
+    try:
+        return open_gguf(Path(where) / gguf), ""
+    except (OSError, ValueError, KeyError) as e:  # transformers will say what is wrong with the file
+        return None, _short(e)
+
+
 def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
-    """Load one model and its tokenizer as `spec` says (`role` names it in notes)."""
+    """Load one model and its tokenizer as `spec` says (`role` names it in notes).
+    Quantization `auto` becomes the one candidate there is, or the fastest of several as
+    measured on this machine (specui.quant_choice; cached)."""
+    if spec.quantization not in ("auto", "int4"):
+        return load_concrete(spec, role)
+    opened = _open_reader(spec)
+    if spec.quantization == "int4":
+        return load_concrete(spec, role, opened=opened)
+    candidates, note = auto_candidates(spec, resolve_device(spec.device), opened[0], role)
+    if len(candidates) > 1:
+        from specui.quant_choice import choose_quantization
+
+        return choose_quantization(spec, candidates, note or "", role, opened=opened)
+    return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), opened)
+
+
+def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
+                  opened: tuple[object | None, str] | None = None) -> LoadedModel:
+    """Load with a concrete quantization. `given`: notes to put first (quantization auto's
+    choice: then a quantization no kernel serves here loads dequantized, not refused);
+    `opened`: the GGUF's reader as _open_reader gave it, if it was already opened."""
     where, gguf, local = _locate(spec.source)
     device = resolve_device(spec.device)
     reader, unread = None, ""
-    if gguf and local and spec.quantization in ("auto", "int4"):
-        try:
-            reader = open_gguf(Path(where) / gguf)
-        except (OSError, ValueError, KeyError) as e:  # transformers will say what is wrong with the file
-            unread = _short(e)
-    spec, auto_note = resolve_quantization(spec, device, reader, role)
+    if spec.quantization == "int4":
+        reader, unread = opened if opened is not None else _open_reader(spec)
     dtype = resolve_dtype(spec.dtype, device)
     if spec.quantization in CPU_KERNELS:
         if device.type != "cpu":
@@ -210,12 +234,12 @@ def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     if quant is None:
         model = model.to(device)
     model.eval()
-    notes: tuple[str, ...] = (auto_note,) if auto_note else ()
+    notes: tuple[str, ...] = given
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
         notes += (choice.note(role),)
     if spec.quantization in CPU_KERNELS:
-        notes += (_quantize(model, spec, role, reader, unread, chosen=auto_note is not None),)
+        notes += (_quantize(model, spec, role, reader, unread, chosen=bool(given)),)
     attention = use_measured_attention(model)
     notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source

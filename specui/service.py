@@ -113,6 +113,18 @@ class ChatService:
         costs = self.engine.costs
         return (costs.profile.to_dict() if costs.profile is not None else None), costs.note
 
+    def quantization_options(self, progress=None) -> str:
+        """Each quantization of the loaded target loaded and timed in turn (no generation runs
+        meanwhile): a markdown table, and what it was measured on."""
+        from specui.engine.profile import cpu_model
+        from specui.quant_choice import CONTEXT, measure_options, options_table
+
+        with self.engine.lock:
+            costs = measure_options(self.pair.target.spec, "target", progress)
+        where = cpu_model() if self.pair.target.device.type == "cpu" else torch.cuda.get_device_name()
+        return (f"Measured on {where}, {torch.get_num_threads()} threads: one token, and four in one forward, "
+                f"after {CONTEXT} cached tokens.\n\n" + options_table(costs))
+
     def memory_report(self) -> str:
         """Weights of the loaded pair, process memory, GPU memory (if any)."""
         mb = 1 << 20

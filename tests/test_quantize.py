@@ -167,21 +167,19 @@ def _gguf_with(path, kinds: dict[str, str]):
     return path
 
 
-def test_quantization_auto_is_int4_for_a_4bit_gguf_on_a_cpu_and_none_otherwise(tmp_path):
+def test_quantization_auto_weighs_int4_against_none_for_a_4bit_gguf_on_a_cpu_and_is_none_otherwise(tmp_path):
     from specui.gguf_blocks import open_gguf
-    from specui.loading import resolve_quantization
+    from specui.loading import auto_candidates
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     kinds = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}
     four = open_gguf(_gguf_with(tmp_path / "four.gguf", kinds))
     eight = open_gguf(_gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"}))
     spec = ModelSpec("x", quantization="auto")
-    resolved, note = resolve_quantization(spec, cpu, four, "target")
-    assert resolved.quantization == "int4" and "own 4-bit blocks (1 matrices)" in note
-    resolved, note = resolve_quantization(spec, cpu, eight, "target")
-    assert resolved.quantization == "none" and "(Q8_0) have no SpecUI kernel" in note
+    candidates, note = auto_candidates(spec, cpu, four, "target")
+    assert candidates == ("int4", "none") and "own 4-bit blocks (1 matrices)" in note
+    candidates, note = auto_candidates(spec, cpu, eight, "target")
+    assert candidates == ("none",) and "(Q8_0) have no SpecUI kernel" in note
     as_float32 = ModelSpec("x", dtype="float32", quantization="auto")
     for args in ((spec, cpu, None), (spec, cuda, four), (as_float32, cpu, four)):
-        resolved, note = resolve_quantization(*args, "target")
-        assert resolved.quantization == "none" and note is None  # a folder, a GPU, float32 asked for
-    assert resolve_quantization(ModelSpec("x", quantization="int8"), cpu, four, "target")[0].quantization == "int8"
+        assert auto_candidates(*args, "target") == (("none",), None)  # a folder, a GPU, float32 asked for

@@ -270,6 +270,10 @@ class ChatPage:
         profile, note = self.service.cost_profile(measure=True, progress=lambda f, m: progress(f, desc=m))
         return profile_figure(profile), note
 
+    def measure_quantizations(self, progress=gr.Progress()) -> str:  # noqa: B008
+        """Load and time each quantization of the loaded target in turn: a table."""
+        return self.service.quantization_options(progress=lambda f, m: progress(f, desc=m))
+
     def preset_chosen(self, name: str) -> tuple:
         preset = self.service.presets.get(name)
         if preset is None:
@@ -372,8 +376,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     draft = gr.Textbox(label="draft", value="default", elem_id="draft",
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")
                     quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
-                                     label="quantization (target)", info="auto: a GGUF's own 4-bit weights on "
-                                     "a CPU; int8/int4: CPU kernels; 8bit/4bit: bitsandbytes")
+                                     label="quantization (target)", info="auto: a GGUF's own 4-bit weights or "
+                                     "its dequantized ones, measured here; int8/int4: CPU kernels; 8bit/4bit: "
+                                     "bitsandbytes")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device")
                     dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
                                         elem_id="dtype", info="auto: measured on CPU (float32 or bfloat16, "
@@ -384,6 +389,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     profile_plot = gr.Plot(profile_figure(service.cost_profile()[0]), label="cost profile",
                                            elem_id="profile")
                     measure = gr.Button("Measure cost profile", elem_id="measure-profile")
+                    options = gr.Markdown(elem_id="quant-options")
+                    measure_options = gr.Button("Measure quantization options (loads each; chat waits)",
+                                                elem_id="measure-quant")
                 with gr.Tab("compare", elem_id="compare-tab"):
                     compare_tab(page, methods, [controls[name] for name in SETTING_FIELDS],
                                 [m for m in ("autoregressive", "speculative") if m in methods])
@@ -422,6 +430,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         carrier.change(None, carrier, None, js=DRAW_JS, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         measure.click(page.measure_profile, None, [profile_plot, load_status], **ENGINE, **hidden)
+        measure_options.click(page.measure_quantizations, None, options, **ENGINE, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method],
                    [load_status, memory, header, method], **ENGINE, api_name="page_load_models",
                    **hidden)

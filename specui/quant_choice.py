@@ -1,0 +1,202 @@
+"""Quantization by measurement: `--quantization auto` between the options that keep a model's
+own weights, and every option of a model measured side by side (the Model tab's table,
+`app.py --quantization-options`).
+
+Each option is loaded, timed (the median ms of one token, and of four tokens in one forward,
+after CONTEXT cached ones) and dropped before the next one loads, except the best so far: at
+most two copies of the model are in memory. auto's choice is cached on disk under the model's
+file, the dtype asked for, the CPU, the threads and the torch version, like dtype auto's
+(specui.dtypes); a corrupt entry is re-measured."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specui.dtypes import dtype_name, read_cache, write_cache
+from specui.engine.profile import _forward_ms, cpu_model
+from specui.engine.session import ModelSession
+from specui.errors import SpecUIError
+from specui.loading import (
+    LoadedModel,
+    ModelSpec,
+    _locate,
+    _open_reader,
+    auto_candidates,
+    load_concrete,
+    resolve_device,
+)
+
+CONTEXT = 64
+REPEATS = 5
+MARGIN = 0.95  # a less preferred option (later in the candidates) must be 5% faster to be chosen
+CPU_OPTIONS = ("none", "int8", "int4")
+GPU_OPTIONS = ("none", "8bit", "4bit")
+
+Timer = Callable[[torch.nn.Module], tuple[float, float]]  # (ms for 1 token, ms for 4 tokens)
+Progress = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """One quantization of one model as measured here (plain data for the UI)."""
+
+    quantization: str
+    ms_token: float | None = None  # one token after CONTEXT cached ones
+    ms_four: float | None = None  # four tokens in one forward (a short verification)
+    weight_bytes: int | None = None
+    dtype: str = ""  # what the rest of the model computes in
+    own_weights: bool = False  # computes with the model's own weights, not a new rounding of them
+    problem: str = ""  # why it could not be loaded or measured here
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_model(model: torch.nn.Module) -> tuple[float, float]:
+    """(ms for one token, ms for four tokens in one forward) after CONTEXT cached tokens."""
+    with torch.inference_mode():
+        session = ModelSession(model)
+        return _forward_ms(session, CONTEXT, 1, REPEATS), _forward_ms(session, CONTEXT, 4, REPEATS)
+
+
+def default_cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specui" / "quantization_choices.json"
+
+
+def _identity(spec: ModelSpec) -> str:
+    """The model's files (path, size, mtime) where it is local, else its source."""
+    where, gguf, local = _locate(spec.source)
+    path = Path(where) / gguf if gguf else Path(where)
+    if not local or not path.exists():
+        return spec.source
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+    return "|".join(f"{f}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
+
+
+def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
+    raw = json.dumps([_identity(spec), spec.dtype, spec.device, list(candidates), cpu_model(),
+                      torch.get_num_threads(), torch.__version__])
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def measure_option(spec: ModelSpec, quantization: str, role: str, own: bool, timer: Timer = time_model,
+                   opened: tuple[object | None, str] | None = None) -> tuple[OptionCost, LoadedModel | None]:
+    """Load `spec` with `quantization` and time it; (its cost, the loaded model) or (the
+    reason it cannot run here, None). `opened`: the GGUF's reader, if already opened."""
+    try:
+        loaded = load_concrete(replace(spec, quantization=quantization), role, opened=opened)
+    except SpecUIError as e:
+        return OptionCost(quantization, own_weights=own, problem=str(e)), None
+    one, four = timer(loaded.model)
+    return OptionCost(quantization, round(one, 3), round(four, 3), loaded.memory_bytes,
+                      dtype_name(loaded.model.dtype), own), loaded
+
+
+def _pick(costs: list[OptionCost]) -> OptionCost | None:
+    """The fastest measured option, the earlier (more preferred) one unless a later one is
+    MARGIN faster."""
+    best = None
+    for cost in costs:
+        if cost.ms_token is not None and (best is None or cost.ms_token < MARGIN * best.ms_token):
+            best = cost
+    return best
+
+
+def _cached(entry, candidates: tuple[str, ...]) -> tuple[str, list[OptionCost]] | None:
+    """A cache entry if it is well formed for these candidates, else None (re-measure)."""
+    try:
+        costs = [OptionCost(**c) for c in entry["costs"]]
+        chosen = str(entry["chosen"])
+    except (KeyError, TypeError, AttributeError):
+        return None
+    measured = {c.quantization for c in costs if c.ms_token is not None and c.ms_token > 0}
+    if chosen not in measured or not {c.quantization for c in costs} <= set(candidates):
+        return None
+    return chosen, costs
+
+
+def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], cached: bool) -> str:
+    """e.g. "target quantization auto -> int4 (the GGUF's own 4-bit blocks ...): 17.2 ms per
+    token vs 38.1 ms with none (bfloat16); measured here ..."."""
+    mine = next(c for c in costs if c.quantization == chosen)
+    others = ", ".join(f"{c.ms_token:.1f} ms with {c.quantization} ({c.dtype})" if c.ms_token is not None
+                       else f"{c.quantization} cannot run here ({c.problem})" for c in costs if c is not mine)
+    why = f" ({reason})" if reason and chosen == "int4" else ""
+    where = "read from the cache" if cached else "measured on this machine"
+    return (f"{role} quantization auto -> {chosen}{why}: {mine.ms_token:.1f} ms per token vs {others or 'nothing else'}"
+            f"; {where} (--quantization {' or '.join(c.quantization for c in costs if c is not mine) or 'none'}"
+            " to fix it)")
+
+
+def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: str, role: str,
+                        cache_file: Path | None = None, timer: Timer = time_model,
+                        opened: tuple[object | None, str] | None = None) -> LoadedModel:
+    """Load `spec` with the fastest of `candidates` (most preferred first) as measured here,
+    or as the cache says; its notes say what was measured. `opened`: the GGUF's reader."""
+    path = cache_file if cache_file is not None else default_cache_file()
+    cache = read_cache(path)
+    key = choice_key(spec, candidates)
+    if (hit := _cached(cache.get(key), candidates)) is not None:
+        chosen, costs = hit
+        note = choice_note(role, chosen, reason, costs, cached=True)
+        return load_concrete(replace(spec, quantization=chosen), role, (note,), opened)
+    own = set(candidates)
+    costs: list[OptionCost] = []
+    kept: LoadedModel | None = None
+    for quantization in candidates:
+        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, opened)
+        costs.append(cost)
+        if loaded is not None and _pick(costs) is cost:
+            kept = loaded  # the previous best is dropped here
+        del loaded
+        gc.collect()
+    best = _pick(costs)
+    if best is None or kept is None:
+        raise SpecUIError(f"could not load '{spec.source}' with any of {', '.join(candidates)}: "
+                          + "; ".join(f"{c.quantization}: {c.problem}" for c in costs))
+    cache[key] = {"chosen": best.quantization, "costs": [c.to_dict() for c in costs]}
+    write_cache(path, cache)
+    kept.notes = (choice_note(role, best.quantization, reason, costs, cached=False),) + kept.notes
+    return kept
+
+
+def measure_options(spec: ModelSpec, role: str = "target", progress: Progress | None = None,
+                    timer: Timer = time_model) -> list[OptionCost]:
+    """Every quantization this device offers for `spec`, each loaded, timed and dropped in
+    turn (at most one extra copy of the model in memory at a time)."""
+    device = resolve_device(spec.device)
+    options = GPU_OPTIONS if device.type == "cuda" else CPU_OPTIONS
+    opened = _open_reader(spec)
+    own = set(auto_candidates(replace(spec, quantization="auto", dtype="auto"), device, opened[0], role)[0])
+    costs = []
+    for i, quantization in enumerate(options):
+        if progress:
+            progress(i / len(options), f"loading and timing {role} with quantization {quantization}")
+        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, opened)
+        costs.append(cost)
+        del loaded
+        gc.collect()
+    return costs
+
+
+def options_table(costs: list[OptionCost]) -> str:
+    """A markdown table of measured options (weights, ms, what they compute with)."""
+    rows = ["| quantization | weights | ms / token | ms / 4 tokens | tokens/s | computes with |",
+            "|---|---|---|---|---|---|"]
+    for c in costs:
+        if c.ms_token is None:
+            rows.append(f"| {c.quantization} | | | | | cannot run here: {c.problem} |")
+            continue
+        what = "the model's own weights" if c.own_weights else "a new rounding of the weights"
+        rows.append(f"| {c.quantization} | {c.weight_bytes / 2**20:,.0f} MB | {c.ms_token:.1f} | {c.ms_four:.1f} "
+                    f"| {1000 / c.ms_token:.0f} | {what}, activations in {c.dtype} |")
+    return "\n".join(rows)

@@ -1,0 +1,106 @@
+"""Quantization by measurement: auto between the options that keep the model's own weights
+(cached like dtype auto), and every option measured side by side for the Model tab."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from specui import quantize
+from specui.loading import ModelSpec, load_model
+from specui.quant_choice import choose_quantization, measure_options, options_table
+from specui.quantize import Int4Linear, Int8Linear
+
+
+def _kind(model: torch.nn.Module) -> str:
+    layer = model.model.layers[0].mlp.up_proj
+    return "int8" if isinstance(layer, Int8Linear) else "int4" if isinstance(layer, Int4Linear) else "none"
+
+
+def _timer(ms: dict[str, float], calls: list[str]):
+    """A stand-in clock: ms per token by what the model is, recording what it timed."""
+    def timer(model):
+        calls.append(_kind(model))
+        return ms[_kind(model)], 1.5 * ms[_kind(model)]
+    return timer
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("q") / "m", seed=0, layers=1, hidden=64)
+
+
+def test_the_fastest_candidate_is_loaded_and_the_choice_cached(folder, tmp_path):
+    cache, calls = tmp_path / "choices.json", []
+    spec = ModelSpec(str(folder), quantization="auto")
+    loaded = choose_quantization(spec, ("int8", "none"), "why", "target", cache, _timer({"int8": 4, "none": 9}, calls))
+    assert loaded.spec.quantization == "int8" and _kind(loaded.model) == "int8" and calls == ["int8", "none"]
+    assert loaded.notes[0].startswith("target quantization auto -> int8: 4.0 ms per token vs 9.0 ms with none")
+    assert "measured on this machine" in loaded.notes[0]
+    entry = next(iter(json.loads(cache.read_text()).values()))
+    assert entry["chosen"] == "int8" and [c["quantization"] for c in entry["costs"]] == ["int8", "none"]
+    again = choose_quantization(spec, ("int8", "none"), "why", "target", cache, _timer({}, calls))
+    assert again.spec.quantization == "int8" and "read from the cache" in again.notes[0] and len(calls) == 2
+    # a less preferred option must be 5% faster; a corrupt entry is measured again
+    cache.write_text(json.dumps({k: {"chosen": "int8", "costs": "x"} for k in json.loads(cache.read_text())}))
+    close = choose_quantization(spec, ("int8", "none"), "why", "target", cache, _timer({"int8": 4, "none": 3.9}, calls))
+    assert close.spec.quantization == "int8" and len(calls) == 4
+
+
+def test_a_candidate_the_kernels_refuse_is_reported_and_skipped(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(quantize.Int8Linear, "from_stored", classmethod(lambda *a, **k: None))
+    calls: list[str] = []
+    spec = ModelSpec(str(folder), quantization="auto")
+    loaded = choose_quantization(spec, ("int8", "none"), "", "target", tmp_path / "c.json",
+                                 _timer({"none": 5}, calls))
+    assert loaded.spec.quantization == "none" and calls == ["none"]
+    assert "int8 cannot run here (--quantization int8: torch's kernels serve none" in loaded.notes[0]
+
+
+def test_every_option_is_measured_with_its_weights_and_what_it_computes_with(folder):
+    calls: list[str] = []
+    costs = measure_options(ModelSpec(str(folder)), timer=_timer({"none": 8.0, "int8": 5.0, "int4": 3.0}, calls))
+    assert calls == ["none", "int8", "int4"]
+    assert [c.quantization for c in costs] == ["none", "int8", "int4"]
+    none, int8, int4 = costs
+    assert none.own_weights and not int8.own_weights and not int4.own_weights  # a folder: int4 re-rounds it
+    assert int4.weight_bytes < int8.weight_bytes < none.weight_bytes
+    assert (int8.ms_token, int8.ms_four, int4.ms_token) == (5.0, 7.5, 3.0)
+    table = options_table(costs)
+    assert "| int8 |" in table and "a new rounding of the weights" in table and "| 200 |" in table  # 1000 / 5 ms
+
+
+def test_an_option_that_cannot_run_says_why_in_the_table(folder, monkeypatch):
+    monkeypatch.setattr(quantize.Int8Linear, "from_stored", classmethod(lambda *a, **k: None))
+    monkeypatch.setattr(quantize.Int4Linear, "from_groups", classmethod(lambda *a, **k: None))
+    costs = measure_options(ModelSpec(str(folder)), timer=lambda m: (1.0, 1.0))
+    assert [c.ms_token for c in costs] == [1.0, None, None] and "serve none" in costs[1].problem
+    assert "| int4 | | | | | cannot run here: --quantization int4" in options_table(costs)
+
+
+@pytest.mark.bundled
+def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights(bundled_pair):
+    from specui.loading import BUNDLED
+
+    loaded = load_model(ModelSpec(BUNDLED, quantization="auto"), role="target")
+    assert loaded.spec.quantization == "int4"  # 4-bit blocks: about 3x fewer bytes read per token here
+    note = loaded.notes[0]
+    assert note.startswith("target quantization auto -> int4 (the GGUF's own 4-bit blocks (210 matrices)")
+    assert "ms with none (bfloat16)" in note or "ms with none (float32)" in note
+
+
+def test_the_cli_and_the_model_tab_print_the_measured_options(folder, capsys):
+    from app import main
+    from specui.pair import load_pair
+    from specui.service import ChatService
+
+    assert main(["--quantization-options", "--target", str(folder), "--draft", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "after 64 cached tokens" in out and all(f"| {q} | " in out for q in ("none", "int8", "int4"))
+    service = ChatService(load_pair(ModelSpec(str(folder)), None))
+    seen: list[str] = []
+    table = service.quantization_options(progress=lambda f, m: seen.append(m))
+    assert table.startswith("Measured on ") and "| int4 | " in table and "quantization int8" in seen[1]
