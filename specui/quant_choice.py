@@ -24,12 +24,13 @@ from specui.dtypes import dtype_name, read_cache, write_cache
 from specui.engine.profile import _forward_ms, cpu_model
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
+from specui.gguf_cache import GGUFSource
 from specui.loading import (
     LoadedModel,
     ModelSpec,
     _locate,
-    _open_reader,
     auto_candidates,
+    gguf_source,
     load_concrete,
     resolve_device,
 )
@@ -89,11 +90,11 @@ def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
 
 
 def measure_option(spec: ModelSpec, quantization: str, role: str, own: bool, timer: Timer = time_model,
-                   opened: tuple[object | None, str] | None = None) -> tuple[OptionCost, LoadedModel | None]:
+                   source: GGUFSource | None = None) -> tuple[OptionCost, LoadedModel | None]:
     """Load `spec` with `quantization` and time it; (its cost, the loaded model) or (the
-    reason it cannot run here, None). `opened`: the GGUF's reader, if already opened."""
+    reason it cannot run here, None). `source`: the GGUF as already opened, if it is one."""
     try:
-        loaded = load_concrete(replace(spec, quantization=quantization), role, opened=opened)
+        loaded = load_concrete(replace(spec, quantization=quantization), role, source=source)
     except SpecUIError as e:
         return OptionCost(quantization, own_weights=own, problem=str(e)), None
     one, four = timer(loaded.model)
@@ -139,21 +140,21 @@ def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], ca
 
 def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: str, role: str,
                         cache_file: Path | None = None, timer: Timer = time_model,
-                        opened: tuple[object | None, str] | None = None) -> LoadedModel:
+                        source: GGUFSource | None = None) -> LoadedModel:
     """Load `spec` with the fastest of `candidates` (most preferred first) as measured here,
-    or as the cache says; its notes say what was measured. `opened`: the GGUF's reader."""
+    or as the cache says; its notes say what was measured. `source`: the GGUF, if opened."""
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
     key = choice_key(spec, candidates)
     if (hit := _cached(cache.get(key), candidates)) is not None:
         chosen, costs = hit
         note = choice_note(role, chosen, reason, costs, cached=True)
-        return load_concrete(replace(spec, quantization=chosen), role, (note,), opened)
+        return load_concrete(replace(spec, quantization=chosen), role, (note,), source)
     own = set(candidates)
     costs: list[OptionCost] = []
     kept: LoadedModel | None = None
     for quantization in candidates:
-        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, opened)
+        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source)
         costs.append(cost)
         if loaded is not None and _pick(costs) is cost:
             kept = loaded  # the previous best is dropped here
@@ -175,13 +176,14 @@ def measure_options(spec: ModelSpec, role: str = "target", progress: Progress | 
     turn (at most one extra copy of the model in memory at a time)."""
     device = resolve_device(spec.device)
     options = GPU_OPTIONS if device.type == "cuda" else CPU_OPTIONS
-    opened = _open_reader(spec)
-    own = set(auto_candidates(replace(spec, quantization="auto", dtype="auto"), device, opened[0], role)[0])
+    source = gguf_source(spec)
+    types = source.types if source is not None and source.types else None
+    own = set(auto_candidates(replace(spec, quantization="auto", dtype="auto"), device, types, role)[0])
     costs = []
     for i, quantization in enumerate(options):
         if progress:
             progress(i / len(options), f"loading and timing {role} with quantization {quantization}")
-        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, opened)
+        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source)
         costs.append(cost)
         del loaded
         gc.collect()

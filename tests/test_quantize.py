@@ -168,13 +168,13 @@ def _gguf_with(path, kinds: dict[str, str]):
 
 
 def test_quantization_auto_weighs_int4_against_none_for_a_4bit_gguf_on_a_cpu_and_is_none_otherwise(tmp_path):
-    from specui.gguf_blocks import open_gguf
+    from specui.gguf_blocks import block_types, open_gguf
     from specui.loading import auto_candidates
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     kinds = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}
-    four = open_gguf(_gguf_with(tmp_path / "four.gguf", kinds))
-    eight = open_gguf(_gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"}))
+    four = block_types(open_gguf(_gguf_with(tmp_path / "four.gguf", kinds)))
+    eight = block_types(open_gguf(_gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"})))
     spec = ModelSpec("x", quantization="auto")
     candidates, note = auto_candidates(spec, cpu, four, "target")
     assert candidates == ("int4", "none") and "own 4-bit blocks (1 matrices)" in note

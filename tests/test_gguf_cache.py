@@ -1,0 +1,77 @@
+"""A local GGUF is converted once into a folder (config, tokenizer, float32 weights, its own
+4-bit blocks) that later loads read instead of parsing the file again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specui.gguf_cache import (
+    MANIFEST,
+    folder_for,
+    load_four_bit,
+    open_source,
+    pack_nibbles,
+    save_four_bit,
+    unpack_nibbles,
+)
+
+
+def test_nibbles_and_four_bit_groups_round_trip(tmp_path):
+    q = torch.randint(0, 16, (6, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert pack_nibbles(q).shape == (6, 32) and torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    groups = {"model.layers.0.mlp.up_proj": (q, torch.rand(6, 2), -torch.rand(6, 2))}
+    save_four_bit(groups, tmp_path / "g.safetensors")
+    back = load_four_bit(tmp_path / "g.safetensors")
+    assert list(back) == list(groups)
+    name = "model.layers.0.mlp.up_proj"
+    assert all(torch.equal(a, b) for a, b in zip(back[name], groups[name]))
+
+
+def test_an_unwritable_cache_leaves_the_file_to_be_loaded_directly(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", quants.quantize(w, GGMLQuantizationType.Q4_1),
+                      raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    source = open_source(path)
+    assert source.folder is None and source.reader is not None and source.types == {"Q4_1": 1}
+    assert source.problem and source.location() == (str(tmp_path), "m.gguf")
+
+
+@pytest.mark.bundled
+def test_the_bundled_gguf_converted_loads_the_same_weights_and_tokenizer(bundled_pair):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specui.loading import bundled_gguf_path
+
+    path = bundled_gguf_path()
+    source = open_source(path)  # converted by the fixture's load already, or now
+    assert source.folder == folder_for(path) and source.types["Q4_1"] == 210
+    manifest = source.folder / MANIFEST
+    stamp = manifest.stat().st_mtime_ns
+    assert open_source(path).folder == source.folder and manifest.stat().st_mtime_ns == stamp  # not rebuilt
+    direct = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    converted = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=torch.float32)
+    a, b = direct.state_dict(), converted.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tok_direct = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(str(source.folder))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, 2+2? 日本"}]
+    text = tok_direct.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == text
+    assert tok(text)["input_ids"] == tok_direct(text)["input_ids"] and tok.eos_token_id == tok_direct.eos_token_id
+    four = source.four_bit(converted)
+    assert len(four) == 210  # matched to their modules when converted
+    manifest.write_text("{damaged")
+    assert open_source(path).folder == source.folder and manifest.stat().st_mtime_ns != stamp  # rebuilt
