@@ -199,6 +199,7 @@ def options_table(costs: list[OptionCost]) -> str:
             rows.append(f"| {c.quantization} | | | | | cannot run here: {c.problem} |")
             continue
         what = "the model's own weights" if c.own_weights else "a new rounding of the weights"
+        kernel = " (the kernel's matmuls in bfloat16)" if c.quantization in ("int8", "int4") else ""
         rows.append(f"| {c.quantization} | {c.weight_bytes / 2**20:,.0f} MB | {c.ms_token:.1f} | {c.ms_four:.1f} "
-                    f"| {1000 / c.ms_token:.0f} | {what}, activations in {c.dtype} |")
+                    f"| {1000 / c.ms_token:.0f} | {what}; the rest in {c.dtype}{kernel} |")
     return "\n".join(rows)

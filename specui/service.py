@@ -122,8 +122,9 @@ class ChatService:
         with self.engine.lock:
             costs = measure_options(self.pair.target.spec, "target", progress)
         where = cpu_model() if self.pair.target.device.type == "cpu" else torch.cuda.get_device_name()
-        return (f"Measured on {where}, {torch.get_num_threads()} threads: one token, and four in one forward, "
-                f"after {CONTEXT} cached tokens.\n\n" + options_table(costs))
+        threads = torch.get_num_threads()
+        return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
+                f"forward, after {CONTEXT} cached tokens.\n\n" + options_table(costs))
 
     def memory_report(self) -> str:
         """Weights of the loaded pair, process memory, GPU memory (if any)."""

@@ -1,5 +1,5 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd]   (only that method's panel)"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd|quant]   (only that method's panel)"""
 
 from __future__ import annotations
 
@@ -77,6 +77,16 @@ def ems_sd_batch(page: tb.Page, url: str) -> None:
         other.close()
 
 
+def quantization_options(page: tb.Page) -> None:
+    """The Model tab's measured quantization options."""
+    [b for b in page.driver.find_elements(tb.By.CSS_SELECTOR, "button[role=tab]") if b.text == "model"][0].click()
+    page.find("#measure-quant").click()
+    tb._wait_until(lambda: "ms / token" in "".join(page.texts("#quant-options")), 180, "the options table")
+    page.driver.execute_script("document.querySelector('#quant-options').scrollIntoView()")
+    time.sleep(1)
+    shoot(page, "quantization-options", "#quant-options")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
@@ -90,6 +100,9 @@ def main() -> None:
             return
         if sys.argv[1:] == ["mcsd"]:
             mcsd_fork(page)
+            return
+        if sys.argv[1:] == ["quant"]:
+            quantization_options(page)
             return
         if sys.argv[1:] == ["ems-sd"]:
             ems_sd_batch(page, url)
