@@ -10,7 +10,8 @@ their modules (specui/gguf_blocks.py), and the file's tensor types. Later loads 
 folder instead. The folder's name holds the file's path, size and mtime and the transformers
 version; it is built under a temporary name and renamed when complete, so an interrupted or
 concurrent build never leaves a half-written folder in use. Where it cannot be built (a full
-disk, an unwritable cache) the GGUF is loaded directly, as before."""
+disk, an unwritable cache) or would be large (float32 weights over MAX_CONVERTED), the GGUF
+is loaded directly, as before."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from specui.gguf_blocks import Groups, block_types, matched, open_gguf, read_fou
 FORMAT = 1  # bump when what the folder holds changes
 MANIFEST = "specui_gguf.json"
 FOUR_BIT = "four_bit.safetensors"
+# larger GGUFs load directly: a float32 copy would cost that much disk, and that much memory
+# while it is written (the direct load of a 4-bit target holds it in bfloat16)
+MAX_CONVERTED = 4 << 30
 
 
 def cache_root() -> Path:
@@ -109,16 +113,15 @@ def _save_weights(model: torch.nn.Module, folder: Path) -> None:
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _convert(path: Path, folder: Path, trust_remote_code: bool) -> dict[str, int]:
-    """Build the converted folder of `path` (under a temporary name, renamed when complete);
-    returns the file's tensor types."""
+def _convert(path: Path, reader, folder: Path, trust_remote_code: bool) -> None:
+    """Build the converted folder of `path` (`reader`: its open reader) under a temporary
+    name, renamed when complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)  # an unwritable cache fails here, before the slow part
-        reader = open_gguf(path)
         types = block_types(reader)
         where, name = str(path.parent), path.name
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, trust_remote_code=trust_remote_code,
@@ -138,7 +141,6 @@ def _convert(path: Path, folder: Path, trust_remote_code: bool) -> dict[str, int
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return types
 
 
 def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
@@ -153,12 +155,22 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         shutil.rmtree(folder_for(path), ignore_errors=True)  # damaged: built again
     try:
-        types = _convert(path, folder_for(path), trust_remote_code)
-        return GGUFSource(path, folder_for(path), types)
-    except Exception as e:  # noqa: BLE001 - loading the file directly says what is wrong with it
-        problem = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    try:
         reader = open_gguf(path)
-    except (OSError, ValueError, KeyError) as e:
-        return GGUFSource(path, problem=(str(e).strip().splitlines() or [type(e).__name__])[0][:300])
-    return GGUFSource(path, types=block_types(reader), reader=reader, problem=problem)
+    except Exception as e:  # noqa: BLE001 - loading the file directly says what is wrong with it
+        return GGUFSource(path, problem=_first_line(e))
+    source = GGUFSource(path, types=block_types(reader), reader=reader)
+    size = 4 * sum(int(t.n_elements) for t in reader.tensors)
+    if size > MAX_CONVERTED:
+        source.problem = (f"not converted: its weights are {size / 2**30:.1f} GiB in float32 "
+                          f"(converted up to {MAX_CONVERTED / 2**30:.0f} GiB)")
+        return source
+    try:
+        _convert(path, reader, folder_for(path), trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - then the file is loaded directly, as before
+        source.problem = _first_line(e)
+        return source
+    return GGUFSource(path, folder_for(path), source.types)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -29,10 +29,9 @@ def test_nibbles_and_four_bit_groups_round_trip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(back[name], groups[name]))
 
 
-def test_an_unwritable_cache_leaves_the_file_to_be_loaded_directly(tmp_path, monkeypatch):
+def _small_gguf(path):
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    path = tmp_path / "m.gguf"
     writer = GGUFWriter(str(path), "llama")
     w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
     writer.add_tensor("blk.0.attn_q.weight", quants.quantize(w, GGMLQuantizationType.Q4_1),
@@ -41,12 +40,27 @@ def test_an_unwritable_cache_leaves_the_file_to_be_loaded_directly(tmp_path, mon
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_an_unwritable_cache_leaves_the_file_to_be_loaded_directly(tmp_path, monkeypatch):
+    path = _small_gguf(tmp_path / "m.gguf")
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     source = open_source(path)
     assert source.folder is None and source.reader is not None and source.types == {"Q4_1": 1}
     assert source.problem and source.location() == (str(tmp_path), "m.gguf")
+
+
+def test_a_large_gguf_is_loaded_directly_not_copied_to_float32(tmp_path, monkeypatch):
+    from specui import gguf_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_cache, "MAX_CONVERTED", 1024)  # this file's weights: 16 x 64 x 4 bytes
+    source = open_source(_small_gguf(tmp_path / "m.gguf"))
+    assert source.folder is None and source.reader is not None and "not converted" in source.problem
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.bundled
