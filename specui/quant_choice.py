@@ -97,6 +97,8 @@ def measure_option(spec: ModelSpec, quantization: str, role: str, own: bool, tim
         loaded = load_concrete(replace(spec, quantization=quantization), role, source=source)
     except SpecUIError as e:
         return OptionCost(quantization, own_weights=own, problem=str(e)), None
+    except Exception as e:  # noqa: BLE001 - a backend failing here is that option's problem, not the app's
+        return OptionCost(quantization, own_weights=own, problem=f"{type(e).__name__}: {e}"[:300]), None
     one, four = timer(loaded.model)
     return OptionCost(quantization, round(one, 3), round(four, 3), loaded.memory_bytes,
                       dtype_name(loaded.model.dtype), own), loaded
@@ -117,9 +119,9 @@ def _cached(entry, candidates: tuple[str, ...]) -> tuple[str, list[OptionCost]] 
     try:
         costs = [OptionCost(**c) for c in entry["costs"]]
         chosen = str(entry["chosen"])
-    except (KeyError, TypeError, AttributeError):
+        measured = {c.quantization for c in costs if c.ms_token is not None and float(c.ms_token) > 0}
+    except (KeyError, TypeError, AttributeError, ValueError):
         return None
-    measured = {c.quantization for c in costs if c.ms_token is not None and c.ms_token > 0}
     if chosen not in measured or not {c.quantization for c in costs} <= set(candidates):
         return None
     return chosen, costs

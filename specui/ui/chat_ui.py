@@ -272,7 +272,10 @@ class ChatPage:
 
     def measure_quantizations(self, progress=gr.Progress()) -> str:  # noqa: B008
         """Load and time each quantization of the loaded target in turn: a table."""
-        return self.service.quantization_options(progress=lambda f, m: progress(f, desc=m))
+        try:
+            return self.service.quantization_options(progress=lambda f, m: progress(f, desc=m))
+        except SpecUIError as e:
+            return f"⚠️ could not measure the quantization options: {e}"
 
     def preset_chosen(self, name: str) -> tuple:
         preset = self.service.presets.get(name)
