@@ -33,6 +33,9 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.bias is None:  # decoding's case: no conversions (ops cost us each)
+            return torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale).view(
+                x.shape[:-1] + (self.out_features,))
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = torch._weight_int8pack_mm(flat, self.weight, self.scale).reshape(*x.shape[:-1], -1).to(x.dtype)
         return out if self.bias is None else out + self.bias.to(x.dtype)
@@ -81,11 +84,16 @@ class Int4Linear(torch.nn.Module):
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
+        # the kernel's overload resolved once: a call through the op packet costs about 1 us more
+        self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.bias is None:  # decoding's case: no conversions (ops cost us each)
+            return self._mm(x.reshape(-1, self.in_features), self.packed, GROUP, self.scales_zeros).view(
+                x.shape[:-1] + (self.out_features,))
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        out = self._mm(flat, self.packed, GROUP, self.scales_zeros)
         out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 

@@ -81,6 +81,19 @@ def test_int4_linear_matches_its_dequantized_weight_and_refuses_odd_shapes():
     assert odd.shape[1] % GROUP
 
 
+
+def test_the_bfloat16_fast_path_computes_exactly_what_the_general_path_does():
+    """A bfloat16 input without bias skips the conversions (decoding's case); a float32 input
+    takes the general path through the same kernel: the products must be identical."""
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 5, 96).bfloat16()
+    modules = [Int4Linear.from_groups(*quantize_groups(w), torch.device("cpu")),
+               Int8Linear.from_stored(*quantize_rows(w), torch.device("cpu"))]
+    for module in modules:
+        fast = module(x)
+        assert fast.shape == (2, 5, 64) and fast.dtype == torch.bfloat16
+        assert torch.equal(fast.float(), module(x.float()))
+
 def test_int4_model_keeps_the_head_on_int8_rows_and_logits_stay_close():
     model = tiny_llama(0, layers=2, dtype=torch.float32)
     reference = tiny_llama(0, layers=2, dtype=torch.float32)
