@@ -68,7 +68,8 @@ def test_reduced_head_draft_is_lossless_and_trainable(setup):
 
     batches = make_batches(data, head, draft.config.vocab_size, batch_tokens=256)
     before = evaluate(draft, data)
-    losses = train(draft, batches, lambda b: distill_loss(draft, b), TrainConfig(epochs=6, lr=3e-3, warmup_steps=2))
+    losses = train(draft, batches, lambda b: distill_loss(draft, b),
+                   TrainConfig(epochs=6, lr=3e-3, warmup_steps=2)).losses
     after = evaluate(draft, data)
     assert sum(losses[-len(batches):]) < sum(losses[: len(batches)])
     assert after.agreement > before.agreement and 0 <= after.alpha <= 1
@@ -87,12 +88,24 @@ def test_trainer_resumes_from_checkpoint(setup, tmp_path):
     batches = make_batches(data, head, target.model.config.vocab_size, batch_tokens=256)
     ckpt = tmp_path / "run.ckpt"
     first = build_draft(target.model, [0], head)
-    train(first, batches, lambda b: distill_loss(first, b), TrainConfig(epochs=1, checkpoint=ckpt, save_every=1))
+    modes = []
+
+    def probe(model):  # a learning-curve probe: called in eval mode, without gradients
+        modes.append((model.training, torch.is_grad_enabled()))
+        return float(len(modes))
+
+    train(first, batches, lambda b: distill_loss(first, b), TrainConfig(epochs=1, checkpoint=ckpt, save_every=1),
+          probe=lambda: probe(first))
     state = torch.load(ckpt, weights_only=False)
     assert state["step"] == len(batches) and "model.embed_tokens.weight" not in state["module"]
+    assert [step for step, _ in state["probes"]] == [0, len(batches)]  # before training and at the end
     resumed = build_draft(target.model, [0], head)
-    losses = train(resumed, batches, lambda b: distill_loss(resumed, b), TrainConfig(epochs=2, checkpoint=ckpt))
-    assert len(losses) == 2 * len(batches)  # the first epoch's losses came from the checkpoint
+    log = train(resumed, batches, lambda b: distill_loss(resumed, b),
+                TrainConfig(epochs=2, checkpoint=ckpt, probe_every=2), probe=lambda: probe(resumed))
+    assert len(log.losses) == 2 * len(batches)  # the first epoch's losses came from the checkpoint
+    steps = [step for step, _ in log.probes]  # the first run's probes kept, none repeated
+    assert steps[:2] == [0, len(batches)] and steps == sorted(set(steps)) and steps[-1] == 2 * len(batches)
+    assert set(modes) == {(False, False)} and not resumed.training
 
 
 def test_save_load_round_trip_shares_embeddings(setup, tmp_path):
@@ -158,6 +171,13 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     report = json.loads((out / "metrics.json").read_text())
     for key in ("agreement", "alpha", "cost_ratio", "expected_accepted", "command"):
         assert key in report
+    # the learning curve: before training, probes on the way, the final weights (float32) last
+    curve = report["curve"]
+    assert curve[0]["step"] == 0 and curve[0]["agreement"] == pytest.approx(report["agreement_before_training"])
+    assert [p["step"] for p in curve] == sorted({p["step"] for p in curve}) and len(curve) >= 3
+    assert curve[-1]["tokens_seen"] == 2 * report["train_answer_tokens"]  # two whole epochs
+    assert curve[-1]["agreement"] == pytest.approx(report["agreement"], abs=0.05)  # stored int8 vs float32
+    assert report["history"] == [] and (out / "curve.html").is_file()
     pair = load_pair(ModelSpec(str(folder)), ModelSpec(str(out)))  # the app loads it as a draft
     emb = pair.draft.model.model.embed_tokens  # shared; seen through a cast when dtype auto chose two dtypes
     assert getattr(emb, "embedding", emb) is pair.target.model.get_input_embeddings()
@@ -182,6 +202,9 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     assert train_main(resumed) == 0
     second = json.loads((again / "metrics.json").read_text())
     assert second["agreement_before_training"] == pytest.approx(report["agreement"], abs=0.05)
+    # the versions so far: the init draft with its training-set size, then this run (curve.png's right panel)
+    assert [h["train_answer_tokens"] for h in second["history"]] == [report["train_answer_tokens"]]
+    assert second["history"][0]["agreement"] == second["agreement_before_training"]
     first, then = (load_draft(f, pair.target.model, int8_kernels=False) for f in (out, again))
     assert then.config.num_hidden_layers == 1 and torch.equal(first.token_map, then.token_map)
 

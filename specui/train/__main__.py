@@ -33,7 +33,7 @@ from specui.chat import stop_token_ids
 from specui.draft_model import add_feature_input, load_draft, save_draft
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
-from specui.train import decision_command, head_command, questions
+from specui.train import curve, decision_command, head_command, questions
 from specui.train.collect_command import add_arguments, make_collector
 from specui.train.cost import decode_ms
 from specui.train.data import AnswerSet
@@ -94,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--labels", choices=["soft", "hard"], default="soft",
                    help="soft: the target's top-32 distribution (a float32 teacher pass over every answer); "
                         "hard: its answer tokens themselves (no teacher pass)")
+    d.add_argument("--curve-points", type=int, default=12,
+                   help="held-out agreement probes during training (the learning curve, curve.png)")
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
     e.add_argument("--draft", type=Path, required=True)
     q = sub.add_parser("questions", parents=[common], help="the target writes new training prompts")
@@ -185,20 +187,26 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                                          args.temperatures, args.init, args.features, args.unknown_state))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
-                      checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt")
+                      checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
+                      probe_every=max(1, args.epochs * len(batches) // args.curve_points))
     t0 = time.time()
-    losses = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft")
+    log = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft",
+                probe=lambda: evaluate(draft, heldout, gammas=(), states=heldout_states).agreement)
+    losses = log.losses
     report = {}
     report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),
                   agreement_before_training=before.agreement, train_answer_tokens=train_set.answer_tokens,
                   heldout_answer_tokens=heldout.answer_tokens,
-                  command="python -m specui.train " + " ".join(sys.argv[1:]))
+                  command="python -m specui.train " + " ".join(sys.argv[1:]),
+                  curve=curve.run_points(log.probes, train_set.answer_tokens, len(batches)),
+                  history=curve.history(args.init, before.agreement))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_draft(draft, tmp, target.tokenizer)
     shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
     report.update(measure(shipped, target, heldout, heldout_states))  # figures of the stored (int8) weights
     (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
+    curve.write(tmp, report["curve"], report["history"], train_set.answer_tokens, report["agreement"])
     for kept in ("README.md",):  # hand-written notes about the draft survive a retrain (update them)
         if (args.out / kept).is_file() and not (tmp / kept).exists():
             shutil.copy2(args.out / kept, tmp / kept)

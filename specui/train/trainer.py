@@ -1,13 +1,14 @@
 """A tiny trainer shared by the draft, the SpecDec++ acceptance head and the MCSD decision
 models: AdamW with warm-up + cosine decay, gradient clipping, a progress bar, seeded
-shuffling, and resumable checkpoints (model, optimizer, step, RNG)."""
+shuffling, resumable checkpoints (model, optimizer, step, RNG), and an optional probe (e.g.
+held-out agreement) every few steps: the learning curve, kept in the checkpoint too."""
 
 from __future__ import annotations
 
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +25,13 @@ class TrainConfig:
     seed: int = 0
     checkpoint: Path | None = None  # resumable state, saved every `save_every` steps and at the end
     save_every: int = 50
+    probe_every: int = 0  # steps between calls of train()'s `probe` (0: never; always at the end when given)
+
+
+@dataclass
+class TrainLog:
+    losses: list[float] = field(default_factory=list)
+    probes: list[tuple[int, float]] = field(default_factory=list)  # (step, probe value), step 0 = before training
 
 
 def cosine_lr(step: int, total: int, cfg: TrainConfig) -> float:
@@ -39,18 +47,26 @@ def train(
     loss_fn: Callable[[object], torch.Tensor],
     cfg: TrainConfig,
     desc: str = "train",
-) -> list[float]:
+    probe: Callable[[], float] | None = None,
+) -> TrainLog:
     """Train the trainable parameters of `module` on `batches` (any objects `loss_fn`
-    understands) for cfg.epochs epochs, shuffled per epoch with cfg.seed. Returns the losses."""
+    understands) for cfg.epochs epochs, shuffled per epoch with cfg.seed. `probe` (called in
+    eval mode without gradients) is recorded before the first step, every cfg.probe_every
+    steps and after the last. Returns the losses and the probes."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.epochs * len(batches)
-    step, losses = 0, []
+    step, log = 0, TrainLog()
+    losses = log.losses
     if cfg.checkpoint is not None and cfg.checkpoint.is_file():
         state = torch.load(cfg.checkpoint, weights_only=False)
         module.load_state_dict(state["module"], strict=False)
         opt.load_state_dict(state["optimizer"])
-        step, losses = state["step"], state["losses"]
+        step = state["step"]
+        losses.extend(state["losses"])
+        log.probes.extend(tuple(p) for p in state.get("probes", []))
+    if probe is not None and step == 0 and not log.probes:
+        _probe(module, probe, step, log)
     module.train()
     bar = tqdm(total=total, initial=step, desc=desc, unit="batch")
     while step < total:
@@ -70,17 +86,30 @@ def train(
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}", epoch=epoch)
+            if probe is not None and ((cfg.probe_every and step % cfg.probe_every == 0) or step == total):
+                _probe(module, probe, step, log)
+                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}", epoch=epoch,
+                                probe=f"{log.probes[-1][1]:.4f}")
             if cfg.checkpoint is not None and (step % cfg.save_every == 0 or step == total):
-                _save(cfg.checkpoint, module, opt, step, losses)
+                _save(cfg.checkpoint, module, opt, step, log)
     bar.close()
     module.eval()
-    return losses
+    return log
 
 
-def _save(path: Path, module: torch.nn.Module, opt, step: int, losses: list[float]) -> None:
+def _probe(module: torch.nn.Module, probe: Callable[[], float], step: int, log: TrainLog) -> None:
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        log.probes.append((step, float(probe())))
+    module.train(was_training)
+
+
+def _save(path: Path, module: torch.nn.Module, opt, step: int, log: TrainLog) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}  # e.g. shared embeddings
     trainable = {k: v for k, v in module.state_dict().items() if k not in frozen}
     tmp = path.with_suffix(".tmp")
-    torch.save({"module": trainable, "optimizer": opt.state_dict(), "step": step, "losses": losses}, tmp)
+    torch.save({"module": trainable, "optimizer": opt.state_dict(), "step": step, "losses": log.losses,
+                "probes": log.probes}, tmp)
     tmp.replace(path)
