@@ -148,7 +148,9 @@ def test_head_training_end_to_end(tiny_head_setup):
     assert len(metrics["sweep"]) == 12 and metrics["heldout_bce"] > 0
     assert {p["method"] for p in metrics["heldout_replay"]} == {"speculative", "specdec++"}
     assert "| r | D | w_rej |" in (out / "README.md").read_text()
-    feats = acc.Features.load(root / "work" / "head-fit-r0.5-v2.pt")
+    cache = acc.draft_cache(root / "work", "head-fit-r0.5-v2", load_draft(root / "draft", target.model))
+    assert cache.is_file()  # the examples are cached under this draft's weights' hash
+    feats = acc.Features.load(cache)
     assert len(feats) > 0 and float(feats.soft.min()) >= 0 and float(feats.soft.max()) <= 1
     assert len(set(feats.done)) == len(feats.done) == 18  # 21 conversations, every 7th is dev
     pair = load_pair(ModelSpec(str(folder), dtype="float32"), ModelSpec(str(root / "draft"), dtype="float32"),
@@ -158,6 +160,18 @@ def test_head_training_end_to_end(tiny_head_setup):
     prompt = [5, 9, 12, 30]
     ar = engine.generate(GenerationRequest(prompt, 12), make_method("autoregressive")).run().output_ids
     assert engine.generate(GenerationRequest(prompt, 12), make_method("specdec++")).run().output_ids == ar
+
+
+def test_example_caches_are_per_draft(tiny_head_setup, tmp_path):
+    """A retrained draft written to the same folder never reads the old draft's examples."""
+    root, _, target, _, _ = tiny_head_setup
+    draft = load_draft(root / "draft", target.model, target.tokenizer, int8_kernels=False, dtype=torch.float32)
+    save_draft(draft, tmp_path / "same", target.tokenizer)
+    before = acc.draft_cache(tmp_path, "head-fit-r0.5-v2", load_draft(tmp_path / "same", target.model))
+    with torch.no_grad():
+        next(p for p in draft.model.layers.parameters()).mul_(2.0)
+    save_draft(draft, tmp_path / "same", target.tokenizer)
+    assert acc.draft_cache(tmp_path, "head-fit-r0.5-v2", load_draft(tmp_path / "same", target.model)) != before
 
 
 def test_features_resume_without_duplicates(tiny_head_setup):

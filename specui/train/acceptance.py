@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from specui.engine.session import output_layer_inputs
-from specui.heads import AcceptanceHead, q_stats
+from specui.heads import AcceptanceHead, draft_fingerprint, q_stats
 from specui.train.data import AnswerSet, SavedFields
 from specui.train.trainer import TrainConfig, train
 
@@ -106,6 +106,13 @@ def sequence_features(draft, target, prompt: list[int], answer: list[int], mix: 
     at = ~from_target
     return Features(hidden[1:][at].half(), hidden[:-1][at].half(), q[at], soft[at], greedy[at], entropy[at],
                     q_top[at])
+
+
+def draft_cache(work: Path, stem: str, draft) -> Path:
+    """Where examples drawn with `draft` are cached: the name carries its fingerprint (its
+    stored weights' checksum), so another draft, even a retrain written to the same folder,
+    never reads them."""
+    return Path(work) / f"{stem}-{draft_fingerprint(draft)[:10]}.pt"
 
 
 def build_features(draft, target, answers: AnswerSet, mix: float, seed: int, path: Path | None = None,

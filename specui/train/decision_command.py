@@ -114,8 +114,9 @@ def cmd_decision(args, target: LoadedModel, train_set: AnswerSet, heldout: Answe
     t0 = time.time()
     draft = load_draft(args.draft, target.model, target.tokenizer)
     feats = acc.build_features(draft, target.model, train_set, args.mix, args.seed,
-                               args.work / f"head-fit-r{args.mix}-v2.pt")
-    held = acc.build_features(draft, target.model, heldout, 0.5, args.seed + 7, args.work / "head-heldout-r0.5-v2.pt")
+                               acc.draft_cache(args.work, f"head-fit-r{args.mix}-v2", draft))
+    held = acc.build_features(draft, target.model, heldout, 0.5, args.seed + 7,
+                              acc.draft_cache(args.work, "head-heldout-r0.5-v2", draft))
     models = {kind: train_decision(feats, kind, args.epochs, args.lr, args.seed) for kind in KINDS}
     command = "python -m specui.train " + " ".join(sys.argv[1:])
     metrics = {kind: quality(models[kind], held, args.threshold) for kind in KINDS}

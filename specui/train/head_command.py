@@ -114,7 +114,8 @@ def sweep(args, draft, target: LoadedModel, fit: AnswerSet, heldout_feats: acc.F
     draft_ms, target_ms, _ = costs
     rows = []
     for mix in _floats(args.mixes):
-        feats = acc.build_features(draft, target.model, fit, mix, args.seed, args.work / f"head-fit-r{mix}-v2.pt")
+        feats = acc.build_features(draft, target.model, fit, mix, args.seed,
+                                   acc.draft_cache(args.work, f"head-fit-r{mix}-v2", draft))
         for depth, w_rej, labels, inputs, reads in itertools.product(
                 [int(d) for d in _floats(args.depths)], _floats(args.rej_weights), args.labels.split(","),
                 args.inputs.split(","), args.reads.split(",")):
@@ -213,7 +214,7 @@ def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet
     print(f"time model: {costs[2]}", file=sys.stderr)
     dev_answers = [acc.greedy_answer(draft, p, a) for p, a in zip(dev.prompt_ids, dev.answer_ids)]
     heldout_feats = acc.build_features(draft, target.model, heldout, args.eval_mix, args.seed + 7,
-                                       args.work / f"head-heldout-r{args.eval_mix}-v2.pt")
+                                       acc.draft_cache(args.work, f"head-heldout-r{args.eval_mix}-v2", draft))
     rows = sweep(args, draft, target, fit, heldout_feats, dev_answers, costs)
     best = max(rows, key=lambda r: r["dev_model_tokens_per_s"])
     quality = acc.head_quality(best["head"], heldout_feats, "soft")
