@@ -48,11 +48,12 @@ def figure(points: list[dict], versions: list[dict], train_tokens: int, final: f
     xs = [v["train_answer_tokens"] for v in versions] + [train_tokens]
     ys = [v["agreement"] for v in versions] + [final]
     fig.add_scatter(x=xs, y=ys, mode="lines+markers+text", name="versions", row=1, col=2,
-                    text=[f"{y:.3f}" for y in ys], textposition="top left")
+                    text=[f"{y:.3f}" for y in ys], textposition=["bottom right"] * (len(ys) - 1) + ["bottom left"])
     fig.add_hline(y=0.6, line_dash="dot", line_color="grey", annotation_text="goal 0.6", row=1, col=2)
     fig.update_xaxes(title_text="answer tokens seen", row=1, col=1)
     fig.update_xaxes(title_text="answer tokens in the training set", type="log", row=1, col=2)
     fig.update_yaxes(title_text="greedy top-1 agreement with the target", row=1, col=1)
+    fig.update_yaxes(range=[min(ys) - 0.03, max(0.62, max(ys) + 0.02)], row=1, col=2)
     fig.update_layout(width=1100, height=460, showlegend=False)
     return fig
 
