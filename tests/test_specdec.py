@@ -162,6 +162,14 @@ def test_head_training_end_to_end(tiny_head_setup):
     assert engine.generate(GenerationRequest(prompt, 12), make_method("specdec++")).run().output_ids == ar
 
 
+def test_default_threshold_is_the_shortest_near_the_best():
+    from specui.train.head_command import shortest_near_best
+
+    scored = [(30.0, 0.3), (34.0, 0.4), (34.2, 0.6), (34.3, 0.7), (33.0, 0.8)]
+    assert shortest_near_best(scored) == (34.0, 0.4)  # within 1% of 34.3: 0.4, 0.6, 0.7; the smallest drafts least
+    assert shortest_near_best(scored, within=0.0) == (34.3, 0.7)
+
+
 def test_example_caches_are_per_draft(tiny_head_setup, tmp_path):
     """A retrained draft written to the same folder never reads the old draft's examples."""
     root, _, target, _, _ = tiny_head_setup

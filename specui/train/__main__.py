@@ -188,7 +188,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
-                      probe_every=max(1, args.epochs * len(batches) // args.curve_points))
+                      probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)))
     t0 = time.time()
     log = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft",
                 probe=lambda: evaluate(draft, heldout, gammas=(), states=heldout_states).agreement)
