@@ -75,8 +75,9 @@ class Page(PageDriver):
             stats = self.stats()  # first: the final update brings the stats and the last text together
             if not any(r in stats for r in ("· eos", "· length", "· stop", "· cancelled", "⚠️")):
                 return None
-            if stats == getattr(self, "stats_at_send", None):  # still the previous reply's line
-                return None
+            before = getattr(self, "stats_at_send", None) or ""
+            if stats == before or (len(before) > 20 and before in stats):  # still the previous reply's line
+                return None  # (the second case: with Gradio's pending timer beside it)
             bots = self.bot_texts()
             return bots[n_replies - 1] if len(bots) >= n_replies else None
         return _wait_until(done, timeout, f"reply {n_replies} to finish")
