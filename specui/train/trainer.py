@@ -85,11 +85,11 @@ def train(
             losses.append(loss.item())
             step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}", epoch=epoch)
+            postfix = dict(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}", epoch=epoch)
             if probe is not None and ((cfg.probe_every and step % cfg.probe_every == 0) or step == total):
                 _probe(module, probe, step, log)
-                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}", epoch=epoch,
-                                probe=f"{log.probes[-1][1]:.4f}")
+                postfix["probe"] = f"{log.probes[-1][1]:.4f}"
+            bar.set_postfix(**postfix)
             if cfg.checkpoint is not None and (step % cfg.save_every == 0 or step == total):
                 _save(cfg.checkpoint, module, opt, step, log)
     bar.close()
