@@ -106,6 +106,10 @@ def test_trainer_resumes_from_checkpoint(setup, tmp_path):
     steps = [step for step, _ in log.probes]  # the first run's probes kept, none repeated
     assert steps[:2] == [0, len(batches)] and steps == sorted(set(steps)) and steps[-1] == 2 * len(batches)
     assert set(modes) == {(False, False)} and not resumed.training
+    calls = len(modes)  # a value the caller measured before training is not measured again
+    log = train(first, batches, lambda b: distill_loss(first, b), TrainConfig(epochs=1), probe=lambda: probe(first),
+                probed_before=0.25)
+    assert log.probes[0] == (0, 0.25) and len(log.probes) == 2 and len(modes) == calls + 1
 
 
 def test_save_load_round_trip_shares_embeddings(setup, tmp_path):

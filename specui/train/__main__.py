@@ -191,7 +191,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                       probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)))
     t0 = time.time()
     log = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft",
-                probe=lambda: evaluate(draft, heldout, gammas=(), states=heldout_states).agreement)
+                probe=lambda: evaluate(draft, heldout, gammas=(), states=heldout_states).agreement,
+                probed_before=before.agreement)
     losses = log.losses
     report = {}
     report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),

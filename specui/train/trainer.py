@@ -48,11 +48,13 @@ def train(
     cfg: TrainConfig,
     desc: str = "train",
     probe: Callable[[], float] | None = None,
+    probed_before: float | None = None,
 ) -> TrainLog:
     """Train the trainable parameters of `module` on `batches` (any objects `loss_fn`
     understands) for cfg.epochs epochs, shuffled per epoch with cfg.seed. `probe` (called in
     eval mode without gradients) is recorded before the first step, every cfg.probe_every
-    steps and after the last. Returns the losses and the probes."""
+    steps and after the last; `probed_before`, where the caller already measured it, is the
+    value before the first step. Returns the losses and the probes."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.epochs * len(batches)
@@ -66,7 +68,7 @@ def train(
         losses.extend(state["losses"])
         log.probes.extend(tuple(p) for p in state.get("probes", []))
     if probe is not None and step == 0 and not log.probes:
-        _probe(module, probe, step, log)
+        _probe(module, (lambda: probed_before) if probed_before is not None else probe, step, log)
     module.train()
     bar = tqdm(total=total, initial=step, desc=desc, unit="batch")
     while step < total:
