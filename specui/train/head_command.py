@@ -115,7 +115,7 @@ def app_costs(args, draft, prompts: list[list[int]]) -> tuple[float, object, str
     d_scale = (draft_ms / max(1.0, drafted)) / profile.draft(1)
     t_scale = sum(ms for _, ms in seen) / sum(profile.target(k) for k, _ in seen)
     desc = (f"{cpu_model()}, target {str(target.model.dtype).replace('torch.', '')} (quantization "
-            f"{args.app_quantization}); {note}; scaled to the loop: "
+            f"{target.spec.quantization}); {note}; scaled to the loop: "
             f"draft x{d_scale:.2f} ({profile.draft(1) * d_scale:.1f} ms per token), target x{t_scale:.2f} "
             f"({profile.target(1) * t_scale:.1f} ms for 1 token, {profile.target(7) * t_scale:.1f} ms for 7)")
     return profile.draft(1) * d_scale, lambda k: profile.target(k) * t_scale, desc
