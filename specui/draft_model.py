@@ -18,11 +18,12 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specui.errors import SpecUIError
-from specui.quantize import Int8Linear
+from specui.quantize import GROUP, Int4Linear, Int8Linear, dequantize_groups, quantize_groups
 
 MARKER = "specui_draft"  # config.json key that marks a SpecUI draft folder
 EMBED_KEY = "model.embed_tokens.weight"
 SCALE = ".int8_scale"
+Q4, G_SCALE, G_LOW = ".int4_groups", ".int4_scale", ".int4_low"  # 4-bit groups: two per byte, low nibble first
 
 
 class SpecUIDraftForCausalLM(LlamaForCausalLM):
@@ -89,23 +90,40 @@ def reads_features(config) -> bool:
     return bool(getattr(config, MARKER, None) and getattr(config, MARKER).get("features"))
 
 
-def use_int8_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
-    """Swap every Linear whose weight was stored as int8 for an Int8Linear over those
-    bytes (float32 CPU drafts); returns how many were swapped."""
-    swapped = 0
+def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Swap every Linear whose weight was stored quantized for a module over those bytes
+    (float32 CPU drafts): Int4Linear for 4-bit groups, Int8Linear for int8 rows. One the
+    kernel refuses stays dequantized. Returns how many of each were swapped."""
+    swapped = {"int4": 0, "int8": 0}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or module.bias is not None:
             continue
-        weight, scale = state.get(name + ".weight"), state.get(name + ".weight" + SCALE)
-        if weight is None or scale is None or weight.dtype != torch.int8:
-            continue
-        fast = Int8Linear.from_stored(weight, scale, module.weight.device)
+        key, device, fast = name + ".weight", module.weight.device, None
+        if key + Q4 in state:
+            fast, kind = Int4Linear.from_groups(*_groups(state, key), device), "int4"
+        elif key + SCALE in state and state[key].dtype == torch.int8:
+            fast, kind = Int8Linear.from_stored(state[key], state[key + SCALE], device), "int8"
         if fast is None:
             continue
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, fast)
-        swapped += 1
+        swapped[kind] += 1
     return swapped
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K / 2) bytes, even columns in the low nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _groups(state: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, low) of a matrix stored as 4-bit groups (see quantize.quantize_groups)."""
+    return _unpack4(state[key + Q4]), state[key + G_SCALE].float(), state[key + G_LOW].float()
 
 
 def is_specui_draft(folder: str | Path) -> bool:
@@ -119,10 +137,22 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha1(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, int8: bool = True) -> None:
+def _int4_storable(key: str, v: torch.Tensor) -> bool:
+    """The decoder layers' matrices go to 4-bit groups; the output head (and a feature
+    draft's input mixer) stay on int8 rows, where 4 bits cost measurable agreement."""
+    return key.startswith("model.layers.") and v.dim() == 2 and v.shape[1] % GROUP == 0
+
+
+def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, quantized: bool = True,
+               layer_bits: int = 4) -> None:
     """config.json + model.safetensors, without the input embeddings (they are the
-    target's). Matrices are stored as int8 with one fp16 scale per row (dequantized on
-    load; the draft's quality is measured after this round trip), the rest as fp16."""
+    target's). Quantized (the default): the decoder layers' matrices as `layer_bits` 4
+    (groups of 32 inputs, each with an fp16 scale and minimum) or 8 (int8 rows, one fp16
+    scale per row), every other matrix as int8 rows; the rest as fp16. Loading dequantizes
+    them or computes with them directly (use_kernels); the draft's quality is measured
+    after this round trip."""
+    if layer_bits not in (4, 8):
+        raise ValueError(f"layer_bits must be 4 or 8, not {layer_bits}")
     folder.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [SpecUIDraftForCausalLM.__name__]
     if tokenizer is not None:
@@ -133,7 +163,11 @@ def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, int8
         if k == EMBED_KEY:
             continue
         v = v.detach().cpu()
-        if int8 and v.is_floating_point() and v.dim() == 2:
+        if quantized and layer_bits == 4 and v.is_floating_point() and _int4_storable(k, v):
+            q, scale, low = quantize_groups(v)
+            state.update({k + Q4: _pack4(q), k + G_SCALE: scale.to(torch.float16).contiguous(),
+                          k + G_LOW: low.to(torch.float16).contiguous()})
+        elif quantized and v.is_floating_point() and v.dim() == 2:
             scale = v.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
             state[k] = (v.float() / scale).round().clamp(-127, 127).to(torch.int8).contiguous()
             state[k + SCALE] = scale.to(torch.float16)
@@ -145,7 +179,11 @@ def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, int8
 def _dequantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in state.items():
-        if k.endswith(SCALE):
+        if k.endswith((SCALE, G_SCALE, G_LOW)):
+            continue
+        if k.endswith(Q4):
+            key = k.removesuffix(Q4)
+            out[key] = dequantize_groups(*_groups(state, key))
             continue
         scale = state.get(k + SCALE)
         out[k] = v.float() * scale.float() if scale is not None else v
@@ -169,12 +207,12 @@ class CastEmbedding(torch.nn.Module):
 
 
 def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
-               int8_kernels: bool = True, dtype: torch.dtype | None = None) -> SpecUIDraftForCausalLM:
+               kernels: bool = True, dtype: torch.dtype | None = None) -> SpecUIDraftForCausalLM:
     """Load a SpecUI draft and share the target's input embeddings with it. With the
     target's tokenizer given, check the draft was made for this vocabulary. The draft runs
-    in `dtype` (default: the target's). A float32 draft on CPU computes its int8-stored
-    matrices with the int8 kernel (Int8Linear) unless int8_kernels is False (then they are
-    dequantized to float32)."""
+    in `dtype` (default: the target's). A float32 draft on CPU computes its quantized
+    matrices with torch's int4 / int8 kernels (use_kernels) unless `kernels` is False (then
+    they are dequantized to float32)."""
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     made_for = config.specui_draft.get("vocab_fingerprint")
@@ -200,6 +238,6 @@ def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
     model = model.to(device=emb.weight.device, dtype=dtype)
     # shared with the target, not copied
     model.model.embed_tokens = emb if emb.weight.dtype == dtype else CastEmbedding(emb, dtype)
-    if int8_kernels and dtype == torch.float32:
-        use_int8_kernels(model, stored)
+    if kernels and dtype == torch.float32:
+        use_kernels(model, stored)
     return model.eval()

@@ -102,7 +102,7 @@ def test_a_feature_draft_saves_and_loads(tmp_path, pair):
     from specui.draft_model import load_draft, save_draft
 
     target, draft = pair
-    save_draft(draft.float(), tmp_path / "d", int8=False)
+    save_draft(draft.float(), tmp_path / "d", quantized=False)
     loaded = load_draft(tmp_path / "d", target.float(), dtype=torch.float64)
     target.double()
     draft.double()

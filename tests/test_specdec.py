@@ -173,7 +173,7 @@ def test_default_threshold_is_the_shortest_near_the_best():
 def test_example_caches_are_per_draft(tiny_head_setup, tmp_path):
     """A retrained draft written to the same folder never reads the old draft's examples."""
     root, _, target, _, _ = tiny_head_setup
-    draft = load_draft(root / "draft", target.model, target.tokenizer, int8_kernels=False, dtype=torch.float32)
+    draft = load_draft(root / "draft", target.model, target.tokenizer, kernels=False, dtype=torch.float32)
     save_draft(draft, tmp_path / "same", target.tokenizer)
     before = acc.draft_cache(tmp_path, "head-fit-r0.5-v2", load_draft(tmp_path / "same", target.model))
     with torch.no_grad():

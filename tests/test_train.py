@@ -9,7 +9,7 @@ from conftest import save_tiny_model
 
 from specui.bench.prompts import load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import Int8Linear, load_draft, save_draft
+from specui.draft_model import Int4Linear, Int8Linear, load_draft, save_draft
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
 from specui.loading import ModelSpec, load_model
@@ -115,16 +115,17 @@ def test_trainer_resumes_from_checkpoint(setup, tmp_path):
 def test_save_load_round_trip_shares_embeddings(setup, tmp_path):
     _, _, target, data, _, _ = setup
     draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 24, always=[2]))
-    save_draft(draft, tmp_path / "d", target.tokenizer, int8=False)
+    save_draft(draft, tmp_path / "d", target.tokenizer, quantized=False)
     loaded = load_draft(tmp_path / "d", target.model, target.tokenizer)
     assert loaded.model.embed_tokens is target.model.get_input_embeddings()
     ids = torch.tensor([[1, 7, 8, 9]])
     logits = draft(input_ids=ids).logits
     assert torch.allclose(loaded(input_ids=ids).logits, logits, atol=1e-2)  # fp16 storage
-    save_draft(draft, tmp_path / "q", target.tokenizer)  # int8 rows + scales
+    save_draft(draft, tmp_path / "q", target.tokenizer)  # 4-bit groups and int8 rows, with scales
     quantized = load_draft(tmp_path / "q", target.model, target.tokenizer)
     finite = torch.isfinite(logits)
-    assert torch.allclose(quantized(input_ids=ids).logits[finite], logits[finite], atol=0.1)
+    got, want = quantized(input_ids=ids).logits[finite], logits[finite]
+    assert (got - want).abs().max() <= 0.1 * want.abs().max()  # 4-bit groups: a few % of the range
     size = {name: (tmp_path / name / "model.safetensors").stat().st_size for name in ("d", "q")}
     assert size["q"] < 0.6 * size["d"]
     other = load_model(ModelSpec(str(save_tiny_model(tmp_path / "other", seed=4, layers=1,
@@ -149,20 +150,37 @@ def test_int8_linear_matches_the_dequantized_product(rows):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bfloat16 activations
 
 
-def test_cpu_float32_draft_computes_with_int8_kernels(setup, tmp_path):
+@pytest.mark.parametrize("layer_bits", [4, 8])
+def test_cpu_float32_draft_computes_with_the_stored_bytes(setup, tmp_path, layer_bits):
     _, _, target, data, _, _ = setup
     draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 32, always=[2]))
-    save_draft(draft, tmp_path / "q", target.tokenizer)
+    save_draft(draft, tmp_path / "q", target.tokenizer, layer_bits=layer_bits)
     fast = load_draft(tmp_path / "q", target.model, target.tokenizer)
-    plain = load_draft(tmp_path / "q", target.model, target.tokenizer, int8_kernels=False)
-    swapped = [n for n, m in fast.named_modules() if isinstance(m, Int8Linear)]
-    assert "lm_head" in swapped and len(swapped) == 2 * 7 + 1  # every matrix of both layers + the head
-    assert not any(isinstance(m, Int8Linear) for m in plain.modules())
+    plain = load_draft(tmp_path / "q", target.model, target.tokenizer, kernels=False)
+    layer_kind = Int4Linear if layer_bits == 4 else Int8Linear
+    layers = [n for n, m in fast.named_modules() if isinstance(m, layer_kind) and n.startswith("model.layers.")]
+    assert len(layers) == 2 * 7 and isinstance(fast.lm_head, Int8Linear)  # every matrix of both layers; the head
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.modules())
     ids = torch.tensor([[1, 7, 8, 9, 10, 11]])
-    a, b = fast(input_ids=ids).logits, plain(input_ids=ids).logits
+    a, b, full = fast(input_ids=ids).logits, plain(input_ids=ids).logits, draft(input_ids=ids).logits
     finite = torch.isfinite(b)
     assert torch.equal(torch.isfinite(a), finite)
-    assert (a[finite] - b[finite]).abs().max() <= 0.05 * b[finite].abs().max()
+    assert (a[finite] - b[finite]).abs().max() <= 0.05 * b[finite].abs().max()  # kernels: the stored weights
+    assert (b[finite] - full[finite]).abs().max() <= 0.1 * full[finite].abs().max()  # storage: near the trained ones
+    sizes = (tmp_path / "q" / "model.safetensors").stat().st_size
+    save_draft(draft, tmp_path / "other", target.tokenizer, layer_bits=12 - layer_bits)
+    assert (sizes < (tmp_path / "other" / "model.safetensors").stat().st_size) == (layer_bits == 4)
+    with pytest.raises(ValueError, match="layer_bits"):
+        save_draft(draft, tmp_path / "bad", layer_bits=3)
+
+
+def test_four_bit_groups_pack_two_to_a_byte():
+    from specui.draft_model import _pack4, _unpack4
+
+    q = torch.randint(0, 16, (5, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = _pack4(q)
+    assert packed.shape == (5, 32) and packed.dtype == torch.uint8 and torch.equal(_unpack4(packed), q)
+    assert int(packed[0, 0]) == int(q[0, 0]) + 16 * int(q[0, 1])  # even column in the low nibble
 
 
 def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_path, capsys):
@@ -209,7 +227,7 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     # the versions so far: the init draft with its training-set size, then this run (curve.png's right panel)
     assert [h["train_answer_tokens"] for h in second["history"]] == [report["train_answer_tokens"]]
     assert second["history"][0]["agreement"] == second["agreement_before_training"]
-    first, then = (load_draft(f, pair.target.model, int8_kernels=False) for f in (out, again))
+    first, then = (load_draft(f, pair.target.model, kernels=False) for f in (out, again))
     assert then.config.num_hidden_layers == 1 and torch.equal(first.token_map, then.token_map)
 
     (out / "README.md").write_text("how this draft was made")

@@ -94,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--labels", choices=["soft", "hard"], default="soft",
                    help="soft: the target's top-32 distribution (a float32 teacher pass over every answer); "
                         "hard: its answer tokens themselves (no teacher pass)")
+    d.add_argument("--layer-bits", type=int, choices=[4, 8], default=4,
+                   help="storage of the decoder layers' matrices: 4-bit groups (torch's int4 kernel on CPU) or "
+                        "int8 rows; the output head stays int8")
     d.add_argument("--curve-points", type=int, default=12,
                    help="held-out agreement probes during training (the learning curve, curve.png)")
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
@@ -166,7 +169,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     layers = [int(x) for x in args.layers.split(",")]
     torch.manual_seed(args.seed)
     if args.init:  # go on from a trained draft: its layers, head tokens and weights (float32)
-        draft = load_draft(args.init, target.model, target.tokenizer, int8_kernels=False, dtype=torch.float32)
+        draft = load_draft(args.init, target.model, target.tokenizer, kernels=False, dtype=torch.float32)
         draft.model.embed_tokens.weight.requires_grad_(False)  # the target's, shared
         head = draft.token_map.clone()
         layers = draft.config.specui_draft.get("init_layers", layers)
@@ -203,7 +206,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                   history=curve.history(args.init, before.agreement))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_draft(draft, tmp, target.tokenizer)
+    save_draft(draft, tmp, target.tokenizer, layer_bits=args.layer_bits)
     shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
     report.update(measure(shipped, target, heldout, heldout_states))  # figures of the stored (int8) weights
     (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
