@@ -189,7 +189,7 @@ def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "d
 def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     """A draft trained by `python -m specui.train`: it shares the target's embeddings and
     tokenizer and follows the target's device. Its dtype: as given; with `auto` on a CPU,
-    float32 (int8 kernels) or bfloat16, whichever one draft token measures faster; else the
+    float32 (int4 / int8 kernels) or bfloat16, whichever one draft token measures faster; else the
     target's."""
     notes: tuple[str, ...] = ()
     if measures_dtype(spec, target.device):
