@@ -12,12 +12,12 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from specui.engine.methods import METHODS
+from specui.engine.methods import METHODS, make_method
 from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
 from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
 from specui.pair import DEFAULT_TARGET, ModelPair, get_preset, load_pair, pair_specs
-from specui.service import ChatService, validate_settings
+from specui.service import ChatService, method_params, validate_settings
 from specui.settings import ChatSettings, PairChoice
 
 
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "profile, at most --gamma; 0 where batched plain decoding is faster)")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
+    g.add_argument("--fixed-nodes", action="store_true",
+                   help="opt-tree: verify up to --nodes nodes every step (default: the budget chosen per step from "
+                        "the cost profile and the tree just drafted, at most --nodes)")
     g.add_argument("--delta", type=float, default=d.delta, help="opt-tree: E(A) gain threshold (default: measured mu)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -142,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
         threshold=args.threshold, gamma_max=args.gamma_max, k_config=args.k_config,
         root_selection=args.root_selection, decision=args.decision, stop_threshold=args.stop_threshold,
         lookup_tokens=args.lookup_tokens, padding=args.padding, adaptive_gamma=not args.fixed_gamma,
+        adaptive_nodes=not args.fixed_nodes,
         stop_strings=tuple(args.stop), system=args.system or "",
     )
 
@@ -202,7 +206,7 @@ def run_cli(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     service = ChatService(load_from_args(args))
     service.engine.profile_dir = args.profile_dir
-    if METHODS[settings.method].needs_profile and service.engine.draft is not None:
+    if make_method(settings.method, **method_params(settings)).needs_profile and service.engine.draft is not None:
         service.engine.ensure_profile(progress=print_progress)
     if len(args.prompt) > 1:
         return run_prompts(service, settings, args)

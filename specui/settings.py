@@ -38,6 +38,7 @@ class ChatSettings:
     padding: str = "unpad"  # ems-sd: unpad (EMS-SD) | unpad-kv (padded inputs) | vanilla (padded cache and inputs)
     preset: str = "eagle-25"  # tree: static tree shape
     nodes: int = 25  # opt-tree: node budget n
+    adaptive_nodes: bool = True  # opt-tree: n per step from the cost profile (nodes: the most)
     delta: float | None = None  # opt-tree: stop threshold on E(A) gain (None: max(mu, 0.05))
     stop_strings: tuple[str, ...] = ()
     system: str = ""  # system prompt; like every message, encoded as text (no special tokens)
@@ -164,7 +165,7 @@ def check_settings(
         if getattr(settings, name) not in allowed:
             raise SpecUIError(f"{name.replace('_', ' ')} must be one of {', '.join(allowed)}, "
                               f"got {getattr(settings, name)!r}")
-    for name in ("memory_mode", "adaptive_gamma"):
+    for name in ("memory_mode", "adaptive_gamma", "adaptive_nodes"):
         if not isinstance(getattr(settings, name), bool):
             raise SpecUIError(f"{name.replace('_', ' ')} must be true or false, got {getattr(settings, name)!r}")
     if values["min_width"] > values["width"]:

@@ -121,6 +121,6 @@ def form_values(**overrides) -> list:
                 preset="binary-14", nodes=8, delta=None, system="", draft_width=None, width_threshold=None,
                 min_width=1, memory_mode=False, threshold=None, gamma_max=16,
                 k_config="4,2,2,1,1", root_selection="lossless", decision="entropy", stop_threshold=0.4,
-                lookup_tokens=10, padding="unpad", adaptive_gamma=True, replies=1)
+                lookup_tokens=10, padding="unpad", adaptive_gamma=True, adaptive_nodes=False, replies=1)
     base.update(overrides)
     return [base[k] for k in SETTING_FIELDS]

@@ -103,3 +103,76 @@ def test_bad_budgets_are_clamped_with_a_note(tiny_target, tiny_draft):
     assert "context window" in " ".join(gen.steps[0].notes) and len(gen.output_ids) == 5
     gen = run(engine, PROMPTS[0], 3, "tree", preset="mcsd-42211")  # deeper than the tokens left
     assert all(s.tree_depth <= 2 for s in gen.steps) and len(gen.output_ids) == 3
+
+
+# --- OPT-Tree's node budget chosen from the cost profile (adaptive_nodes) ---
+
+
+def test_node_budget_rates_follow_the_profile():
+    from test_profile import synthetic
+
+    from specui.engine.methods.tree_budget import NodeBudget
+
+    p_hat = [0.9, 0.8, 0.05, 0.04, 0.03, 0.02, 0.01, 0.01]  # two likely nodes, then little
+    depths = [1, 2, 1, 2, 3, 1, 2, 3]
+    dear = NodeBudget(cap=8).rates(p_hat, depths, synthetic(t1=10.0, slope=5.0, draft=0.5), 64, 8)
+    assert set(dear) == {1, 2, 4, 8} and max(dear, key=dear.get) == 2  # wide verification costs more than it gains
+    flat_profile = synthetic(t1=10.0, slope=0.01, draft=0.1)
+    flat = NodeBudget(cap=8).rates([0.9] * 8, [1, 2, 3, 4, 5, 6, 7, 8], flat_profile, 64, 8)
+    assert max(flat, key=flat.get) == 8
+
+
+def test_node_budget_grows_only_while_the_largest_is_best_and_not_right_after_a_shrink():
+    from test_profile import synthetic
+
+    from specui.engine.methods.tree_budget import NodeBudget
+
+    flat, budget = synthetic(t1=10.0, slope=0.01, draft=0.1), NodeBudget(cap=16, probe_every=3)
+    sure = [0.99 ** (i + 1) for i in range(16)]
+    n, note = budget.next(sure[:4], list(range(1, 5)), flat, 64, 4)
+    assert n == 8 and "node budget 4 -> 8" in note
+    assert budget.next(sure[:16], list(range(1, 17)), flat, 64, 16) == (16, None)  # at the cap
+    dear = synthetic(t1=10.0, slope=50.0, draft=0.1)
+    n, note = budget.next([0.5, 0.2, 0.1, 0.1], [1, 2, 1, 2], dear, 64, 4)
+    assert n == 1 and "4 -> 1" in note
+    for _ in range(3):  # just shrank: no growth yet even where the largest budget now looks best
+        assert budget.next(sure[:1], [1], flat, 64, 1) == (1, None)
+    assert budget.next(sure[:1], [1], flat, 64, 1)[0] == 2
+    budget.observe(3.0, 0)  # the draft expected 2 more tokens, none came: its E(A) counts for less
+    assert budget.calibration < 0.5
+
+
+@pytest.mark.parametrize("slope,small", [(8.0, True), (0.01, False)], ids=["dear-verification", "flat"])
+def test_adaptive_opt_tree_is_lossless_and_sizes_its_trees_by_the_profile(tiny_target, slope, small):
+    from test_auto import engine_with
+    from test_profile import synthetic
+
+    engine = engine_with(tiny_target, near_copy(tiny_target, 0.003, 7), synthetic(t1=10.0, slope=slope, draft=0.2))
+    for prompt in PROMPTS:
+        reference = run(engine, prompt, 40, "autoregressive").output_ids
+        gen = run(engine, prompt, 40, "opt-tree", nodes=16, adaptive_nodes=True)
+        assert gen.output_ids == reference
+        sizes = [s.tree_nodes for s in gen.steps[1:] if s.tree_nodes]
+        notes = " ".join(n for s in gen.steps for n in s.notes)
+        if small:
+            assert "node budget 16 -> " in notes and max(sizes) <= 4
+        else:
+            assert "node budget 16 ->" not in notes and max(sizes) > 4
+
+
+def test_adaptive_opt_tree_without_a_profile_keeps_its_budget(tiny_target, tiny_draft):
+    from specui.engine.costs import EngineCosts
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    engine.ensure_profile = lambda *a, **k: engine.costs  # profiling unavailable
+    engine.costs = EngineCosts(profile=None, note="profiling failed")
+    gen = run(engine, PROMPTS[0], 10, "opt-tree", nodes=6, adaptive_nodes=True)
+    assert "node budget fixed at 6: no cost profile" in " ".join(gen.steps[0].notes)
+    assert all((s.tree_nodes or 0) <= 6 for s in gen.steps)
+
+
+def test_bench_spec_for_an_adaptive_budget():
+    from specui.bench.run import parse_method
+
+    assert parse_method("opt-tree:25@adaptive") == ("opt-tree", {"adaptive_nodes": True, "nodes": 25})
+    assert parse_method("speculative:6@0.4") == ("speculative", {"confidence": 0.4, "gamma": 6})

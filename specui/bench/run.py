@@ -207,10 +207,11 @@ PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("wid
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
-    """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4."""
+    """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4;
+    'opt-tree:25@adaptive': a node budget chosen per step from the cost profile, at most 25."""
     name, _, value = spec.partition(":")
-    value, _, confidence = value.partition("@")
-    params: dict = {"confidence": float(confidence)} if confidence else {}
+    value, _, extra = value.partition("@")
+    params: dict = {"adaptive_nodes": True} if extra == "adaptive" else {"confidence": float(extra)} if extra else {}
     if value and name in PARAM_OF:
         key, kind = PARAM_OF[name]
         params[key] = kind(value)

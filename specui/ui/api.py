@@ -60,6 +60,7 @@ class ChatAPI:
         lookup_tokens: int | None = None,
         padding: str | None = None,
         adaptive_gamma: bool | None = None,
+        adaptive_nodes: bool | None = None,
         replies: int | None = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
@@ -77,7 +78,7 @@ class ChatAPI:
                      memory_mode=memory_mode, threshold=threshold, gamma_max=gamma_max,
                      k_config=k_config, root_selection=root_selection, decision=decision,
                      stop_threshold=stop_threshold, lookup_tokens=lookup_tokens, padding=padding,
-                     adaptive_gamma=adaptive_gamma, replies=replies)
+                     adaptive_gamma=adaptive_gamma, adaptive_nodes=adaptive_nodes, replies=replies)
         defaults = self.page.defaults
         try:
             settings = settings_from_values(method or defaults.method,

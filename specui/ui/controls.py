@@ -35,7 +35,7 @@ METHOD_EXTRA_FIELDS = {"ems-sd": {"replies"}}  # settings a method reads beside 
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "width", "preset",
                   "nodes", "delta", "system", "draft_width", "width_threshold", "min_width", "memory_mode",
                   "threshold", "gamma_max", "k_config", "root_selection", "decision", "stop_threshold",
-                  "lookup_tokens", "padding", "adaptive_gamma", "replies")
+                  "lookup_tokens", "padding", "adaptive_gamma", "adaptive_nodes", "replies")
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
@@ -98,6 +98,9 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",
                            info="opt-tree: most draft tokens verified per step"),
+        "adaptive_nodes": gr.Checkbox(value=defaults.adaptive_nodes, label="adaptive node budget",
+                                      info="opt-tree: choose the budget (1..n) per step from the measured costs "
+                                           "and the tree just drafted; off = always n"),
         "delta": gr.Number(value=defaults.delta, label="delta",
                            info="opt-tree: stop growing when E(A) gains less; empty = measured draft/target cost"),
         "system": gr.Textbox(value=defaults.system, label="system prompt", lines=2,

@@ -77,7 +77,7 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
             if not isinstance(raw[name], str):
                 raise SpecUIError(f"{name} must be text, got {raw[name]!r}")
             fields[name] = raw[name]
-    for name in ("memory_mode", "adaptive_gamma"):
+    for name in ("memory_mode", "adaptive_gamma", "adaptive_nodes"):
         if raw.get(name) is not None:
             if not isinstance(raw[name], bool):
                 raise SpecUIError(f"{name.replace('_', ' ')} must be true or false, got {raw[name]!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.methods.tree_budget import NodeBudget
 from specui.engine.sampling import SamplingConfig, shown_probs, warp
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
@@ -185,17 +186,24 @@ class StaticTree(TreeMethod):
 class OptTree(TreeMethod):
     """OPT-Tree (DESIGN 3.6): grow layer by layer keeping the n best nodes by p^; stop when
     E(A) grows by less than delta; mu = t_draft_step / t_target_step measured at start-up,
-    delta defaults to max(mu, 0.05), capped at 1 (inside [mu, 1])."""
+    delta defaults to max(mu, 0.05), capped at 1 (inside [mu, 1]). With `adaptive_nodes`,
+    n is re-chosen after every step from the cost profile and the tree just drafted, up to
+    `nodes` (tree_budget.NodeBudget); without a profile it stays `nodes`."""
 
     name = "opt-tree"
 
-    def __init__(self, nodes: int = 25, delta: float | None = None, max_depth: int = 12) -> None:
+    def __init__(self, nodes: int = 25, delta: float | None = None, max_depth: int = 12,
+                 adaptive_nodes: bool = False) -> None:
         self.notes: list[str] = []
         if nodes < 1:
             self.notes.append(f"node budget {nodes} raised to 1")
             nodes = 1
         self.nodes, self.delta, self.max_depth = nodes, delta, max(1, max_depth)
+        self.delta_given = delta is not None
         self.mu: float | None = None
+        self.budget = NodeBudget(cap=nodes) if adaptive_nodes else None
+        self.needs_profile = adaptive_nodes  # the engine measures (or reads) it before the first step
+        self.grown: TokenTree | None = None  # the last step's tree as the draft grew it
 
     def begin(self, ctx: DecodeContext) -> None:
         super().begin(ctx)
@@ -203,17 +211,44 @@ class OptTree(TreeMethod):
         if self.nodes > room:
             self.notes.append(f"node budget {self.nodes} cut to {room}: context window")
             self.nodes = max(1, room)
-        if self.delta is None:
-            profile = ctx.costs.profile if ctx.costs is not None else None
-            mu = profile.mu(self.nodes) if profile is not None else None
-            source = "cost profile"
-            if mu is None:  # no profile measured yet: time one layer of each now
-                mu, source = measure_mu(ctx.target, ctx.draft, ctx.ids, self.nodes), "measured"
-            self.mu = mu
-            self.delta = min(1.0, max(self.mu, 0.05))
-            self.notes.append(f"mu = t_draft / t_target = {self.mu:.3f} ({source}); delta = {self.delta:.3f}")
+        if self.budget:
+            self.budget.cap = self.nodes
+        if self.budget and not (self._profile(ctx) and self._profile(ctx).has_draft):
+            self.notes.append(f"node budget fixed at {self.nodes}: no cost profile of this pair to choose it from")
+            self.budget = None
+        if not self.delta_given:
+            self.set_delta(ctx)
         else:
             self.notes.append(f"delta = {self.delta:.3f} (given)")
+
+    @staticmethod
+    def _profile(ctx: DecodeContext):
+        return ctx.costs.profile if ctx.costs is not None else None
+
+    def set_delta(self, ctx: DecodeContext) -> None:
+        profile = self._profile(ctx)
+        mu = profile.mu(self.nodes) if profile is not None else None
+        source = "cost profile"
+        if mu is None:  # no profile measured yet: time one layer of each now
+            mu, source = measure_mu(ctx.target, ctx.draft, ctx.ids, self.nodes), "measured"
+        self.mu = mu
+        self.delta = min(1.0, max(self.mu, 0.05))
+        self.notes.append(f"mu = t_draft / t_target = {self.mu:.3f} ({source}); delta = {self.delta:.3f}")
+
+    def annotate(self, ctx: DecodeContext, result: StepResult) -> StepResult:
+        """With an adaptive budget: the next step's n from what this one drafted and accepted."""
+        if self.budget is None or self.grown is None or result.expected_accept is None:
+            return result
+        self.budget.observe(result.expected_accept, result.accepted)
+        grown, self.grown = self.grown, None
+        new, note = self.budget.next(grown.p_hat, grown.depths, self._profile(ctx), len(ctx.ids), self.nodes)
+        if note:
+            self.nodes = new
+            result.notes.append(note)
+            if not self.delta_given:
+                self.set_delta(ctx)  # mu depends on the tree's width
+                result.notes.append(self.notes.pop())
+        return result
 
     def pending_notes(self) -> list[str]:
         out, self.notes = self.notes, []
@@ -243,6 +278,7 @@ class OptTree(TreeMethod):
                 for v, tok in top_tokens(draft_probs(rows[k], cfg), n):
                     candidates.append((tree.p_hat[node] * v, tok, node, v))
         chosen = select_top_nodes(tree.p_hat, n)
+        self.grown = tree
         return DraftedTree(tree.subtree(chosen), tree, chosen, expected_accept(tree.p_hat, chosen))
 
 

@@ -1,0 +1,81 @@
+"""OPT-Tree's node budget chosen from the measured costs (DESIGN 4.2: every size choice reads
+the cost profile).
+
+A budget of n nodes costs one draft forward for the root, one draft layer of up to n nodes per
+depth grown, and one target forward over n + 1 tokens; it returns the accepted path plus the
+target's own token. After every step the tree the draft grew says what each smaller budget m
+would have drafted (OPT-Tree's selection is nested: the m nodes of largest p^ are a subtree),
+so E(A) for every m up to n is known at no cost. Scaled by the running ratio of accepted to
+expected tokens (E(A) is the draft's own estimate, optimistic where it is overconfident), and
+divided by the profile's predicted ms, it gives tokens per ms for each m; the next step takes
+the best. The budget grows (doubling, up to the cap) only while the largest budget tried is
+the best and no shrink happened in the last `probe_every` steps, so it does not oscillate.
+Plain arithmetic over the profile: the verification (and so losslessness) is untouched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specui.engine.profile import CostProfile
+
+
+def step_ms(profile: CostProfile, nodes: int, depth: int, context: int) -> float:
+    """Predicted ms of one OPT-Tree step: the root's draft forward, `depth` draft layers of up
+    to `nodes` nodes, and the target scoring nodes + 1 tokens after `context` cached ones."""
+    draft_one = profile.draft(1, context) or 0.0
+    draft_layer = profile.draft(max(1, nodes), context) or 0.0
+    return draft_one + depth * draft_layer + profile.target(nodes + 1, context)
+
+
+@dataclass
+class NodeBudget:
+    cap: int  # the user's node budget: the most nodes a step may verify
+    probe_every: int = 16  # steps after a shrink before the budget may grow again
+    decay: float = 0.9
+    accepted: float = 1.0  # decayed sums behind the accepted / expected ratio (prior 1)
+    expected: float = 1.0
+    since_shrink: int = 1 << 30
+
+    @property
+    def calibration(self) -> float:
+        """Running ratio of accepted draft tokens to the draft's expected ones (E(A) - 1)."""
+        return self.accepted / self.expected
+
+    def observe(self, expected_accept: float | None, accepted: int) -> None:
+        if expected_accept is None:
+            return
+        self.accepted = self.accepted * self.decay + accepted
+        self.expected = self.expected * self.decay + max(0.0, expected_accept - 1.0)
+
+    def rates(self, p_hat: list[float], depths: list[int], profile: CostProfile, context: int,
+              current: int) -> dict[int, float]:
+        """Predicted tokens per ms of the budgets 1, 2, 4, ... and `current`, from the tree the
+        draft grew with budget `current` (p^ and depth of each node)."""
+        order = sorted(range(len(p_hat)), key=lambda i: (-p_hat[i], i))  # OPT-Tree's selection order
+        sizes = sorted({m for m in (1 << k for k in range(12)) if m < current} | {current})
+        out = {}
+        for m in sizes:
+            chosen = order[:m]  # fewer than m where the tree stopped growing first (delta)
+            gain = sum(p_hat[i] for i in chosen)
+            depth = max((depths[i] for i in chosen), default=1)
+            out[m] = (1.0 + self.calibration * gain) / step_ms(profile, len(chosen), depth, context)
+        return out
+
+    def next(self, p_hat: list[float], depths: list[int], profile: CostProfile, context: int,
+             current: int) -> tuple[int, str | None]:
+        """The next step's budget, and a note when it changes (None otherwise)."""
+        rates = self.rates(p_hat, depths, profile, context, current)
+        best = max(rates, key=lambda m: (rates[m], -m))
+        self.since_shrink += 1
+        filled = len(p_hat) >= current  # the tree was cut by the budget, not by delta
+        if best == current and current < self.cap and filled and self.since_shrink > self.probe_every:
+            new = min(self.cap, 2 * current)
+        else:
+            new = best
+        if new < current:
+            self.since_shrink = 0
+        if new == current:
+            return current, None
+        why = ", ".join(f"{m}: {1000 * r:.1f}" for m, r in sorted(rates.items()))
+        return new, (f"node budget {current} -> {new} (predicted tokens per s by budget: {why}; "
+                     f"accepted / expected {self.calibration:.2f})")
