@@ -176,3 +176,23 @@ def test_bench_spec_for_an_adaptive_budget():
 
     assert parse_method("opt-tree:25@adaptive") == ("opt-tree", {"adaptive_nodes": True, "nodes": 25})
     assert parse_method("speculative:6@0.4") == ("speculative", {"confidence": 0.4, "gamma": 6})
+
+
+def test_opt_tree_spares_a_draft_layer_that_cannot_pass_delta(tiny_target):
+    """A budget of one node: no child can displace the node it hangs under, so the tree is
+    drafted with the root's forward alone (no extend_tree); still greedy-exact."""
+    from specui.engine.methods.tree import next_layer_bound
+
+    assert next_layer_bound([0.9], range(0, 1), 1) == 0.0
+    assert next_layer_bound([0.9, 0.5], range(1, 2), 4) == 0.5  # room left: the children's whole mass
+    assert next_layer_bound([0.9, 0.5, 0.6], range(1, 3), 2) == pytest.approx(0.0)  # both newest at or below the floor
+    engine = Engine(tiny_target, TinyTokenizer(), draft=near_copy(tiny_target, 0.003, 7), eos_ids=[EOS])
+    calls = []
+    extend = engine.draft.extend_tree
+    engine.draft.extend_tree = lambda *a, **k: calls.append(1) or extend(*a, **k)
+    reference = run(engine, PROMPTS[0], 30, "autoregressive").output_ids
+    gen = run(engine, PROMPTS[0], 30, "opt-tree", nodes=1, delta=0.01)
+    assert gen.output_ids == reference and not calls
+    assert all((s.tree_nodes or 0) <= 1 for s in gen.steps) and gen.stats.accepted > 0
+    run(engine, PROMPTS[0], 30, "opt-tree", nodes=6, delta=0.01)
+    assert calls  # wider budgets still grow layers

@@ -272,6 +272,8 @@ class OptTree(TreeMethod):
             tree = tree.subtree(list(range(start)) + keep)  # unchosen new nodes can never return
             if gain < self.delta or depth == min(max_depth, self.max_depth) or not keep:
                 break
+            if next_layer_bound(tree.p_hat, range(start, len(tree)), n) < self.delta:
+                break  # the next layer cannot pass delta: spare its draft forward
             rows = draft.extend_tree(tree, start)
             candidates = []
             for k, node in enumerate(range(start, len(tree))):
@@ -280,6 +282,14 @@ class OptTree(TreeMethod):
         chosen = select_top_nodes(tree.p_hat, n)
         self.grown = tree
         return DraftedTree(tree.subtree(chosen), tree, chosen, expected_accept(tree.p_hat, chosen))
+
+
+def next_layer_bound(p_hat: list[float], newest: range, n: int) -> float:
+    """The most E(A) can gain from children of the `newest` nodes: a node's children's p^ sum
+    to at most its own, and once the tree holds n nodes a child enters OPT-Tree's selection
+    only by displacing one whose p^ is at least the n-th largest (ties keep the earlier)."""
+    floor = sorted(p_hat, reverse=True)[n - 1] if len(p_hat) >= n else 0.0
+    return sum(max(0.0, p_hat[i] - floor) for i in newest)
 
 
 def measure_mu(target: ModelSession, draft: ModelSession, ids: list[int], n: int) -> float:

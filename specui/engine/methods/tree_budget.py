@@ -2,7 +2,7 @@
 the cost profile).
 
 A budget of n nodes costs one draft forward for the root, one draft layer of up to n nodes per
-depth grown, and one target forward over n + 1 tokens; it returns the accepted path plus the
+deeper layer, and one target forward over n + 1 tokens; it returns the accepted path plus the
 target's own token. After every step the tree the draft grew says what each smaller budget m
 would have drafted (OPT-Tree's selection is nested: the m nodes of largest p^ are a subtree),
 so E(A) for every m up to n is known at no cost. Scaled by the running ratio of accepted to
@@ -20,11 +20,12 @@ from specui.engine.profile import CostProfile
 
 
 def step_ms(profile: CostProfile, nodes: int, depth: int, context: int) -> float:
-    """Predicted ms of one OPT-Tree step: the root's draft forward, `depth` draft layers of up
-    to `nodes` nodes, and the target scoring nodes + 1 tokens after `context` cached ones."""
+    """Predicted ms of one OPT-Tree step with a tree of `nodes` nodes and `depth` layers: the
+    root's draft forward, a draft layer of up to `nodes` nodes for each deeper layer, and the
+    target scoring nodes + 1 tokens after `context` cached ones."""
     draft_one = profile.draft(1, context) or 0.0
     draft_layer = profile.draft(max(1, nodes), context) or 0.0
-    return draft_one + depth * draft_layer + profile.target(nodes + 1, context)
+    return draft_one + max(0, depth - 1) * draft_layer + profile.target(nodes + 1, context)
 
 
 @dataclass
