@@ -61,6 +61,7 @@ class PairChoice:
 
 
 PADDINGS = ("unpad", "unpad-kv", "vanilla")  # ems-sd's batch layouts (engine/ragged.py)
+SWITCHES = ("memory_mode", "adaptive_gamma", "adaptive_nodes")  # the on/off settings
 
 
 # --- validation: one layer for the UI handlers, the CLI and the API ---------------------------
@@ -165,7 +166,7 @@ def check_settings(
         if getattr(settings, name) not in allowed:
             raise SpecUIError(f"{name.replace('_', ' ')} must be one of {', '.join(allowed)}, "
                               f"got {getattr(settings, name)!r}")
-    for name in ("memory_mode", "adaptive_gamma", "adaptive_nodes"):
+    for name in SWITCHES:
         if not isinstance(getattr(settings, name), bool):
             raise SpecUIError(f"{name.replace('_', ' ')} must be true or false, got {getattr(settings, name)!r}")
     if values["min_width"] > values["width"]:

@@ -16,7 +16,7 @@ from typing import Any
 from specui.batch_loop import DONE, Request, Started
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
-from specui.settings import RANGES, SEED_MAX, ChatSettings, coerce
+from specui.settings import RANGES, SEED_MAX, SWITCHES, ChatSettings, coerce
 
 STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short
 # requests the page and the API handle at once: ems-sd chats from every tab decode together
@@ -77,7 +77,7 @@ def settings_from_values(method: str, values: dict[str, Any], base: ChatSettings
             if not isinstance(raw[name], str):
                 raise SpecUIError(f"{name} must be text, got {raw[name]!r}")
             fields[name] = raw[name]
-    for name in ("memory_mode", "adaptive_gamma", "adaptive_nodes"):
+    for name in SWITCHES:
         if raw.get(name) is not None:
             if not isinstance(raw[name], bool):
                 raise SpecUIError(f"{name.replace('_', ' ')} must be true or false, got {raw[name]!r}")
