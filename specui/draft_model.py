@@ -18,7 +18,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specui.errors import SpecUIError
-from specui.quantize import GROUP, Int4Linear, Int8Linear, dequantize_groups, quantize_groups
+from specui.quantize import GROUP, Int4Linear, Int8Linear, dequantize_groups, quantize_groups, quantize_rows
 
 MARKER = "specui_draft"  # config.json key that marks a SpecUI draft folder
 EMBED_KEY = "model.embed_tokens.weight"
@@ -168,9 +168,9 @@ def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, quan
             state.update({k + Q4: _pack4(q), k + G_SCALE: scale.to(torch.float16).contiguous(),
                           k + G_LOW: low.to(torch.float16).contiguous()})
         elif quantized and v.is_floating_point() and v.dim() == 2:
-            scale = v.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
-            state[k] = (v.float() / scale).round().clamp(-127, 127).to(torch.int8).contiguous()
-            state[k + SCALE] = scale.to(torch.float16)
+            rows, scale = quantize_rows(v)
+            state[k] = rows.contiguous()
+            state[k + SCALE] = scale[:, None].to(torch.float16)
         else:
             state[k] = v.to(torch.float16).contiguous() if v.is_floating_point() else v.contiguous()
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

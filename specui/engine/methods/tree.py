@@ -212,20 +212,21 @@ class OptTree(TreeMethod):
             self.notes.append(f"node budget {self.nodes} cut to {room}: context window")
             self.nodes = max(1, room)
         if self.budget:
-            self.budget.cap = self.nodes
-        if self.budget and not (self._profile(ctx) and self._profile(ctx).has_draft):
-            self.notes.append(f"node budget fixed at {self.nodes}: no cost profile of this pair to choose it from")
-            self.budget = None
-        if not self.delta_given:
-            self.set_delta(ctx)
-        else:
-            self.notes.append(f"delta = {self.delta:.3f} (given)")
+            profile = self._profile(ctx)
+            if profile is not None and profile.has_draft:
+                self.budget.cap = self.nodes
+            else:
+                self.notes.append(f"node budget fixed at {self.nodes}: no cost profile of this pair to choose it from")
+                self.budget = None
+        self.notes.append(f"delta = {self.delta:.3f} (given)" if self.delta_given else self.set_delta(ctx))
 
     @staticmethod
     def _profile(ctx: DecodeContext):
         return ctx.costs.profile if ctx.costs is not None else None
 
-    def set_delta(self, ctx: DecodeContext) -> None:
+    def set_delta(self, ctx: DecodeContext) -> str:
+        """delta = max(mu, 0.05) for the current budget (mu from the profile, else timed now);
+        returns the note that says so."""
         profile = self._profile(ctx)
         mu = profile.mu(self.nodes) if profile is not None else None
         source = "cost profile"
@@ -233,7 +234,7 @@ class OptTree(TreeMethod):
             mu, source = measure_mu(ctx.target, ctx.draft, ctx.ids, self.nodes), "measured"
         self.mu = mu
         self.delta = min(1.0, max(self.mu, 0.05))
-        self.notes.append(f"mu = t_draft / t_target = {self.mu:.3f} ({source}); delta = {self.delta:.3f}")
+        return f"mu = t_draft / t_target = {self.mu:.3f} ({source}); delta = {self.delta:.3f}"
 
     def annotate(self, ctx: DecodeContext, result: StepResult) -> StepResult:
         """With an adaptive budget: the next step's n from what this one drafted and accepted."""
@@ -246,8 +247,7 @@ class OptTree(TreeMethod):
             self.nodes = new
             result.notes.append(note)
             if not self.delta_given:
-                self.set_delta(ctx)  # mu depends on the tree's width
-                result.notes.append(self.notes.pop())
+                result.notes.append(self.set_delta(ctx))  # mu depends on the tree's width
         return result
 
     def pending_notes(self) -> list[str]:
