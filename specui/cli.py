@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 from collections import deque
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "size and measured ms per token, and exit")
     c.add_argument("--profile-dir", type=Path, help="where cost profiles are cached (default ~/.cache/specui/profiles)")
     c.add_argument("--trace", type=Path, help="write every step's trace as JSON to this file (--cli)")
+    c.add_argument("--verbose", action="store_true",
+                   help="print each step's notes (what auto chose and why, budget changes) as they come, on their "
+                        "own lines (--cli); by default they are summed up after the reply")
 
     u = ap.add_argument_group("web app")
     u.add_argument("--host", default="127.0.0.1")
@@ -215,13 +219,15 @@ def run_cli(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     rewritten = False  # beam methods rewrite the reply (their best beam changes): print it at the end
+    step_notes = StepNotes(live=args.verbose)
+    mid_line = False  # the reply printed so far does not end a line
     try:
         for step in service.stream(generation):
-            for note in step.notes:  # what a method clamped, calibrated or fell back on
-                print(f"note: {note}", file=sys.stderr)
+            step_notes.add(step, mid_line and not args.json and not rewritten)
             rewritten = rewritten or step.replaces
             if not args.json and step.new_text and not rewritten:
                 print(step.new_text, end="", flush=True)
+                mid_line = not step.new_text.endswith("\n")
     except KeyboardInterrupt:
         cancel.set()
         generation.stats.finish_reason = "cancelled"
@@ -234,8 +240,41 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         if rewritten:
             print(generation.text, end="")
-        print("\n\n" + "  ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+        print("\n", flush=True)
+        for line in step_notes.summary():
+            print(line, file=sys.stderr)
+        print("  ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     return 0
+
+
+class StepNotes:
+    """A generation's step notes (what a method chose, clamped, calibrated or fell back on) for
+    the terminal: live, each on its own line, or gathered and summed up once after the reply,
+    where notes that differ only in their figures count as one and auto's choices are counted."""
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.choices: dict[str, int] = {}
+        self.kinds: dict[str, list] = {}  # note with its figures masked -> [first such note, how many]
+
+    def add(self, step, mid_line: bool = False) -> None:
+        if step.choice:
+            self.choices[step.choice] = self.choices.get(step.choice, 0) + 1
+        for note in step.notes:
+            if self.live:
+                print(("\n" if mid_line else "") + f"note: {note}", file=sys.stderr, flush=True)
+                mid_line = False
+                continue
+            seen = self.kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", note), [note, 0])
+            seen[1] += 1
+
+    def summary(self) -> list[str]:
+        lines = []
+        if self.choices:
+            lines.append("choices: " + ", ".join(f"{c} x{n}" for c, n in self.choices.items()))
+        for note, n in self.kinds.values():
+            lines.append(f"note: {note}" + (f" (and {n - 1} more like it)" if n > 1 else ""))
+        return lines
 
 
 def conversation(settings: ChatSettings, prompt: str) -> list[dict[str, str]]:

@@ -56,6 +56,37 @@ def test_cli_plain_output_streams_text_and_stats(capsys, tiny_dirs):
     assert code == 0 and "tokens_per_s=" in err
 
 
+def test_cli_sums_up_step_notes_after_the_reply(capsys, tiny_dirs, tmp_path):
+    """auto notes every step's choice: the reply on stdout stays clean text, the notes come
+    after it (counted), or live on their own lines with --verbose."""
+    target, draft, _ = tiny_dirs
+    argv = ["--cli", "--target", str(target), "--draft", str(draft), "--method", "auto", "--prompt", "w1 w2",
+            "--max-new-tokens", "12", "--profile-dir", str(tmp_path)]
+    code, out, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert "note" not in out and "auto:" not in out
+    summary = err[err.index("choices: "):]
+    assert summary.count("note: auto:") == 1 and "more like it" in summary
+    code, out, err = cli(capsys, *argv, "--verbose")
+    assert code == 0, err
+    assert err.count("note: auto:") >= 2 and all(line.startswith("note: ") or "note" not in line
+                                                   for line in err.splitlines())
+
+
+def test_step_notes_count_notes_that_differ_in_figures_only():
+    from types import SimpleNamespace
+
+    from specui.cli import StepNotes
+    notes = StepNotes(live=False)
+    for choice, note in [("speculative:2", "auto: speculative:2 (alpha 0.50: 1.9x)"),
+                         ("speculative:2", "auto: speculative:2 (alpha 0.41: 1.3x)"),
+                         ("autoregressive", "budget fell back")]:
+        notes.add(SimpleNamespace(choice=choice, notes=[note]))
+    assert notes.summary() == ["choices: speculative:2 x2, autoregressive x1",
+                               "note: auto: speculative:2 (alpha 0.50: 1.9x) (and 1 more like it)",
+                               "note: budget fell back"]
+
+
 BAD = [
     (["--target", "/no/such/model"], "does not exist"),
     (["--target", "./missing-folder"], "does not exist"),

@@ -7,7 +7,7 @@ import pytest
 from conftest import EOS, TinyTokenizer
 
 from specui.engine import Engine
-from specui.engine.profile import CostProfile, get_profile, load_cached, measure_profile, profile_key
+from specui.engine.profile import CostProfile, disturbed, get_profile, load_cached, measure_profile, profile_key
 
 
 def synthetic(t1=10.0, slope=0.5, draft=1.0, key="k") -> CostProfile:
@@ -106,3 +106,41 @@ def test_failed_profiling_leaves_the_engine_usable(tiny_target, tiny_draft, tmp_
     monkeypatch.setattr("specui.engine.engine.get_profile", interrupted)
     costs = engine.ensure_profile()
     assert costs.profile is None and "profiling failed" in costs.note
+
+
+def test_timings_disturbed_by_a_busy_machine_are_found():
+    calm = synthetic(t1=20.0, slope=1.0)
+    assert disturbed(calm) == []
+    busy = synthetic(t1=20.0, slope=1.0)
+    busy.target_ms[512][1] = 400.0  # one token after 512 cost more than 64 tokens there
+    busy.target_ms[64][2] = 60.0  # two tokens cost more than 1.5x four tokens + 2 ms
+    busy.draft_ms[1] = 9.0
+    assert sorted(disturbed(busy)) == [("draft", 64, 1), ("target", 64, 2), ("target", 512, 1)]
+    small = synthetic(t1=0.2, slope=0.01, draft=0.05)  # tiny models: sub-ms jitter is not a disturbance
+    small.target_ms[64][1] = 1.0
+    assert disturbed(small) == []
+
+
+def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    import specui.engine.profile as prof
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    calls = []
+    real = prof._forward_ms
+
+    def busy_then_calm(session, context, width, repeats):  # the first timing of k=1 was disturbed
+        calls.append((session is engine.target, context, width))
+        ms = real(session, context, width, repeats)
+        return ms + 500.0 if calls.count((True, 64, 1)) == 1 and (context, width) == (64, 1) else ms
+
+    monkeypatch.setattr(prof, "_forward_ms", busy_then_calm)
+    p, note = get_profile(engine.target, engine.draft, tmp_path)
+    assert calls.count((True, 64, 1)) == 2 and p.target_ms[64][1] < 100 and "measured" in note
+    assert load_cached(tmp_path / f"{p.key}.json", p.key) == p  # timed again: calm, so cached
+
+    monkeypatch.setattr(prof, "_forward_ms", lambda s, c, w, r: 500.0 if (c, w) == (64, 1) else 1.0 * w)
+    p, note = get_profile(engine.target, engine.draft, tmp_path, refresh=True)
+    assert "busy" in note and "not cached" in note and disturbed(p)
+    # a disturbed profile written by an older version is re-measured, never trusted
+    path = tmp_path / f"{p.key}.json"
+    path.write_text(json.dumps({**p.to_dict(), "key": p.key}))
+    assert load_cached(path, p.key) is None

@@ -18,6 +18,7 @@ so a failed run never overwrites a shipped draft.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import shutil
@@ -73,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
     common.add_argument("--batch-size", type=int, default=32, help="answers generated together (rows of one batch)")
     common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--teacher-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the target's passes over the training answers (soft labels' top-k, a feature draft's "
+                             "states): bfloat16 prefills ran 2.5x faster than float32 on a 2-core AMD EPYC; the "
+                             "held-out set's teacher stays float32")
     add_arguments(common)
     sub.add_parser("collect", parents=[common], help="collect the target's answers and top-k distributions")
     d = sub.add_parser("draft", parents=[common], help="collect, build, train, evaluate and save a draft")
@@ -133,8 +138,11 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
     if args.cmd == "collect":
         return AnswerSet(), AnswerSet()
     train_set = AnswerSet()
+    labels = getattr(args, "labels", "soft")
+    teacher = pass_model(target, args.teacher_dtype) if labels == "soft" else None
+    suffix = "" if args.teacher_dtype == "float32" else f"-{args.teacher_dtype}"
     for stem, jobs in train_jobs.items():
-        train_set.extend(collector.answer_set(jobs, f"teacher-{stem}", labels=getattr(args, "labels", "soft")))
+        train_set.extend(collector.answer_set(jobs, f"teacher-{stem}{suffix}", labels=labels, teacher=teacher))
     return train_set, collector.answer_set(heldout_jobs, "teacher-heldout")
 
 
@@ -147,7 +155,15 @@ def states(args, target: LoadedModel, data: AnswerSet, wanted: bool) -> list[tor
     if not wanted:
         return None
     seqs = [p + a for p, a in zip(data.prompt_ids, data.answer_ids)]
-    return states_for(target.model, data.ids, seqs, args.work / "states")
+    dtype = args.teacher_dtype
+    return states_for(pass_model(target, dtype), data.ids, seqs, args.work / f"states-{dtype}")
+
+
+def pass_model(target: LoadedModel, dtype: str):
+    """The target in `dtype` for a pass over training data (a copy where it is loaded in another)."""
+    if target.model.dtype == getattr(torch, dtype):
+        return target.model
+    return copy.deepcopy(target.model).to(getattr(torch, dtype))  # a small model: the copy costs well under a second
 
 
 def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:
@@ -187,7 +203,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
                                          args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
-                                         args.temperatures, args.init, args.features, args.unknown_state))
+                                         args.temperatures, args.init, args.features, args.unknown_state,
+                                         args.teacher_dtype))
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
