@@ -250,10 +250,10 @@ def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path):
     report = json.loads((tmp_path / "feat" / "metrics.json").read_text())
     assert report["agreement_before_training"] == pytest.approx(token["agreement"], abs=0.05)  # starts as it was
     assert 0 <= report["agreement_unknown_state"] <= 1 and report["expected_accepted"]["2"] >= 1
-    chunks = sorted((tmp_path / "work" / "states").glob("chunk-*.pt"))
+    chunks = sorted((tmp_path / "work").glob("states-bfloat16/chunk-*.pt"))
     assert chunks  # the target's states are cached: a rerun computes none again
     assert train_main(["eval", *base[: base.index("--head-size")], "--draft", str(tmp_path / "feat")]) == 0
-    assert sorted((tmp_path / "work" / "states").glob("chunk-*.pt")) == chunks
+    assert sorted((tmp_path / "work").glob("states-bfloat16/chunk-*.pt")) == chunks
     pair = load_pair(ModelSpec(str(folder)), ModelSpec(str(tmp_path / "feat")))
     engine = pair.engine()
     for prompt in ([1, 5, 9, 13], [1, 22, 8, 30, 4, 17]):
