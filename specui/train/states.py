@@ -5,7 +5,7 @@ answer, so an interrupted pass goes on where it stopped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -69,13 +69,15 @@ class StateCache:
         tmp.replace(path)
 
 
-def states_for(model: PreTrainedModel, keys: Sequence[str], seqs: Sequence[Sequence[int]], folder: Path,
-               desc: str = "target states") -> list[torch.Tensor]:
+def states_for(make_model: Callable[[], PreTrainedModel], keys: Sequence[str], seqs: Sequence[Sequence[int]],
+               folder: Path, desc: str = "target states") -> list[torch.Tensor]:
     """The target's states for each (key, sequence), from the cache in `folder` where present,
-    computed and cached (chunk by chunk) where not. Aligned with `keys`."""
+    computed (by the model `make_model()` gives, called only then) and cached chunk by chunk
+    where not. Aligned with `keys`."""
     cache = StateCache(folder)
     have = cache.load()
     missing = [i for i, k in enumerate(keys) if k not in have or len(have[k]) != len(seqs[i])]
+    model = make_model() if missing else None
     bar = tqdm(total=sum(len(seqs[i]) for i in missing), desc=desc, unit="tok")
     for start in range(0, len(missing), CHUNK_ANSWERS):
         part = missing[start:start + CHUNK_ANSWERS]
