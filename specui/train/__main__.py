@@ -95,12 +95,12 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--weight-decay", type=float, default=0.0)
     d.add_argument("--features", action="store_true",
                    help="the draft also reads the target's hidden state before each position (EAGLE's idea; "
-                        "a float32 pass over every conversation computes them)")
+                        "a pass over every conversation in --teacher-dtype computes them)")
     d.add_argument("--unknown-state", type=float, default=0.3,
                    help="--features: share of positions trained without the target's state, as at the "
                         "draft's own proposals")
     d.add_argument("--labels", choices=["soft", "hard"], default="soft",
-                   help="soft: the target's top-32 distribution (a float32 teacher pass over every answer); "
+                   help="soft: the target's top-32 distribution (a teacher pass over every answer in --teacher-dtype); "
                         "hard: its answer tokens themselves (no teacher pass)")
     d.add_argument("--layer-bits", type=int, choices=[4, 8], default=4,
                    help="storage of the decoder layers' matrices: 4-bit groups (torch's int4 kernel on CPU) or "
