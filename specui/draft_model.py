@@ -143,6 +143,17 @@ def _int4_storable(key: str, v: torch.Tensor) -> bool:
     return key.startswith("model.layers.") and v.dim() == 2 and v.shape[1] % GROUP == 0
 
 
+def stored_matrix(key: str, weight: torch.Tensor, layer_bits: int = 4) -> torch.Tensor:
+    """What save_draft then load_draft (dequantized) give back for the 2-D float `weight` at
+    state-dict `key`: 4-bit groups or int8 rows by save_draft's rule, scales rounded to fp16."""
+    w = weight.detach().float()
+    if layer_bits == 4 and _int4_storable(key, w):
+        q, scale, low = quantize_groups(w)
+        return dequantize_groups(q, scale.half().float(), low.half().float())
+    rows, scale = quantize_rows(w)
+    return rows.float() * scale.half().float()[:, None]
+
+
 def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, quantized: bool = True,
                layer_bits: int = 4) -> None:
     """config.json + model.safetensors, without the input embeddings (they are the

@@ -16,7 +16,15 @@ from specui.loading import ModelSpec, load_model
 from specui.pair import load_pair
 from specui.train.__main__ import main as train_main
 from specui.train.data import collect
-from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
+from specui.train.distill import (
+    build_draft,
+    choose_head_tokens,
+    distill_loss,
+    evaluate,
+    grow_draft,
+    make_batches,
+    quantization_aware,
+)
 from specui.train.trainer import TrainConfig, train
 
 
@@ -80,6 +88,58 @@ def test_reduced_head_draft_is_lossless_and_trainable(setup):
         ar = engine.generate(GenerationRequest(prompt, 20), make_method("autoregressive")).run().output_ids
         spec = engine.generate(GenerationRequest(prompt, 20), make_method("speculative", gamma=3)).run()
         assert spec.output_ids == ar
+
+
+def test_grown_draft_starts_as_the_draft_and_learns_with_its_new_layers(setup):
+    """--init with a longer --layers: the new layers start as no-ops (same logits as the draft
+    grown), train, and the grown draft stays lossless; layers that drop or reorder the draft's
+    own are refused."""
+    _, _, target, data, _, _ = setup
+    head = choose_head_tokens(data, 20, always=[2])
+    small = build_draft(target.model, [0, -1], head)
+    grown = grow_draft(small, target.model, [0, 1, -1])
+    assert grown.config.num_hidden_layers == 3 and grown.config.specui_draft["init_layers"] == [0, 1, 2]
+    ids = torch.tensor([[1, 5, 9, 13, 4]])
+    want, got = small(input_ids=ids).logits, grown(input_ids=ids).logits
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got)) and torch.allclose(got[finite], want[finite], atol=1e-5)
+    assert grown.model.embed_tokens is target.model.get_input_embeddings()
+    new = grown.model.layers[1]
+    assert torch.equal(new.self_attn.q_proj.weight, target.model.model.layers[1].self_attn.q_proj.weight)
+    batches = make_batches(data, head, grown.config.vocab_size, batch_tokens=256)
+    train(grown, batches, lambda b: distill_loss(grown, b), TrainConfig(epochs=2, lr=3e-3, warmup_steps=2))
+    assert new.mlp.down_proj.weight.abs().sum() > 0 and new.self_attn.o_proj.weight.abs().sum() > 0
+    engine = Engine(target.model, target.tokenizer, draft=grown, eos_ids=[2])
+    for prompt in data.prompt_ids[:3]:
+        ar = engine.generate(GenerationRequest(prompt, 16), make_method("autoregressive")).run().output_ids
+        assert engine.generate(GenerationRequest(prompt, 16), make_method("speculative", gamma=3)).run().output_ids \
+            == ar
+    for bad in ([0, 1], [-1, 0, 1], [0, 0, -1]):
+        with pytest.raises(SpecUIError, match="must keep the draft's layers"):
+            grow_draft(small, target.model, bad)
+
+
+@pytest.mark.parametrize("layer_bits", [4, 8])
+def test_quantization_aware_training_sees_the_stored_weights(setup, tmp_path, layer_bits):
+    """--quant-aware: inside the block the draft computes exactly as it will load after saving,
+    gradients reach the float weights, and afterwards they are plain parameters again."""
+    _, _, target, data, _, _ = setup
+    draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 24, always=[2]))
+    ids = torch.tensor([[1, 7, 8, 9, 3]])
+    plain = draft(input_ids=ids).logits
+    with quantization_aware(draft, layer_bits) as wrapped:
+        assert wrapped == 2 * 7 + 1  # every decoder matrix and the head
+        seen = draft(input_ids=ids).logits
+        finite = torch.isfinite(seen)
+        seen[finite].sum().backward()
+        assert draft.model.layers[0].mlp.up_proj.parametrizations.weight.original.grad.abs().sum() > 0
+    assert not any("parametrizations" in name for name, _ in draft.named_parameters())
+    assert torch.equal(draft(input_ids=ids).logits[finite], plain[finite])  # the float weights, untouched
+    save_draft(draft, tmp_path / "d", target.tokenizer, layer_bits=layer_bits)
+    loaded = load_draft(tmp_path / "d", target.model, target.tokenizer, kernels=False)
+    stored = loaded(input_ids=ids).logits[finite]
+    assert torch.allclose(stored, seen[finite].detach(), atol=2e-3)  # only the norms' fp16 storage differs
+    assert (stored - plain[finite]).abs().max() > 10 * (stored - seen[finite]).abs().max()
 
 
 def test_trainer_resumes_from_checkpoint(setup, tmp_path):
@@ -219,7 +279,7 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     again = tmp_path / "draft-again"
     resumed = [*argv[: argv.index("--out")], "--out", str(again), *argv[argv.index("--out") + 2:], "--init", str(out)]
     resumed[resumed.index("--epochs") + 1] = "1"
-    resumed[resumed.index("--layers") + 1] = "0,1"  # ignored: the init draft's own layers and head are kept
+    del resumed[resumed.index("--layers"): resumed.index("--layers") + 2]  # the init draft's own layers are kept
     resumed[resumed.index("--head-size") + 1] = "16"
     assert train_main(resumed) == 0
     second = json.loads((again / "metrics.json").read_text())
@@ -233,6 +293,29 @@ def test_train_cli_end_to_end_and_failed_run_keeps_the_shipped_draft(setup, tmp_
     (out / "README.md").write_text("how this draft was made")
     assert train_main(argv) == 0  # a retrain replaces the weights and keeps the hand-written README
     assert (out / "README.md").read_text() == "how this draft was made"
+
+
+def test_train_cli_quant_aware_grown_draft_resumes_and_ships_what_it_probed(setup, tmp_path):
+    """`--init D --layers (more) --quant-aware`: starts where D was, its probes measure the stored
+    weights, and a rerun resumes the finished checkpoint (parametrized keys) to the same bytes."""
+    root, folder, _, _, train_file, heldout_file = setup
+    base = ["draft", "--target", str(folder), "--train-prompts", str(train_file), "--heldout-prompts",
+            str(heldout_file), "--work", str(tmp_path / "work"), "--max-new-tokens", "16", "--batch-size", "8",
+            "--head-size", "24", "--epochs", "2", "--batch-tokens", "256"]
+    assert train_main([*base, "--out", str(tmp_path / "small"), "--layers", "0"]) == 0
+    small = json.loads((tmp_path / "small" / "metrics.json").read_text())
+    argv = [*base, "--out", str(tmp_path / "grown"), "--init", str(tmp_path / "small"), "--layers", "0,2",
+            "--quant-aware", "--lr", "3e-3"]
+    assert train_main(argv) == 0
+    report = json.loads((tmp_path / "grown" / "metrics.json").read_text())
+    assert report["agreement_before_training"] == pytest.approx(small["agreement"], abs=0.02)
+    assert report["curve"][-1]["agreement"] == pytest.approx(report["agreement"], abs=0.02)
+    config = json.loads((tmp_path / "grown" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["specui_draft"]["init_layers"] == [0, 2]
+    shipped = (tmp_path / "grown" / "model.safetensors").read_bytes()
+    assert len(list((tmp_path / "work").glob("draft-grown-*.ckpt"))) == 1
+    assert train_main(argv) == 0
+    assert (tmp_path / "grown" / "model.safetensors").read_bytes() == shipped
 
 
 def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path):

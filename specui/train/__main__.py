@@ -41,7 +41,15 @@ from specui.train import curve, decision_command, head_command, questions
 from specui.train.collect_command import add_arguments, make_collector
 from specui.train.cost import decode_ms
 from specui.train.data import AnswerSet
-from specui.train.distill import build_draft, choose_head_tokens, distill_loss, evaluate, make_batches
+from specui.train.distill import (
+    build_draft,
+    choose_head_tokens,
+    distill_loss,
+    evaluate,
+    grow_draft,
+    make_batches,
+    quantization_aware,
+)
 from specui.train.states import states_for
 from specui.train.trainer import TrainConfig, train
 
@@ -85,7 +93,9 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("collect", parents=[common], help="collect the target's answers and top-k distributions")
     d = sub.add_parser("draft", parents=[common], help="collect, build, train, evaluate and save a draft")
     d.add_argument("--out", type=Path, required=True)
-    d.add_argument("--layers", default="0,-1", help="target layers the draft's layers start from")
+    d.add_argument("--layers", default=None,
+                   help="target layers the draft's layers start from (default 0,-1); with --init, a longer list "
+                        "that keeps the trained draft's layers grows it (new layers start as no-ops)")
     d.add_argument("--init", type=Path, default=None,
                    help="start from this trained draft (its layers and head) instead of the target's layers")
     d.add_argument("--head-size", type=int, default=8192, help="tokens the draft can propose")
@@ -105,6 +115,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--layer-bits", type=int, choices=[4, 8], default=4,
                    help="storage of the decoder layers' matrices: 4-bit groups (torch's int4 kernel on CPU) or "
                         "int8 rows; the output head stays int8")
+    d.add_argument("--quant-aware", action="store_true",
+                   help="train the weights as they will be stored (--layer-bits groups, int8 rows; straight-through "
+                        "gradients), so the shipped draft loses nothing to rounding; probes measure the stored weights")
     d.add_argument("--curve-points", type=int, default=12,
                    help="held-out agreement probes during training (the learning curve, curve.png)")
     e = sub.add_parser("eval", parents=[common], help="held-out quality and cost of a trained draft")
@@ -189,13 +202,16 @@ def measure(draft, target: LoadedModel, heldout: AnswerSet, heldout_states=None)
 def cmd_draft(args, target: LoadedModel) -> dict:
     train_set, heldout = answer_sets(args, target)
     eos = stop_token_ids(target.tokenizer, target.model.generation_config)
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = [int(x) for x in (args.layers or "0,-1").split(",")]
     torch.manual_seed(args.seed)
     if args.init:  # go on from a trained draft: its layers, head tokens and weights (float32)
         draft = load_draft(args.init, target.model, target.tokenizer, kernels=False, dtype=torch.float32)
         draft.model.embed_tokens.weight.requires_grad_(False)  # the target's, shared
         head = draft.token_map.clone()
-        layers = draft.config.specui_draft.get("init_layers", layers)
+        if args.layers is None:
+            layers = draft.config.specui_draft.get("init_layers", layers)
+        else:  # deeper: the new target layers start as no-ops (grow_draft)
+            draft = grow_draft(draft, target.model, layers)
     else:
         head = choose_head_tokens(train_set, args.head_size, eos)
         draft = build_draft(target.model, layers, head)
@@ -206,20 +222,24 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens, train_states)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
-    before = evaluate(draft, heldout, states=heldout_states)
-    print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
     recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
                                          args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
                                          args.temperatures, args.init, args.features, args.unknown_state,
                                          args.teacher_dtype))
+    if args.quant_aware:
+        recipe += f"|as stored, {args.layer_bits}-bit layers"
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
                       probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)))
     t0 = time.time()
-    log = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft",
-                probe=lambda: evaluate(draft, heldout, gammas=(), states=heldout_states).agreement,
-                probed_before=before.agreement)
+    # --quant-aware: trained and probed as stored; after the block, save_draft rounds the float weights the same way
+    with quantization_aware(draft, args.layer_bits, on=args.quant_aware):
+        before = evaluate(draft, heldout, states=heldout_states)
+        print(f"before training: agreement {before.agreement:.3f}", file=sys.stderr)
+        log = train(draft, batches, lambda b: distill_loss(draft, b, args.unknown_state), cfg, desc="distil draft",
+                    probe=lambda: evaluate(draft, heldout, gammas=(), states=heldout_states).agreement,
+                    probed_before=before.agreement)
     losses = log.losses
     report = {}
     report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from specui.draft_model import SpecUIDraftForCausalLM
+from specui.draft_model import EMBED_KEY, SpecUIDraftForCausalLM, stored_matrix
+from specui.errors import SpecUIError
 from specui.train.data import AnswerSet
 from specui.train.states import padded_groups
 
@@ -57,6 +60,78 @@ def build_draft(target: PreTrainedModel, layers: list[int], head_tokens: torch.T
     draft.model.embed_tokens = target.get_input_embeddings()  # shared with the target
     draft.model.embed_tokens.weight.requires_grad_(False)
     return draft
+
+
+def grow_draft(draft: SpecUIDraftForCausalLM, target: PreTrainedModel, layers: list[int]) -> SpecUIDraftForCausalLM:
+    """A deeper draft that computes exactly what `draft` computes: `layers` (target layer
+    indices) must keep the draft's own layers (its init_layers) in their order; those keep
+    their trained weights, and every other one starts as that target layer with its output
+    projections (attention's o_proj, the MLP's down_proj) zeroed, so it adds nothing to the
+    residual stream until training makes it useful. Head, norm and feature input are kept."""
+    n = target.config.num_hidden_layers
+    layers = [i % n for i in layers]
+    old = [i % n for i in draft.config.specui_draft["init_layers"]]
+    kept = [layers.index(i) for i in old if i in layers]
+    if len(kept) != len(old) or kept != sorted(kept) or len(set(layers)) != len(layers):
+        raise SpecUIError(f"--layers {layers} must keep the draft's layers {old}, in their order, and add new ones")
+    config = copy.deepcopy(draft.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        types = getattr(target.config, "layer_types", None) or config.layer_types
+        config.layer_types = [types[i] for i in layers]
+    config.specui_draft = {**config.specui_draft, "init_layers": layers}
+    grown = SpecUIDraftForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for new, source in enumerate(layers):
+            if source in old:
+                grown.model.layers[new].load_state_dict(draft.model.layers[old.index(source)].state_dict())
+                continue
+            grown.model.layers[new].load_state_dict(target.model.layers[source].state_dict())
+            grown.model.layers[new].self_attn.o_proj.weight.zero_()
+            grown.model.layers[new].mlp.down_proj.weight.zero_()
+        grown.model.norm.load_state_dict(draft.model.norm.state_dict())
+        grown.lm_head.load_state_dict(draft.lm_head.state_dict())
+        grown.token_map.copy_(draft.token_map)
+        if draft.feature_fc is not None:
+            grown.feature_fc.load_state_dict(draft.feature_fc.state_dict())
+    grown.model.embed_tokens = draft.model.embed_tokens  # the target's, shared
+    grown.model.embed_tokens.weight.requires_grad_(False)
+    return grown
+
+
+class _AsStored(torch.nn.Module):
+    """Parametrization: the forward sees the weight as the draft will be stored (rounded to
+    its 4-bit groups or int8 rows), the gradient reaches the float weight unchanged
+    (straight-through)."""
+
+    def __init__(self, key: str, layer_bits: int) -> None:
+        super().__init__()
+        self.key, self.layer_bits = key, layer_bits
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + (stored_matrix(self.key, weight, self.layer_bits).to(weight.dtype) - weight).detach()
+
+
+@contextmanager
+def quantization_aware(draft: SpecUIDraftForCausalLM, layer_bits: int, on: bool = True) -> Iterator[int]:
+    """Inside the block every stored matrix of the draft (the Linear weights: decoder layers,
+    head, feature input) computes as save_draft will store it, so training fits the weights
+    that ship and held-out probes measure them; afterwards the float weights are plain
+    parameters again (save_draft rounds them exactly as seen here). Yields how many."""
+    from torch.nn.utils import parametrize
+
+    wrapped = []
+    if on:
+        for name, module in draft.named_modules():
+            key = f"{name}.weight"
+            if isinstance(module, torch.nn.Linear) and module.weight.requires_grad and key != EMBED_KEY:
+                parametrize.register_parametrization(module, "weight", _AsStored(key, layer_bits))
+                wrapped.append(module)
+    try:
+        yield len(wrapped)
+    finally:
+        for module in wrapped:
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
 
 
 @dataclass
