@@ -79,6 +79,69 @@ def test_auto_greedy_equals_autoregressive(tiny_target, tiny_draft, draft_kind):
         assert gen.output_ids == reference
 
 
+def flat(t1=10.0, draft=0.5):
+    """A GPU-like profile: verifying many tokens and drafting wide layers cost about one."""
+    profile = synthetic(t1=t1, slope=0.01, draft=draft)
+    profile.draft_ms = {w: draft for w in (1, 2, 4, 8, 16, 32)}
+    return profile
+
+
+def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_target):
+    """Flat verification and wide drafting at the cost of one token, a draft whose first
+    choice is seldom the target's (chains stop paying) but whose alternatives often are: a
+    probe burst of OPT-Tree steps wins, auto keeps trees (a chain between runs refreshes
+    alpha), commits more per step than chains alone, and the reply is the target's greedy one."""
+    draft = near_copy(tiny_target, 0.2, 7)
+    chains = run(engine_with(tiny_target, draft, flat()), PROMPTS[0], 60, "auto", trees=False, calibrate=False)
+    engine = engine_with(tiny_target, draft, flat())
+    gen = run(engine, PROMPTS[0], 60, "auto", probe_every=8, calibrate=False)
+    c = choices(gen)
+    trees = [i for i, x in enumerate(c) if x.startswith("opt-tree:")]
+    assert len(trees) > len(c) // 3 and len(gen.steps) < len(chains.steps), c
+    assert any("probe: OPT-Tree step 1 of 4" in n for n in gen.steps[trees[0]].notes)
+    assert any("OPT-Tree:" in n and "(measured)" in n for s in gen.steps for n in s.notes)
+    assert any("a chain between OPT-Tree runs" in n for s in gen.steps for n in s.notes)
+    assert gen.steps[trees[0]].tree_nodes and gen.steps[trees[0]].expected_accept is not None
+    assert gen.output_ids == chains.output_ids == run(engine, PROMPTS[0], 60, "autoregressive").output_ids
+
+
+def test_trees_that_lose_are_probed_ever_less_often():
+    """Trees that commit 1 token per 20 ms against 0.1 tokens per ms elsewhere, where the
+    optimistic bound (alpha 0.5, flat costs) keeps allowing probes: bursts of 4, each lost one
+    doubling the wait, up to 16 x probe_every; a burst that wins is kept and resets the wait."""
+    costs = EngineCosts(profile=flat(), acceptance=AcceptanceEstimate(accepted=5e5, rejected=5e5, decay=1.0))
+    auto = Auto(probe_every=4, calibrate=False)
+    starts, trees = [], 0
+    for step in range(600):
+        why = auto.tree_choice(costs, 64, others=0.1)
+        if why:
+            trees += 1
+            starts += [step] if why.startswith("probe: OPT-Tree step 1 of 4") else []
+            auto.tree_yield.observe(1, 20.0)
+        auto.count_step(tree=bool(why))
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:5] == [12, 20, 36, 68, 68] and set(gaps[4:]) == {68}  # 4 tree steps + a wait of 8, 16, 32, 64
+    assert trees == 4 * len(starts) and auto.tree_gap == 64
+    while not auto.tree_choice(costs, 64, others=0.1):  # the next probe's first step; this burst wins
+        auto.count_step(tree=False)
+    auto.tree_yield.observe(5, 10.0)
+    auto.count_step(tree=True)
+    for _ in range(3):
+        assert auto.tree_choice(costs, 64, others=0.1).startswith("probe: OPT-Tree step")
+        auto.tree_yield.observe(5, 10.0)
+        auto.count_step(tree=True)
+    # kept, and the wait is back to probe_every; after probe_every tree steps one other step (a chain)
+    assert auto.tree_choice(costs, 64, others=0.1) is None and auto.trees_win and auto.tree_gap == 4
+    auto.count_step(tree=False)
+    assert "(measured)" in auto.tree_choice(costs, 64, others=0.1)
+
+
+def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay(tiny_target, tiny_draft):
+    engine = engine_with(tiny_target, tiny_draft, synthetic(t1=10.0, slope=5.0, draft=8.0), alpha=0.9)
+    gen = run(engine, PROMPTS[0], 40, "auto", probe_every=2, calibrate=False)
+    assert not any(c.startswith("opt-tree") for c in choices(gen))
+
+
 def test_auto_measures_the_profile_on_first_use(tiny_target, tiny_draft, tmp_path):
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS], profile_dir=tmp_path)
     gen = run(engine, PROMPTS[0], 8, "auto")

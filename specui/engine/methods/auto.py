@@ -13,20 +13,34 @@ after the first token the draft itself gave less than that probability (as trans
 assisted generation does): long where the draft is sure, short where it is not. The stop
 depends on the draft alone, so verification stays lossless.
 
+With a node budget (`nodes`, the UI's and CLI's; `trees=False` turns it off) OPT-Tree with an
+adaptive budget is a candidate too. A tree's yield cannot be predicted from alpha alone, so
+it is measured: when an optimistic bound (two candidates per depth, accepted with
+1 - (1 - alpha)^2, at the profile's cost of drafting and verifying such a tree) says a tree
+could beat the best chain or plain decoding, auto runs a burst of PROBE_BURST tree steps and
+keeps trees while their committed tokens per (calibrated) predicted ms stay ahead, with one
+chain step every `probe_every` tree steps to keep alpha fresh. A tree that loses waits twice
+as long for its next probe.
+
 Each step is one lossless step of its sub-method (both verify against the target), so
 the reply is the target's greedy reply, and sampling stays distributed as the target."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from specui.engine.costs import EngineCosts
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.speculative import Speculative
+from specui.engine.methods.tree import OptTree
+from specui.engine.methods.tree_budget import step_ms
 from specui.errors import SpecUIError
 
 AR = "autoregressive"
+TREE = -1  # choose(): an OPT-Tree step
+PROBE_BURST = 4  # tree steps a probe runs before trees are judged
 
 
 HORIZON = 64  # tokens over which a draft's catch-up is expected to pay back at most (replies often end early)
@@ -48,6 +62,23 @@ def chain_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+@dataclass
+class TreeYield:
+    """Decayed sums over auto's OPT-Tree steps: tokens committed and the profile's predicted ms."""
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    decay: float = 0.8
+
+    def observe(self, tokens: int, predicted_ms: float) -> None:
+        self.tokens = self.tokens * self.decay + tokens
+        self.ms = self.ms * self.decay + predicted_ms
+
+    def rate(self, ratio: float) -> float | None:
+        """Tokens per ms, the predicted ms corrected by `ratio` (measured / predicted)."""
+        return self.tokens / (self.ms * ratio) if self.ms > 0 else None
+
+
 class Auto(Method):
     name = "auto"
     uses_draft = True
@@ -55,7 +86,8 @@ class Auto(Method):
     needs_profile = True
 
     def __init__(self, max_gamma: int = 6, margin: float = 0.05, probe_every: int = 16,
-                 gamma: int = 2, calibrate: bool = True, confidence: float | None = 0.4) -> None:
+                 gamma: int = 2, calibrate: bool = True, confidence: float | None = 0.4,
+                 nodes: int = 25, trees: bool = True) -> None:
         if max_gamma < 1:
             raise SpecUIError(f"max_gamma must be >= 1, got {max_gamma}")
         if gamma < 1:
@@ -74,6 +106,15 @@ class Auto(Method):
         self.since_ar = 0  # speculative steps since the last autoregressive one
         self.probe_gap = probe_every  # autoregressive steps between probes: doubles while probes fail
         self.pending: list[str] = []  # notes for the first step
+        # OPT-Tree (adaptive budget, at most `nodes`) as a candidate; its yield is measured in bursts
+        self.tree = OptTree(nodes=nodes, adaptive_nodes=True) if trees and nodes >= 2 else None
+        self.tree_begun = False
+        self.tree_yield = TreeYield()
+        self.tree_gap = probe_every  # steps between tree probes: doubles while trees lose
+        self.since_tree = 0  # steps since the last tree step
+        self.tree_run = 0  # tree steps since the last other step
+        self.burst = 0  # tree steps left in the current probe
+        self.trees_win = False  # the last judgement: trees ahead of chains and plain decoding
 
     def begin(self, ctx: DecodeContext) -> None:
         ctx.target.prefill(ctx.ids)  # the draft catches up only when a chain runs (its advance feeds what it lacks)
@@ -122,6 +163,12 @@ class Auto(Method):
         rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
+        caught_up = behind <= 2 or (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids))
+        tree_why = self.tree_choice(costs, len(ctx.ids), max(rates.values()), caught_up)
+        if tree_why:
+            return TREE, tree_why
+        if self.trees_win and self.tree_run:  # between runs of trees: a chain refreshes alpha
+            return max(best, 1), f"probe: alpha {alpha:.2f}, a chain between OPT-Tree runs"
         if best and rates[best] > rates[0] * (1.0 + self.margin):
             if self.calibrate and (not costs.ratio(AR).seen or self.since_ar >= self.probe_every):
                 # what plain decoding really costs in this loop is measured, not taken from the
@@ -137,11 +184,70 @@ class Auto(Method):
             return 1, f"probe: alpha {alpha:.2f}, speculation not expected to pay"
         return 0, f"alpha {alpha:.2f}: speculation not expected to pay ({rates[best] / rates[0]:.2f}x)"
 
+    def tree_ratio(self, costs: EngineCosts) -> float:
+        """Measured / predicted step time for trees (until one ran: as for chains, else AR)."""
+        if not self.calibrate:
+            return 1.0
+        for kind in ("opt-tree", "speculative", AR):
+            if costs.ratio(kind).seen:
+                return costs.ratio(kind).value
+        return 1.0
+
+    def tree_bound(self, costs: EngineCosts, context: int) -> float:
+        """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most the budget): m/2
+        layers of two candidates, each layer passed with probability 1 - (1 - alpha)^2."""
+        assert self.tree is not None and costs.profile is not None
+        alpha = min(costs.acceptance.alpha, 0.999)
+        passed = 1.0 - (1.0 - alpha) ** 2
+        cap = self.tree.budget.cap if self.tree.budget else self.tree.nodes
+        ratio, best, m = self.tree_ratio(costs), 0.0, 2
+        while m <= cap:
+            depth = max(1, m // 2)
+            best = max(best, chain_tokens(passed, depth) / (step_ms(costs.profile, m, depth, context) * ratio))
+            m *= 2
+        return best
+
+    def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True) -> str | None:
+        """Why this step is an OPT-Tree step, or None; `others`: the best rate of chains and
+        plain decoding (tokens per ms); no new probe while the draft would first have to read
+        a long prompt (`caught_up` False)."""
+        if self.tree is None or not costs.profile.has_draft:
+            return None
+        if self.burst > 0:
+            self.burst -= 1
+            return f"probe: OPT-Tree step {PROBE_BURST - self.burst} of {PROBE_BURST}"
+        rate = self.tree_yield.rate(self.tree_ratio(costs))
+        if self.tree_run:  # judge what the trees just did
+            self.trees_win = rate is not None and rate > others * (1.0 + self.margin)
+            if not self.trees_win and self.tree_run >= PROBE_BURST:
+                self.tree_gap = min(16 * self.probe_every, 2 * self.tree_gap)
+        if self.trees_win:
+            self.tree_gap = self.probe_every
+            if self.tree_run < self.probe_every:
+                return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
+            return None  # one chain step now and then keeps alpha fresh
+        if self.since_tree >= self.tree_gap and caught_up:
+            bound = self.tree_bound(costs, context)
+            if bound > others * (1.0 + self.margin):
+                self.burst = PROBE_BURST - 1
+                self.tree_yield = TreeYield()  # judged on this burst, not on trees long past
+                return f"probe: OPT-Tree step 1 of {PROBE_BURST} (up to {bound / others:.2f}x expected)"
+        return None
+
+    def count_step(self, tree: bool) -> None:
+        """Steps since the last tree step, tree steps since the last other one."""
+        self.since_tree, self.tree_run = (0, self.tree_run + 1) if tree else (self.since_tree + 1, 0)
+
     # -- stepping --------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> StepResult:
         gamma, why = self.choose(ctx)
         gamma = min(gamma, max(0, ctx.remaining - 1), max(0, ctx.room))
         context = len(ctx.ids)
+        if gamma == TREE and min(ctx.remaining - 1, ctx.room) >= 1:
+            return self.tree_step(ctx, why)
+        if gamma == TREE:  # no room left for a tree: the last token(s) plainly
+            gamma, why = 0, "end of the reply"
+        self.count_step(tree=False)
         t0 = time.perf_counter()
         if gamma == 0:
             result = self.ar.step(ctx)
@@ -165,5 +271,26 @@ class Auto(Method):
             costs.ratio(kind).observe(ms, self.predicted_ms(costs, result.drafted if gamma else 0, context))
         result.choice = choice
         result.notes = self.pending + [f"auto: {choice} ({why})"] + result.notes
+        self.pending = []
+        return result
+
+    def tree_step(self, ctx: DecodeContext, why: str) -> StepResult:
+        assert self.tree is not None and ctx.costs is not None and ctx.costs.profile is not None
+        if not self.tree_begun:  # the draft catches up on the prompt here, as a chain's first step would
+            self.tree.begin(ctx)
+            self.tree_begun = True
+        nodes, context = self.tree.nodes, len(ctx.ids)
+        t0 = time.perf_counter()
+        result = self.tree.step(ctx)
+        ms = (time.perf_counter() - t0) * 1000.0
+        predicted = step_ms(ctx.costs.profile, result.tree_nodes or 0, result.tree_depth or 1, context)
+        if self.calibrate:
+            ctx.costs.ratio("opt-tree").observe(ms, predicted)
+        self.tree_yield.observe(len(result.tokens), predicted)
+        self.count_step(tree=True)
+        self.since_spec = 0
+        self.since_ar += 1
+        result.choice = f"opt-tree:{nodes}"
+        result.notes = self.pending + [f"auto: {result.choice} ({why})"] + result.notes
         self.pending = []
         return result
