@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils import parametrize
 from transformers import PreTrainedModel
 
 from specui.draft_model import EMBED_KEY, SpecUIDraftForCausalLM, stored_matrix
@@ -118,8 +119,6 @@ def quantization_aware(draft: SpecUIDraftForCausalLM, layer_bits: int, on: bool 
     head, feature input) computes as save_draft will store it, so training fits the weights
     that ship and held-out probes measure them; afterwards the float weights are plain
     parameters again (save_draft rounds them exactly as seen here). Yields how many."""
-    from torch.nn.utils import parametrize
-
     wrapped = []
     if on:
         for name, module in draft.named_modules():
