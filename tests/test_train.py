@@ -359,3 +359,14 @@ def test_target_without_chat_template_is_refused(setup, tmp_path, capsys):
     code = train_main(["collect", "--target", str(plain), "--train-prompts", str(train_file),
                        "--heldout-prompts", str(heldout_file), "--work", str(tmp_path / "w")])
     assert code == 2 and "no chat template" in capsys.readouterr().err
+
+
+def test_versions_stand_at_the_largest_training_set_so_far():
+    """curve.png's right panel: a continuation on part of the store (the new answers only)
+    stands above the data already learnt, not back at its own smaller size."""
+    from specui.train.curve import figure, trained_so_far
+
+    assert trained_so_far([156, 314, 1308, 936, 371]) == [156, 314, 1308, 1308, 1308]
+    versions = [{"train_answer_tokens": 1308, "agreement": 0.543}]
+    fig = figure([{"tokens_seen": 0, "agreement": 0.5}], versions, 371, 0.551)
+    assert list(fig.data[1].x) == [1308, 1308] and list(fig.data[1].y) == [0.543, 0.551]

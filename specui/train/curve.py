@@ -40,18 +40,31 @@ def history(init_folder: Path | None, init_agreement: float | None) -> list[dict
     return past
 
 
+def trained_so_far(sizes: list[int]) -> list[int]:
+    """Each version's x: the largest training set of it and the versions before it. Every run
+    draws from one growing answer store, so a later run on part of it (a continuation on the
+    new answers only) stands above the data already learnt, not at its own smaller size."""
+    out, most = [], 0
+    for size in sizes:
+        most = max(most, size)
+        out.append(most)
+    return out
+
+
 def figure(points: list[dict], versions: list[dict], train_tokens: int, final: float) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, subplot_titles=("This run: held-out agreement as training goes",
                                                         "Versions: held-out agreement vs training answers"))
     fig.add_scatter(x=[p["tokens_seen"] for p in points], y=[p["agreement"] for p in points],
                     mode="lines+markers", name="this run", row=1, col=1)
-    xs = [v["train_answer_tokens"] for v in versions] + [train_tokens]
+    xs = trained_so_far([v["train_answer_tokens"] for v in versions] + [train_tokens])
     ys = [v["agreement"] for v in versions] + [final]
+    # a version trained further on the same store stands on its predecessor: label only the last there
+    text = [f"{y:.3f}" if i == len(xs) - 1 or xs[i + 1] != x else "" for i, (x, y) in enumerate(zip(xs, ys))]
     fig.add_scatter(x=xs, y=ys, mode="lines+markers+text", name="versions", row=1, col=2,
-                    text=[f"{y:.3f}" for y in ys], textposition=["bottom right"] * (len(ys) - 1) + ["bottom left"])
+                    text=text, textposition=["bottom right"] * (len(ys) - 1) + ["top left"])
     fig.add_hline(y=0.6, line_dash="dot", line_color="grey", annotation_text="goal 0.6", row=1, col=2)
     fig.update_xaxes(title_text="answer tokens seen", row=1, col=1)
-    fig.update_xaxes(title_text="answer tokens in the training set", type="log", row=1, col=2)
+    fig.update_xaxes(title_text="answer tokens trained on (the largest training set so far)", type="log", row=1, col=2)
     fig.update_yaxes(title_text="greedy top-1 agreement with the target", row=1, col=1)
     fig.update_yaxes(range=[min(ys) - 0.03, max(0.62, max(ys) + 0.02)], row=1, col=2)
     fig.update_layout(width=1100, height=460, showlegend=False)
