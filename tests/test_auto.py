@@ -117,29 +117,48 @@ def test_trees_that_lose_are_probed_ever_less_often():
         if why:
             trees += 1
             starts += [step] if why.startswith("probe: OPT-Tree step 1 of 4") else []
-            auto.tree_yield.observe(1, 20.0)
+            costs.trees.yield_.observe(1, 20.0)
         auto.count_step(tree=bool(why))
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps[:5] == [12, 20, 36, 68, 68] and set(gaps[4:]) == {68}  # 4 tree steps + a wait of 8, 16, 32, 64
-    assert trees == 4 * len(starts) and auto.tree_gap == 64
+    assert trees == 4 * len(starts) and costs.trees.gap == 64
     while not auto.tree_choice(costs, 64, others=0.1):  # the next probe's first step; this burst wins
         auto.count_step(tree=False)
-    auto.tree_yield.observe(5, 10.0)
+    costs.trees.yield_.observe(5, 10.0)
     auto.count_step(tree=True)
     for _ in range(3):
         assert auto.tree_choice(costs, 64, others=0.1).startswith("probe: OPT-Tree step")
-        auto.tree_yield.observe(5, 10.0)
+        costs.trees.yield_.observe(5, 10.0)
         auto.count_step(tree=True)
     # kept, and the wait is back to probe_every; after probe_every tree steps one other step (a chain)
-    assert auto.tree_choice(costs, 64, others=0.1) is None and auto.trees_win and auto.tree_gap == 4
+    assert auto.tree_choice(costs, 64, others=0.1) is None and costs.trees.win and costs.trees.gap == 4
     auto.count_step(tree=False)
     assert "(measured)" in auto.tree_choice(costs, 64, others=0.1)
 
 
-def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay(tiny_target, tiny_draft):
-    engine = engine_with(tiny_target, tiny_draft, synthetic(t1=10.0, slope=5.0, draft=8.0), alpha=0.9)
-    gen = run(engine, PROMPTS[0], 40, "auto", probe_every=2, calibrate=False)
-    assert not any(c.startswith("opt-tree") for c in choices(gen))
+def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay():
+    """Dear drafting and verification: the optimistic bound stays below plain decoding, so no
+    probe ever starts; near the end of a reply the bound shrinks with the depth left."""
+    costs = EngineCosts(profile=synthetic(t1=10.0, slope=5.0, draft=8.0),
+                        acceptance=AcceptanceEstimate(accepted=9e5, rejected=1e5, decay=1.0))
+    auto = Auto(probe_every=2, calibrate=False)
+    assert auto.tree_bound(costs, 64) < 0.1
+    for _ in range(50):
+        assert auto.tree_choice(costs, 64, others=0.1) is None
+        auto.count_step(tree=False)
+    cheap = EngineCosts(profile=flat(), acceptance=costs.acceptance)
+    assert auto.tree_bound(cheap, 64, remaining=2) < auto.tree_bound(cheap, 64, remaining=100)
+
+
+def test_the_tree_verdict_carries_over_to_the_next_reply(tiny_target):
+    draft = near_copy(tiny_target, 0.2, 7)
+    engine = engine_with(tiny_target, draft, flat())
+    first = run(engine, PROMPTS[0], 60, "auto", probe_every=8, calibrate=False)
+    assert engine.costs.trees.win and any(c.startswith("opt-tree") for c in choices(first))
+    second = run(engine, PROMPTS[1], 20, "auto", probe_every=8, calibrate=False)
+    assert choices(second)[0].startswith("opt-tree")
+    assert any("(measured)" in n for n in second.steps[0].notes)
+    assert second.output_ids == run(engine, PROMPTS[1], 20, "autoregressive").output_ids
 
 
 def test_auto_measures_the_profile_on_first_use(tiny_target, tiny_draft, tmp_path):

@@ -50,11 +50,40 @@ class TimeRatio:
 
 
 @dataclass
+class TreeYield:
+    """Decayed sums over `auto`'s OPT-Tree steps: tokens committed and the profile's predicted ms."""
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    decay: float = 0.8
+
+    def observe(self, tokens: int, predicted_ms: float) -> None:
+        self.tokens = self.tokens * self.decay + tokens
+        self.ms = self.ms * self.decay + predicted_ms
+
+    def rate(self, ratio: float) -> float | None:
+        """Tokens per ms, the predicted ms corrected by `ratio` (measured / predicted)."""
+        return self.tokens / (self.ms * ratio) if self.ms > 0 else None
+
+
+@dataclass
+class TreeVerdict:
+    """What `auto` has learnt about OPT-Tree on this pair, kept across replies: the measured
+    yield, whether trees are ahead, and the steps to wait before probing them again (None:
+    the method's probe_every)."""
+
+    yield_: TreeYield = field(default_factory=TreeYield)
+    win: bool = False
+    gap: int | None = None
+
+
+@dataclass
 class EngineCosts:
     profile: CostProfile | None = None
     note: str = ""  # how the profile was obtained, or why there is none
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     ratios: dict[str, TimeRatio] = field(default_factory=dict)  # by kind: "autoregressive", "speculative"
+    trees: TreeVerdict = field(default_factory=TreeVerdict)  # auto's OPT-Tree probes
 
     def ratio(self, kind: str) -> TimeRatio:
         return self.ratios.setdefault(kind, TimeRatio())

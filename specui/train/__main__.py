@@ -208,8 +208,10 @@ def cmd_draft(args, target: LoadedModel) -> dict:
         draft = load_draft(args.init, target.model, target.tokenizer, kernels=False, dtype=torch.float32)
         draft.model.embed_tokens.weight.requires_grad_(False)  # the target's, shared
         head = draft.token_map.clone()
-        if args.layers is None:
-            layers = draft.config.specui_draft.get("init_layers", layers)
+        own = draft.config.specui_draft.get("init_layers", layers)
+        n = target.model.config.num_hidden_layers
+        if args.layers is None or [i % n for i in layers] == [i % n for i in own]:
+            layers = own
         else:  # deeper: the new target layers start as no-ops (grow_draft)
             draft = grow_draft(draft, target.model, layers)
     else:

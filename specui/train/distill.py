@@ -73,7 +73,7 @@ def grow_draft(draft: SpecUIDraftForCausalLM, target: PreTrainedModel, layers: l
     layers = [i % n for i in layers]
     old = [i % n for i in draft.config.specui_draft["init_layers"]]
     kept = [layers.index(i) for i in old if i in layers]
-    if len(kept) != len(old) or kept != sorted(kept) or len(set(layers)) != len(layers):
+    if len(kept) != len(old) or kept != sorted(kept) or len(set(layers)) != len(layers) or len(layers) == len(old):
         raise SpecUIError(f"--layers {layers} must keep the draft's layers {old}, in their order, and add new ones")
     config = copy.deepcopy(draft.config)
     config.num_hidden_layers = len(layers)
@@ -110,7 +110,19 @@ class _AsStored(torch.nn.Module):
         self.key, self.layer_bits = key, layer_bits
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + (stored_matrix(self.key, weight, self.layer_bits).to(weight.dtype) - weight).detach()
+        return _StraightThrough.apply(weight, stored_matrix(self.key, weight, self.layer_bits).to(weight.dtype))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: exactly `stored`; backward: the gradient goes to `weight` unchanged."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        return stored
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 @contextmanager
@@ -120,13 +132,12 @@ def quantization_aware(draft: SpecUIDraftForCausalLM, layer_bits: int, on: bool 
     that ship and held-out probes measure them; afterwards the float weights are plain
     parameters again (save_draft rounds them exactly as seen here). Yields how many."""
     wrapped = []
-    if on:
-        for name, module in draft.named_modules():
+    try:
+        for name, module in draft.named_modules() if on else ():
             key = f"{name}.weight"
             if isinstance(module, torch.nn.Linear) and module.weight.requires_grad and key != EMBED_KEY:
                 parametrize.register_parametrization(module, "weight", _AsStored(key, layer_bits))
                 wrapped.append(module)
-    try:
         yield len(wrapped)
     finally:
         for module in wrapped:

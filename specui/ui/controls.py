@@ -9,7 +9,9 @@ from specui.settings import ChatSettings
 
 DESCRIPTIONS = {
     "auto": "chooses autoregressive or speculative (and gamma) each step from the measured cost profile "
-            "and the running acceptance; never slower than plain decoding by design (lossless)",
+            "and the running acceptance, and tries OPT-Tree (up to the node budget) where the profile says a "
+            "tree could pay, keeping it while measured faster; never slower than plain decoding by design "
+            "(lossless)",
     "autoregressive": "plain decoding: one target forward per token",
     "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
     "dsbd": "DSBD: the draft beam-samples a forest (W_S per layer, gamma layers) from W_L beams, the target "
@@ -97,7 +99,7 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",
                               info="tree: the static draft tree's shape (nodes per depth)"),
         "nodes": gr.Slider(1, 120, value=defaults.nodes, step=1, label="node budget n",
-                           info="opt-tree: most draft tokens verified per step"),
+                           info="opt-tree (and auto's trees): most draft tokens verified per step"),
         "adaptive_nodes": gr.Checkbox(value=defaults.adaptive_nodes, label="adaptive node budget",
                                       info="opt-tree: choose the budget (1..n) per step from the measured costs "
                                            "and the tree just drafted; off = always n"),

@@ -20,7 +20,8 @@ it is measured: when an optimistic bound (two candidates per depth, accepted wit
 could beat the best chain or plain decoding, auto runs a burst of PROBE_BURST tree steps and
 keeps trees while their committed tokens per (calibrated) predicted ms stay ahead, with one
 chain step every `probe_every` tree steps to keep alpha fresh. A tree that loses waits twice
-as long for its next probe.
+as long for its next probe. The verdict is the engine's (EngineCosts.trees), so it carries
+over to the next reply as alpha does.
 
 Each step is one lossless step of its sub-method (both verify against the target), so
 the reply is the target's greedy reply, and sampling stays distributed as the target."""
@@ -28,9 +29,8 @@ the reply is the target's greedy reply, and sampling stays distributed as the ta
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from specui.engine.costs import EngineCosts
+from specui.engine.costs import EngineCosts, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.speculative import Speculative
@@ -60,23 +60,6 @@ def chain_tokens(alpha: float, gamma: int) -> float:
     if alpha >= 1.0:
         return gamma + 1.0
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-@dataclass
-class TreeYield:
-    """Decayed sums over auto's OPT-Tree steps: tokens committed and the profile's predicted ms."""
-
-    tokens: float = 0.0
-    ms: float = 0.0
-    decay: float = 0.8
-
-    def observe(self, tokens: int, predicted_ms: float) -> None:
-        self.tokens = self.tokens * self.decay + tokens
-        self.ms = self.ms * self.decay + predicted_ms
-
-    def rate(self, ratio: float) -> float | None:
-        """Tokens per ms, the predicted ms corrected by `ratio` (measured / predicted)."""
-        return self.tokens / (self.ms * ratio) if self.ms > 0 else None
 
 
 class Auto(Method):
@@ -109,12 +92,11 @@ class Auto(Method):
         # OPT-Tree (adaptive budget, at most `nodes`) as a candidate; its yield is measured in bursts
         self.tree = OptTree(nodes=nodes, adaptive_nodes=True) if trees and nodes >= 2 else None
         self.tree_begun = False
-        self.tree_yield = TreeYield()
-        self.tree_gap = probe_every  # steps between tree probes: doubles while trees lose
+        # the verdict on trees (yield, ahead or not, wait between probes) lives in the engine's
+        # costs (EngineCosts.trees), kept across replies; these count steps within this reply
         self.since_tree = 0  # steps since the last tree step
         self.tree_run = 0  # tree steps since the last other step
         self.burst = 0  # tree steps left in the current probe
-        self.trees_win = False  # the last judgement: trees ahead of chains and plain decoding
 
     def begin(self, ctx: DecodeContext) -> None:
         ctx.target.prefill(ctx.ids)  # the draft catches up only when a chain runs (its advance feeds what it lacks)
@@ -153,7 +135,7 @@ class Auto(Method):
         return gamma * (profile.draft(1, context) or 0.0) + profile.target(gamma + 1, context)
 
     def choose(self, ctx: DecodeContext) -> tuple[int, str]:
-        """(gamma, why); gamma 0 = autoregressive."""
+        """(gamma, why); gamma 0 = autoregressive, TREE = an OPT-Tree step."""
         costs = ctx.costs
         if ctx.draft is None:
             return 0, "no draft"
@@ -164,10 +146,10 @@ class Auto(Method):
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
         caught_up = behind <= 2 or (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids))
-        tree_why = self.tree_choice(costs, len(ctx.ids), max(rates.values()), caught_up)
+        tree_why = self.tree_choice(costs, len(ctx.ids), max(rates.values()), caught_up, ctx.remaining)
         if tree_why:
             return TREE, tree_why
-        if self.trees_win and self.tree_run:  # between runs of trees: a chain refreshes alpha
+        if costs.trees.win and self.tree_run:  # between runs of trees: a chain refreshes alpha
             return max(best, 1), f"probe: alpha {alpha:.2f}, a chain between OPT-Tree runs"
         if best and rates[best] > rates[0] * (1.0 + self.margin):
             if self.calibrate and (not costs.ratio(AR).seen or self.since_ar >= self.probe_every):
@@ -193,44 +175,47 @@ class Auto(Method):
                 return costs.ratio(kind).value
         return 1.0
 
-    def tree_bound(self, costs: EngineCosts, context: int) -> float:
+    def tree_bound(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> float:
         """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most the budget): m/2
-        layers of two candidates, each layer passed with probability 1 - (1 - alpha)^2."""
+        layers (at most OPT-Tree's max depth and the reply's remaining tokens but one) of two
+        candidates, each layer passed with probability 1 - (1 - alpha)^2."""
         assert self.tree is not None and costs.profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         passed = 1.0 - (1.0 - alpha) ** 2
         cap = self.tree.budget.cap if self.tree.budget else self.tree.nodes
         ratio, best, m = self.tree_ratio(costs), 0.0, 2
         while m <= cap:
-            depth = max(1, m // 2)
+            depth = max(1, min(m // 2, self.tree.max_depth, remaining - 1))
             best = max(best, chain_tokens(passed, depth) / (step_ms(costs.profile, m, depth, context) * ratio))
             m *= 2
         return best
 
-    def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True) -> str | None:
+    def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True,
+                    remaining: int = 1 << 30) -> str | None:
         """Why this step is an OPT-Tree step, or None; `others`: the best rate of chains and
         plain decoding (tokens per ms); no new probe while the draft would first have to read
         a long prompt (`caught_up` False)."""
         if self.tree is None or not costs.profile.has_draft:
             return None
+        verdict = costs.trees
         if self.burst > 0:
             self.burst -= 1
             return f"probe: OPT-Tree step {PROBE_BURST - self.burst} of {PROBE_BURST}"
-        rate = self.tree_yield.rate(self.tree_ratio(costs))
+        rate = verdict.yield_.rate(self.tree_ratio(costs))
         if self.tree_run:  # judge what the trees just did
-            self.trees_win = rate is not None and rate > others * (1.0 + self.margin)
-            if not self.trees_win and self.tree_run >= PROBE_BURST:
-                self.tree_gap = min(16 * self.probe_every, 2 * self.tree_gap)
-        if self.trees_win:
-            self.tree_gap = self.probe_every
+            verdict.win = rate is not None and rate > others * (1.0 + self.margin)
+            if not verdict.win and self.tree_run >= PROBE_BURST:
+                verdict.gap = min(16 * self.probe_every, 2 * (verdict.gap or self.probe_every))
+        if verdict.win and rate is not None:
+            verdict.gap = self.probe_every
             if self.tree_run < self.probe_every:
                 return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
             return None  # one chain step now and then keeps alpha fresh
-        if self.since_tree >= self.tree_gap and caught_up:
-            bound = self.tree_bound(costs, context)
+        if self.since_tree >= (verdict.gap or self.probe_every) and caught_up:
+            bound = self.tree_bound(costs, context, remaining)
             if bound > others * (1.0 + self.margin):
                 self.burst = PROBE_BURST - 1
-                self.tree_yield = TreeYield()  # judged on this burst, not on trees long past
+                verdict.yield_ = TreeYield()  # judged on this burst, not on trees long past
                 return f"probe: OPT-Tree step 1 of {PROBE_BURST} (up to {bound / others:.2f}x expected)"
         return None
 
@@ -280,13 +265,14 @@ class Auto(Method):
             self.tree.begin(ctx)
             self.tree_begun = True
         nodes, context = self.tree.nodes, len(ctx.ids)
+        ctx.draft.prefill(ctx.ids)  # catching up on unread tokens is not the tree's step time
         t0 = time.perf_counter()
         result = self.tree.step(ctx)
         ms = (time.perf_counter() - t0) * 1000.0
         predicted = step_ms(ctx.costs.profile, result.tree_nodes or 0, result.tree_depth or 1, context)
         if self.calibrate:
             ctx.costs.ratio("opt-tree").observe(ms, predicted)
-        self.tree_yield.observe(len(result.tokens), predicted)
+        ctx.costs.trees.yield_.observe(len(result.tokens), predicted)
         self.count_step(tree=True)
         self.since_spec = 0
         self.since_ar += 1
