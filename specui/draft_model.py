@@ -143,11 +143,19 @@ def _int4_storable(key: str, v: torch.Tensor) -> bool:
     return key.startswith("model.layers.") and v.dim() == 2 and v.shape[1] % GROUP == 0
 
 
+def _storage(key: str, v: torch.Tensor, layer_bits: int) -> str:
+    """How a quantized save stores state-dict entry `key`: "int4" (4-bit groups), "int8" (rows)
+    or "fp16" (everything that is not a float matrix)."""
+    if not v.is_floating_point() or v.dim() != 2:
+        return "fp16"
+    return "int4" if layer_bits == 4 and _int4_storable(key, v) else "int8"
+
+
 def stored_matrix(key: str, weight: torch.Tensor, layer_bits: int = 4) -> torch.Tensor:
     """What save_draft then load_draft (dequantized) give back for the 2-D float `weight` at
     state-dict `key`: 4-bit groups or int8 rows by save_draft's rule, scales rounded to fp16."""
     w = weight.detach().float()
-    if layer_bits == 4 and _int4_storable(key, w):
+    if _storage(key, w, layer_bits) == "int4":
         q, scale, low = quantize_groups(w)
         return dequantize_groups(q, scale.half().float(), low.half().float())
     rows, scale = quantize_rows(w)
@@ -174,11 +182,12 @@ def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, quan
         if k == EMBED_KEY:
             continue
         v = v.detach().cpu()
-        if quantized and layer_bits == 4 and v.is_floating_point() and _int4_storable(k, v):
+        kind = _storage(k, v, layer_bits) if quantized else "fp16"
+        if kind == "int4":
             q, scale, low = quantize_groups(v)
             state.update({k + Q4: _pack4(q), k + G_SCALE: scale.to(torch.float16).contiguous(),
                           k + G_LOW: low.to(torch.float16).contiguous()})
-        elif quantized and v.is_floating_point() and v.dim() == 2:
+        elif kind == "int8":
             rows, scale = quantize_rows(v)
             state[k] = rows.contiguous()
             state[k + SCALE] = scale[:, None].to(torch.float16)

@@ -145,6 +145,7 @@ class Auto(Method):
         rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
+        # the draft would not first have to read a long prompt (no probe of chains or trees then)
         caught_up = behind <= 2 or (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids))
         tree_why = self.tree_choice(costs, len(ctx.ids), max(rates.values()), caught_up, ctx.remaining)
         if tree_why:
@@ -160,8 +161,7 @@ class Auto(Method):
             self.probe_gap = self.probe_every
             return best, why
         # a probe refreshes alpha; not while the draft would first have to read a long prompt
-        cheap = (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids)) if behind > 2 else True
-        if best and self.since_spec >= self.probe_gap and cheap:
+        if best and self.since_spec >= self.probe_gap and caught_up:
             self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)  # reset when speculation wins again
             return 1, f"probe: alpha {alpha:.2f}, speculation not expected to pay"
         return 0, f"alpha {alpha:.2f}: speculation not expected to pay ({rates[best] / rates[0]:.2f}x)"
@@ -254,6 +254,10 @@ class Auto(Method):
         calibrated = costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft)
         if self.calibrate and calibrated:
             costs.ratio(kind).observe(ms, self.predicted_ms(costs, result.drafted if gamma else 0, context))
+        return self.labelled(result, choice, why)
+
+    def labelled(self, result: StepResult, choice: str, why: str) -> StepResult:
+        """The step's result with auto's choice, its reason and any pending notes."""
         result.choice = choice
         result.notes = self.pending + [f"auto: {choice} ({why})"] + result.notes
         self.pending = []
@@ -276,7 +280,4 @@ class Auto(Method):
         self.count_step(tree=True)
         self.since_spec = 0
         self.since_ar += 1
-        result.choice = f"opt-tree:{nodes}"
-        result.notes = self.pending + [f"auto: {result.choice} ({why})"] + result.notes
-        self.pending = []
-        return result
+        return self.labelled(result, f"opt-tree:{nodes}", why)
