@@ -4,6 +4,7 @@ the figures (a changed key or a corrupt file is re-measured, never trusted)."""
 import json
 
 import pytest
+import torch
 from conftest import EOS, TinyTokenizer
 
 from specui.engine import Engine
@@ -64,6 +65,40 @@ def test_measure_on_tiny_models_leaves_caches_clean(tiny_engine):
     assert set(p.draft_context_ms) == {8, 32} and p.draft_context_ms[8] == p.draft_ms[1]
     assert all(v > 0 for row in p.target_ms.values() for v in row.values())
     assert tiny_engine.target.length == 0 and tiny_engine.draft.length == 0
+
+
+def test_a_longer_context_is_stretched_not_computed(tiny_target):
+    from specui.engine.session import ModelSession
+
+    s = ModelSession(tiny_target)
+    ids = list(range(1, 40))
+    assert not s.stretch(ids, 4)  # nothing held yet: prefill for real
+    s.prefill(ids[:9])
+    assert not s.stretch([5, *ids[1:]], 4) and not s.stretch(ids[:8], 4) and s.length == 8
+    before = [k.clone() for k, _ in s.kv()]
+    assert s.stretch(ids, room=4) and s.length == 38 and s.cached_ids == ids[:38]
+    for (k, v), old in zip(s.kv(), before):
+        assert k.shape[-2] == v.shape[-2] == 38
+        assert torch.equal(k[..., 8:16, :], old) and torch.equal(k[..., 32:38, :], old[..., :6, :])
+    assert all(layer.capacity >= 42 for layer in s.cache.layers)
+    assert s.advance(ids, need=1).shape == (1, tiny_target.config.vocab_size) and s.length == 39
+    kept = ModelSession(tiny_target)
+    kept.keep_features()
+    kept.prefill(ids[:9])
+    assert not kept.stretch(ids, 4)  # a feature draft reads the states at every position
+
+
+def test_measuring_prefills_only_the_shortest_context(tiny_engine):
+    fed = []
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+             for m in (tiny_engine.target.model, tiny_engine.draft.model)]
+    try:
+        measure_profile(tiny_engine.target, tiny_engine.draft, contexts=(8, 32, 64), ks=(1, 4), widths=(1, 2),
+                        repeats=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert fed and max(fed) == 7  # the 8-token context (all but its last token); 32 and 64 are stretched
 
 
 def test_cache_hit_miss_and_corrupt_file(tiny_target, tiny_draft, tmp_path):
@@ -127,9 +162,9 @@ def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_d
     calls = []
     real = prof._forward_ms
 
-    def busy_then_calm(session, context, width, repeats):  # the first timing of k=1 was disturbed
+    def busy_then_calm(session, context, width, repeats, *room):  # the first timing of k=1 was disturbed
         calls.append((session is engine.target, context, width))
-        ms = real(session, context, width, repeats)
+        ms = real(session, context, width, repeats, *room)
         return ms + 500.0 if calls.count((True, 64, 1)) == 1 and (context, width) == (64, 1) else ms
 
     monkeypatch.setattr(prof, "_forward_ms", busy_then_calm)
@@ -137,7 +172,7 @@ def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_d
     assert calls.count((True, 64, 1)) == 2 and p.target_ms[64][1] < 100 and "measured" in note
     assert load_cached(tmp_path / f"{p.key}.json", p.key) == p  # timed again: calm, so cached
 
-    monkeypatch.setattr(prof, "_forward_ms", lambda s, c, w, r: 500.0 if (c, w) == (64, 1) else 1.0 * w)
+    monkeypatch.setattr(prof, "_forward_ms", lambda s, c, w, r, *room: 500.0 if (c, w) == (64, 1) else 1.0 * w)
     p, note = get_profile(engine.target, engine.draft, tmp_path, refresh=True)
     assert "busy" in note and "not cached" in note and disturbed(p)
     # a disturbed profile written by an older version is re-measured, never trusted

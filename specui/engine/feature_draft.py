@@ -45,6 +45,9 @@ class FeatureDraftSession(ModelSession):
         super().reset()
         self.true_len = 0
 
+    def stretch(self, ids: Sequence[int], room: int) -> bool:
+        return False  # which positions had their state is bookkept per position: prefill for real
+
     def _sync(self, ids: Sequence[int], leave: int) -> int:
         keep = super()._sync(ids, leave)
         if self.true_len < keep and self.true_len - 1 < self.known(ids):

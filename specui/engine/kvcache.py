@@ -105,6 +105,22 @@ class GrowingLayer(DynamicLayer):
             setattr(self, name, picked)
         self._len = prefix + m
 
+    def tile_to(self, length: int, capacity: int) -> None:
+        """Timing only (the cost profile): hold `length` entries, the ones held repeated in
+        order, in a buffer of at least `capacity`. Attention's cost depends on how many keys it
+        reads, not on what they are, so a forward after this costs what it does after `length`
+        real entries, without computing them."""
+        if not self.is_initialized or self._len == 0:
+            raise ValueError("tile_to needs a layer that holds entries")
+        index = torch.arange(length, device=self._kbuf.device) % self._len
+        for name in ("_kbuf", "_vbuf"):
+            buf = getattr(self, name)
+            new = torch.empty((*buf.shape[:-2], max(capacity, length), buf.shape[-1]), dtype=buf.dtype,
+                              device=buf.device)
+            new[..., :length, :] = buf[..., : self._len, :].index_select(-2, index)
+            setattr(self, name, new)
+        self._len = length
+
     def get_seq_length(self) -> int:
         return self._len if self.is_initialized else 0
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.kvcache import GrowingCache
+from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
 
@@ -110,6 +110,23 @@ class ModelSession:
         """Drop cached entries that are not a prefix of `ids` (rejected drafts)."""
         self._drop_pending_tree()
         self._crop(common_prefix(self.cached_ids, ids))
+
+    def stretch(self, ids: Sequence[int], room: int) -> bool:
+        """Timing only (the cost profile): make the cache hold all but the last of `ids`
+        without computing them, the entries it holds (a true prefix of `ids`) repeated to that
+        length, with room for `room` more; a forward then costs what it costs after a real
+        prefill of that length. False (nothing changed) where it cannot: no entries yet, a
+        cache layer that is not a GrowingLayer, a pending tree, or states kept for a feature draft."""
+        length = len(ids) - 1
+        layers = self.cache.layers
+        if (self.length == 0 or length <= self.length or self._tree_pending or self.features is not None
+                or common_prefix(self.cached_ids, ids) < self.length
+                or not all(isinstance(layer, GrowingLayer) and layer.is_initialized for layer in layers)):
+            return False
+        for layer in layers:
+            layer.tile_to(length, length + room)
+        self.cached_ids = list(ids[:length])
+        return True
 
     # -- forwards ----------------------------------------------------------------------
     @torch.inference_mode()

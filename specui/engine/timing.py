@@ -9,11 +9,13 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median milliseconds of `repeats` calls of `fn` after one warm-up call, the device
-    synchronised around each (CUDA)."""
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm_up: bool = True) -> float:
+    """Median milliseconds of `repeats` calls of `fn` after one warm-up call (`warm_up`; without
+    it a slow first call is one of the timed ones, which the median of 3 or more drops), the
+    device synchronised around each (CUDA)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up
+    if warm_up:
+        fn()
     times = []
     for _ in range(repeats):
         sync()
