@@ -131,11 +131,29 @@ def test_collect_cli_with_a_measured_precision(tiny, tmp_path, capsys):
     assert train_main(argv) == 0
     err = capsys.readouterr().err
     assert "answers generated in" in err and "float32:" in err and "bfloat16:" in err
+    assert "collecting with" in err and "4 rows" in err  # --collect-rows auto: doubled from 4 while it gained
     keys = set(chunk_keys_of(tmp_path / "work" / "answers"))
     assert len(keys) == 10 * 2 + 3 and "train/train-0/t0.9-s0" in keys and "heldout/heldout-0/greedy" in keys
     assert train_main(argv) == 0 and "answers generated in" not in capsys.readouterr().err  # nothing to do
     bad = argv[:-1] + ["0,-1"]
     assert train_main(bad) == 2 and "--temperatures" in capsys.readouterr().err
+
+
+def test_collect_rows_double_while_they_gain(monkeypatch, capsys):
+    import argparse
+
+    from specui.train import collect_command
+
+    rates = {8: 100.0, 16: 150.0, 32: 160.0, 64: 400.0}
+    monkeypatch.setattr(collect_command, "batched_tokens_per_s", lambda _e, _p, rows, _n: rates[rows])
+    assert collect_command.more_rows(None, [], 8, 100.0, 10) == 16  # 32 rows gain under 10%: stop there
+    assert "16 rows 150, 32 rows 160" in capsys.readouterr().err
+    rates.update({32: 170.0, 64: 190.0, 128: 300.0})
+    assert collect_command.more_rows(None, [], 8, 100.0, 10) == 128  # never past MOST_ROWS
+    assert collect_command.rows_arg("auto") == 0 and collect_command.rows_arg("48") == 48
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            collect_command.rows_arg(bad)
 
 
 def chunk_keys_of(folder) -> list[str]:

@@ -179,3 +179,20 @@ def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_d
     path = tmp_path / f"{p.key}.json"
     path.write_text(json.dumps({**p.to_dict(), "key": p.key}))
     assert load_cached(path, p.key) is None
+
+
+def test_a_long_forward_is_timed_fewer_times():
+    import time
+
+    from specui.engine.timing import median_ms
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.03)
+
+    assert median_ms(slow, torch.device("cpu"), 3, warm_up=False, budget_ms=50) >= 30 and len(calls) == 2
+    calls.clear()
+    median_ms(slow, torch.device("cpu"), 3, warm_up=True) and None
+    assert len(calls) == 4  # a warm-up and three timed calls without a budget

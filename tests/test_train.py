@@ -370,3 +370,19 @@ def test_versions_stand_at_the_largest_training_set_so_far():
     versions = [{"train_answer_tokens": 1308, "agreement": 0.543}]
     fig = figure([{"tokens_seen": 0, "agreement": 0.5}], versions, 371, 0.551)
     assert list(fig.data[1].x) == [1308, 1308] and list(fig.data[1].y) == [0.543, 0.551]
+
+
+def test_teacher_dtype_auto_is_measured_and_a_given_one_kept(setup, capsys):
+    from argparse import Namespace
+
+    from specui.train.__main__ import resolve_teacher_dtype
+
+    target = setup[2]
+    args = Namespace(teacher_dtype="auto")
+    resolve_teacher_dtype(args, target, tokens=64)
+    said = capsys.readouterr().err
+    assert args.teacher_dtype in ("float32", "bfloat16") and f"teacher passes in {args.teacher_dtype}" in said
+    assert "float32" in said and "bfloat16" in said and "prefill tokens/s" in said
+    args = Namespace(teacher_dtype="float32")
+    resolve_teacher_dtype(args, target)
+    assert args.teacher_dtype == "float32" and capsys.readouterr().err == ""

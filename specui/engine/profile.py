@@ -32,6 +32,7 @@ PROFILE_VERSION = 3  # 2: k counts every token fed (was k + 1); 3: 2048 context,
 # a forward of fewer tokens, or after a shorter context, never costs more than this times a larger
 # one's plus DISTURBED_MS: where it does, something else held the cores while it was timed
 DISTURBED_SLACK, DISTURBED_MS = 1.5, 2.0
+POINT_BUDGET_MS = 300.0  # a point's timed forwards stop once they took this long (at least one)
 
 Progress = Callable[[float, str], None]
 
@@ -268,7 +269,8 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, r
     attention's cost depends on how many keys it reads, not on their values), so only the
     first context is prefilled for real; `room`: the widest forward to come after it.
     The first forward of a point is one of the `repeats` timed (the median drops it if slow):
-    with 3 repeats this is a quarter less time than a separate warm-up."""
+    with 3 repeats this is a quarter less time than a separate warm-up. A point whose
+    forwards took POINT_BUDGET_MS is not timed again (a forward that long varies little)."""
     ids = _context_ids(session, context)
     if not session.stretch(ids, room):
         session.prefill(ids)
@@ -282,7 +284,7 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, r
             session.forward_tree(ids, star)
             session.commit_path(star, [])
 
-    return median_ms(run, session.device, repeats, warm_up=repeats < 3)
+    return median_ms(run, session.device, repeats, warm_up=repeats < 3, budget_ms=POINT_BUDGET_MS)
 
 
 def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:

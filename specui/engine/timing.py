@@ -9,15 +9,17 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm_up: bool = True) -> float:
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm_up: bool = True,
+              budget_ms: float | None = None) -> float:
     """Median milliseconds of `repeats` calls of `fn` after one warm-up call (`warm_up`; without
     it a slow first call is one of the timed ones, which the median of 3 or more drops), the
-    device synchronised around each (CUDA)."""
+    device synchronised around each (CUDA). `budget_ms`: stop early once the timed calls took
+    that long (at least one call): a forward that long is timed well by fewer calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if warm_up:
         fn()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and (budget_ms is None or not times or sum(times) < budget_ms):
         sync()
         t0 = time.perf_counter()
         fn()

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
 from specui.draft_model import add_feature_input, load_draft, save_draft
+from specui.engine.timing import median_ms
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
 from specui.train import curve, decision_command, head_command, questions
@@ -83,11 +84,14 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--heldout-prompts", type=Path, default=HELDOUT)
     common.add_argument("--work", type=Path, default=Path("out/distill"), help="data cache and checkpoints")
     common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
-    common.add_argument("--batch-size", type=int, default=32, help="answers generated together (rows of one batch)")
+    common.add_argument("--batch-size", type=int, default=32,
+                        help="answers per batch: of the teacher passes, and the rows collecting starts from "
+                             "(--collect-rows)")
     common.add_argument("--seed", type=int, default=0)
-    common.add_argument("--teacher-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+    common.add_argument("--teacher-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="the target's passes over the training answers (soft labels' top-k, a feature draft's "
-                             "states): bfloat16 prefills ran 2.5x faster than float32 on a 2-core AMD EPYC; the "
+                             "states); auto: the faster batched prefill measured here (bfloat16 ran 2.5x faster "
+                             "than float32 on a 2-core AMD EPYC with AVX-512, 6x slower on one without); the "
                              "held-out set's teacher stays float32")
     add_arguments(common)
     sub.add_parser("collect", parents=[common], help="collect the target's answers and top-k distributions")
@@ -155,6 +159,8 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
         return AnswerSet(), AnswerSet()
     train_set = AnswerSet()
     labels = getattr(args, "labels", "soft")
+    if labels == "soft":
+        resolve_teacher_dtype(args, target)
     teacher = pass_model(target, args.teacher_dtype)
     suffix = "" if args.teacher_dtype == "float32" else f"-{args.teacher_dtype}"
     for stem, jobs in train_jobs.items():
@@ -171,6 +177,7 @@ def states(args, target: LoadedModel, data: AnswerSet, wanted: bool) -> list[tor
     if not wanted:
         return None
     seqs = [p + a for p, a in zip(data.prompt_ids, data.answer_ids)]
+    resolve_teacher_dtype(args, target)
     dtype = args.teacher_dtype
     return states_for(pass_model(target, dtype), data.ids, seqs, args.work / f"states-{dtype}")
 
@@ -184,6 +191,27 @@ def pass_model(target: LoadedModel, dtype: str) -> Callable[[], PreTrainedModel]
             return target.model
         return copy.deepcopy(target.model).to(getattr(torch, dtype))
     return make
+
+
+def resolve_teacher_dtype(args, target: LoadedModel, tokens: int = 512) -> None:
+    """--teacher-dtype auto -> the dtype whose batched prefill of training-sized sequences is
+    faster here (bfloat16 on a GPU), said on stderr."""
+    if args.teacher_dtype != "auto":
+        return
+    if target.device.type == "cuda":
+        args.teacher_dtype = "bfloat16"
+        return
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, target.model.config.vocab_size, (4, tokens // 4), generator=gen)
+    rates = {}
+    for name in ("float32", "bfloat16"):
+        model = pass_model(target, name)()
+        with torch.inference_mode():
+            ms = median_ms(lambda m=model: m(input_ids=batch.to(target.device), logits_to_keep=1), target.device, 2)
+        rates[name] = batch.numel() / ms * 1000.0
+    args.teacher_dtype = max(rates, key=rates.get)
+    print(f"teacher passes in {args.teacher_dtype}: " + ", ".join(f"{n} {r:.0f}" for n, r in rates.items())
+          + " prefill tokens/s (--teacher-dtype to fix it)", file=sys.stderr)
 
 
 def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:

@@ -114,6 +114,7 @@ class Collector:
     k: int = 32
     context: int = 2048
     temperatures: tuple[float, ...] = (0.8,)
+    collect_rows: int = 0  # rows of the collection batch (0: batch_size); make_engine may set it
     _engine: Engine | None = field(default=None, repr=False)
 
     def jobs(self, items: Sequence[PromptItem], set_name: str, samples: int = 0, greedy: bool = True) -> list[Job]:
@@ -137,7 +138,7 @@ class Collector:
         if self._engine is None:  # built (precision measured) only when something is missing
             made = self.make_engine() if self.make_engine is not None else None
             self._engine = made or Engine(self.teacher, self.tokenizer, None, self.eos_ids)
-        return collect_answers(self._engine, jobs, self.store, batch_size=self.batch_size,
+        return collect_answers(self._engine, jobs, self.store, batch_size=self.collect_rows or self.batch_size,
                                max_new_tokens=self.max_new_tokens, desc=desc, **kw)
 
     def answer_set(self, jobs: Sequence[Job], name: str, save_every_s: float = 60.0,
