@@ -69,6 +69,21 @@ def test_acceptance_persists_across_generations_and_auto_adapts(tiny_target, tin
     assert choices(second)[0] == "autoregressive"
 
 
+def test_chain_probe_waits_carry_over_to_the_next_reply(tiny_target, tiny_draft):
+    """Where chains do not pay, the wait between chain probes keeps doubling across replies
+    (the engine's EngineCosts.chains) instead of starting over at probe_every each reply."""
+    engine = engine_with(tiny_target, tiny_draft, synthetic(t1=10.0, slope=0.3, draft=1.0))
+    run(engine, PROMPTS[0], 60, "auto", probe_every=4, calibrate=False, trees=False)
+    assert engine.costs.acceptance.alpha < 0.5
+    engine.costs.chains.since, engine.costs.chains.gap = 0, 32
+    second = run(engine, PROMPTS[1], 20, "auto", probe_every=4, calibrate=False, trees=False)
+    assert set(choices(second)) == {"autoregressive"}  # a fresh wait of 4 would have probed by now
+    assert engine.costs.chains.since == len(choices(second)) and engine.costs.chains.gap == 32
+    engine.costs.chains.since = 31
+    third = run(engine, PROMPTS[0], 4, "auto", probe_every=4, calibrate=False, trees=False)
+    assert "speculative:1" in choices(third) and engine.costs.chains.gap == 32  # doubled, at most 8 x 4
+
+
 @pytest.mark.parametrize("draft_kind", ["random", "near-copy"])
 def test_auto_greedy_equals_autoregressive(tiny_target, tiny_draft, draft_kind):
     draft = {"random": tiny_draft, "near-copy": near_copy(tiny_target, 0.003, 7)}[draft_kind]

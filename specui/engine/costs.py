@@ -78,12 +78,24 @@ class TreeVerdict:
 
 
 @dataclass
+class ChainProbes:
+    """Where `auto` expects no chain to pay, it still probes one now and then (alpha may have
+    changed); kept across replies, so a conversation's waits keep doubling instead of starting
+    over with every reply: autoregressive steps since the last chain, and the wait before the
+    next probe (None: the method's probe_every)."""
+
+    since: int = 0
+    gap: int | None = None
+
+
+@dataclass
 class EngineCosts:
     profile: CostProfile | None = None
     note: str = ""  # how the profile was obtained, or why there is none
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     ratios: dict[str, TimeRatio] = field(default_factory=dict)  # by kind: "autoregressive", "speculative"
     trees: TreeVerdict = field(default_factory=TreeVerdict)  # auto's OPT-Tree probes
+    chains: ChainProbes = field(default_factory=ChainProbes)  # auto's chain probes where chains do not pay
 
     def ratio(self, kind: str) -> TimeRatio:
         return self.ratios.setdefault(kind, TimeRatio())

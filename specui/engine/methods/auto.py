@@ -5,8 +5,10 @@ length g = 1..G. With per-token acceptance alpha (engine-owned running estimate)
 of g drafts commits E = (1 - alpha^(g+1)) / (1 - alpha) tokens for g * t_draft + t(g+1) ms
 (t from the measured cost profile, corrected by running ratios of measured to predicted
 step time, unless `calibrate` is off). The best rate wins; speculation must beat autoregressive by `margin`, so when
-drafting does not pay the draft stays idle and auto decodes autoregressively. Every
-`probe_every` autoregressive steps a gamma-1 chain probes whether the draft agrees again.
+drafting does not pay the draft stays idle and auto decodes autoregressively. After
+`probe_every` autoregressive steps a gamma-1 chain probes whether the draft agrees again; the
+wait doubles while probes fail (up to 8x) and, kept in EngineCosts.chains, carries over to
+the next reply.
 
 With `confidence` set (default 0.4), a chain the profile chose runs up to G drafts and ends
 after the first token the draft itself gave less than that probability (as transformers'
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import time
 
-from specui.engine.costs import EngineCosts, TreeYield
+from specui.engine.costs import ChainProbes, EngineCosts, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.speculative import Speculative
@@ -85,9 +87,10 @@ class Auto(Method):
         self.confidence = confidence
         self.ar = Autoregressive()
         self.chains: dict[int, Speculative] = {}
-        self.since_spec = 0  # autoregressive steps since the last speculative one
         self.since_ar = 0  # speculative steps since the last autoregressive one
-        self.probe_gap = probe_every  # autoregressive steps between probes: doubles while probes fail
+        # autoregressive steps since the last chain, and between chain probes (doubling while
+        # probes fail): the engine's (EngineCosts.chains) once begin() sees it, kept across replies
+        self.probes = ChainProbes()
         self.pending: list[str] = []  # notes for the first step
         # OPT-Tree (adaptive budget, at most `nodes`) as a candidate; its yield is measured in bursts
         self.tree = OptTree(nodes=nodes, adaptive_nodes=True) if trees and nodes >= 2 else None
@@ -101,6 +104,8 @@ class Auto(Method):
     def begin(self, ctx: DecodeContext) -> None:
         ctx.target.prefill(ctx.ids)  # the draft catches up only when a chain runs (its advance feeds what it lacks)
         costs = ctx.costs
+        if costs is not None:
+            self.probes = costs.chains
         if ctx.draft is None:
             self.pending.append("no draft model loaded: auto decodes autoregressively")
         elif costs is None or costs.profile is None:
@@ -158,11 +163,12 @@ class Auto(Method):
                 # profile alone: without this an over-estimated t(1) keeps auto speculating
                 return 0, f"probe: timing autoregressive ({rates[best] / rates[0]:.2f}x expected from speculation)"
             why = f"alpha {alpha:.2f}: {rates[best] / rates[0]:.2f}x autoregressive expected"
-            self.probe_gap = self.probe_every
+            self.probes.gap = None
             return best, why
         # a probe refreshes alpha; not while the draft would first have to read a long prompt
-        if best and self.since_spec >= self.probe_gap and caught_up:
-            self.probe_gap = min(8 * self.probe_every, 2 * self.probe_gap)  # reset when speculation wins again
+        gap = self.probes.gap or self.probe_every
+        if best and self.probes.since >= gap and caught_up:
+            self.probes.gap = min(8 * self.probe_every, 2 * gap)  # reset when speculation wins again
             return 1, f"probe: alpha {alpha:.2f}, speculation not expected to pay"
         return 0, f"alpha {alpha:.2f}: speculation not expected to pay ({rates[best] / rates[0]:.2f}x)"
 
@@ -237,7 +243,7 @@ class Auto(Method):
         if gamma == 0:
             result = self.ar.step(ctx)
             choice, kind = AR, AR
-            self.since_spec += 1
+            self.probes.since += 1
             self.since_ar = 0
         else:
             if self.confidence is not None and why.startswith("alpha"):  # chosen by the profile (no probe)
@@ -245,7 +251,7 @@ class Auto(Method):
             chain = self.chains.setdefault(gamma, Speculative(gamma, confidence=self.confidence))
             result = chain.step(ctx)
             choice, kind = f"speculative:{gamma}", "speculative"
-            self.since_spec = 0
+            self.probes.since = 0
             self.since_ar += 1
             if ctx.costs is not None:
                 ctx.costs.acceptance.observe(result.drafted, result.accepted)
@@ -278,6 +284,6 @@ class Auto(Method):
             ctx.costs.ratio("opt-tree").observe(ms, predicted)
         ctx.costs.trees.yield_.observe(len(result.tokens), predicted)
         self.count_step(tree=True)
-        self.since_spec = 0
+        self.probes.since = 0
         self.since_ar += 1
         return self.labelled(result, f"opt-tree:{nodes}", why)
