@@ -120,23 +120,34 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
     assert gen.output_ids == chains.output_ids == run(engine, PROMPTS[0], 60, "autoregressive").output_ids
 
 
-def test_trees_that_lose_are_probed_ever_less_often():
+def test_trees_that_lose_wait_until_the_bound_makes_up_for_the_shortfall():
     """Trees that commit 1 token per 20 ms against 0.1 tokens per ms elsewhere, where the
-    optimistic bound (alpha 0.5, flat costs) keeps allowing probes: bursts of 4, each lost one
-    doubling the wait, up to 16 x probe_every; a burst that wins is kept and resets the wait."""
+    optimistic bound (alpha 0.5, flat costs) allows probes: after a lost burst of 4 the bound
+    is scaled by how far that burst fell short of it, so with alpha unchanged the next probe
+    waits the longest (16 x probe_every); once alpha has risen enough to make up for the
+    shortfall, the (doubled) gap is wait enough; a burst that wins is kept and resets the wait."""
     costs = EngineCosts(profile=flat(), acceptance=AcceptanceEstimate(accepted=5e5, rejected=5e5, decay=1.0))
     auto = Auto(probe_every=4, calibrate=False)
-    starts, trees = [], 0
-    for step in range(600):
-        why = auto.tree_choice(costs, 64, others=0.1)
-        if why:
-            trees += 1
-            starts += [step] if why.startswith("probe: OPT-Tree step 1 of 4") else []
-            costs.trees.yield_.observe(1, 20.0)
-        auto.count_step(tree=bool(why))
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert gaps[:5] == [12, 20, 36, 68, 68] and set(gaps[4:]) == {68}  # 4 tree steps + a wait of 8, 16, 32, 64
-    assert trees == 4 * len(starts) and costs.trees.gap == 64
+
+    def steps(n: int) -> list[int]:
+        starts = []
+        for step in range(n):
+            why = auto.tree_choice(costs, 64, others=0.1)
+            if why:
+                starts += [step] if why.startswith("probe: OPT-Tree step 1 of 4") else []
+                costs.trees.yield_.observe(1, 20.0)
+            auto.count_step(tree=bool(why))
+        return starts
+
+    starts = steps(400)
+    assert starts[0] == 4 and [b - a for a, b in zip(starts, starts[1:])] == [68] * (len(starts) - 1)
+    assert 0 < costs.trees.shortfall < 0.5 and costs.trees.gap == 64  # the doubling reached the longest
+    costs.trees.gap, costs.trees.since = 8, 0  # as after one lost burst
+    assert not steps(30)  # alpha unchanged: the scaled bound stays below the rest
+    costs.acceptance = AcceptanceEstimate(accepted=9.9e5, rejected=1e4, decay=1.0)  # the draft now agrees
+    assert auto.tree_bound(costs, 64) * costs.trees.shortfall > 0.1 * 1.05
+    costs.trees.since = 0
+    assert steps(12)[0] == 8  # after the gap, not the longest wait
     while not auto.tree_choice(costs, 64, others=0.1):  # the next probe's first step; this burst wins
         auto.count_step(tree=False)
     costs.trees.yield_.observe(5, 10.0)
@@ -147,6 +158,7 @@ def test_trees_that_lose_are_probed_ever_less_often():
         auto.count_step(tree=True)
     # kept, and the wait is back to probe_every; after probe_every tree steps one other step (a chain)
     assert auto.tree_choice(costs, 64, others=0.1) is None and costs.trees.win and costs.trees.gap == 4
+    assert costs.trees.shortfall == 1.0
     auto.count_step(tree=False)
     assert "(measured)" in auto.tree_choice(costs, 64, others=0.1)
 

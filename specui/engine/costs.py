@@ -69,12 +69,16 @@ class TreeYield:
 @dataclass
 class TreeVerdict:
     """What `auto` has learnt about OPT-Tree on this pair, kept across replies: the measured
-    yield, whether trees are ahead, and the steps to wait before probing them again (None:
-    the method's probe_every)."""
+    yield, whether trees are ahead, the steps to wait before probing them again (None: the
+    method's probe_every) and the steps since the last tree step, and how far the last lost
+    probe fell short of the optimistic bound that started it (measured rate / bound)."""
 
     yield_: TreeYield = field(default_factory=TreeYield)
     win: bool = False
     gap: int | None = None
+    since: int = 0
+    shortfall: float = 1.0
+    probe_bound: float = 0.0  # the bound (tokens per ms) when the current or last probe started
 
 
 @dataclass

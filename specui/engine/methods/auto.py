@@ -22,8 +22,10 @@ it is measured: when an optimistic bound (two candidates per depth, accepted wit
 could beat the best chain or plain decoding, auto runs a burst of PROBE_BURST tree steps and
 keeps trees while their committed tokens per (calibrated) predicted ms stay ahead, with one
 chain step every `probe_every` tree steps to keep alpha fresh. A tree that loses waits twice
-as long for its next probe. The verdict is the engine's (EngineCosts.trees), so it carries
-over to the next reply as alpha does.
+as long for its next probe (up to 16 x probe_every), and until then the bound is scaled by how
+far that probe fell short of it, so a probe is only repeated early where alpha or the costs
+have moved enough to make up for it. The verdict (and the steps since the last tree) is the
+engine's (EngineCosts.trees), so it carries over to the next reply as alpha does.
 
 Each step is one lossless step of its sub-method (both verify against the target), so
 the reply is the target's greedy reply, and sampling stays distributed as the target."""
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import time
 
-from specui.engine.costs import ChainProbes, EngineCosts, TreeYield
+from specui.engine.costs import ChainProbes, EngineCosts, TreeVerdict, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.autoregressive import Autoregressive
 from specui.engine.methods.speculative import Speculative
@@ -97,7 +99,7 @@ class Auto(Method):
         self.tree_begun = False
         # the verdict on trees (yield, ahead or not, wait between probes) lives in the engine's
         # costs (EngineCosts.trees), kept across replies; these count steps within this reply
-        self.since_tree = 0  # steps since the last tree step
+        self.verdict = TreeVerdict()  # the engine's (EngineCosts.trees) once begin() sees it
         self.tree_run = 0  # tree steps since the last other step
         self.burst = 0  # tree steps left in the current probe
 
@@ -105,7 +107,7 @@ class Auto(Method):
         ctx.target.prefill(ctx.ids)  # the draft catches up only when a chain runs (its advance feeds what it lacks)
         costs = ctx.costs
         if costs is not None:
-            self.probes = costs.chains
+            self.probes, self.verdict = costs.chains, costs.trees
         if ctx.draft is None:
             self.pending.append("no draft model loaded: auto decodes autoregressively")
         elif costs is None or costs.profile is None:
@@ -203,31 +205,37 @@ class Auto(Method):
         a long prompt (`caught_up` False)."""
         if self.tree is None or not costs.profile.has_draft:
             return None
-        verdict = costs.trees
+        verdict = self.verdict = costs.trees
         if self.burst > 0:
             self.burst -= 1
             return f"probe: OPT-Tree step {PROBE_BURST - self.burst} of {PROBE_BURST}"
         rate = verdict.yield_.rate(self.tree_ratio(costs))
+        longest = 16 * self.probe_every
         if self.tree_run:  # judge what the trees just did
             verdict.win = rate is not None and rate > others * (1.0 + self.margin)
             if not verdict.win and self.tree_run >= PROBE_BURST:
-                verdict.gap = min(16 * self.probe_every, 2 * (verdict.gap or self.probe_every))
+                verdict.gap = min(longest, 2 * (verdict.gap or self.probe_every))
+                if rate is not None and verdict.probe_bound > 0:  # how optimistic the bound was
+                    verdict.shortfall = min(1.0, rate / verdict.probe_bound)
         if verdict.win and rate is not None:
-            verdict.gap = self.probe_every
+            verdict.gap, verdict.shortfall = self.probe_every, 1.0
             if self.tree_run < self.probe_every:
                 return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
             return None  # one chain step now and then keeps alpha fresh
-        if self.since_tree >= (verdict.gap or self.probe_every) and caught_up:
+        if verdict.since >= (verdict.gap or self.probe_every) and caught_up:
             bound = self.tree_bound(costs, context, remaining)
-            if bound > others * (1.0 + self.margin):
+            # the bound scaled by how far the last lost probe fell short of it: no new probe
+            # until alpha or the costs moved enough to make up for that, or after the longest wait
+            if bound * (1.0 if verdict.since >= longest else verdict.shortfall) > others * (1.0 + self.margin):
                 self.burst = PROBE_BURST - 1
                 verdict.yield_ = TreeYield()  # judged on this burst, not on trees long past
+                verdict.probe_bound = bound
                 return f"probe: OPT-Tree step 1 of {PROBE_BURST} (up to {bound / others:.2f}x expected)"
         return None
 
     def count_step(self, tree: bool) -> None:
         """Steps since the last tree step, tree steps since the last other one."""
-        self.since_tree, self.tree_run = (0, self.tree_run + 1) if tree else (self.since_tree + 1, 0)
+        self.verdict.since, self.tree_run = (0, self.tree_run + 1) if tree else (self.verdict.since + 1, 0)
 
     # -- stepping --------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> StepResult:
