@@ -134,7 +134,7 @@ def tiny_head_setup(tmp_path_factory):
     argv = ["head", "--target", str(folder), "--draft", str(root / "draft"), "--out", str(out),
             "--train-prompts", str(train_file), "--heldout-prompts", str(heldout_file), "--work", str(root / "work"),
             "--max-new-tokens", "16", "--batch-size", "8", "--depths", "0,1", "--mixes", "0.5",
-            "--rej-weights", "1,3", "--labels", "soft", "--epochs", "1", "--gamma-max", "6", "--dev-prompts", ""]
+            "--rej-weights", "1,3", "--labels", "greedy", "--epochs", "1", "--gamma-max", "6", "--dev-prompts", ""]
     assert train_main(argv) == 0
     return root, folder, target, out, argv
 

@@ -372,17 +372,23 @@ def test_versions_stand_at_the_largest_training_set_so_far():
     assert list(fig.data[1].x) == [1308, 1308] and list(fig.data[1].y) == [0.543, 0.551]
 
 
-def test_teacher_dtype_auto_is_measured_and_a_given_one_kept(setup, capsys):
+def test_teacher_dtype_auto_is_measured_once_and_a_given_one_kept(setup, capsys, tmp_path):
     from argparse import Namespace
 
     from specui.train.__main__ import resolve_teacher_dtype
 
     target = setup[2]
-    args = Namespace(teacher_dtype="auto")
+    args = Namespace(teacher_dtype="auto", work=tmp_path)
     resolve_teacher_dtype(args, target, tokens=64)
     said = capsys.readouterr().err
-    assert args.teacher_dtype in ("float32", "bfloat16") and f"teacher passes in {args.teacher_dtype}" in said
+    assert args.teacher_dtype in ("float32", "bfloat16") and f"teacher passes in {args.teacher_dtype}:" in said
     assert "float32" in said and "bfloat16" in said and "prefill tokens/s" in said
-    args = Namespace(teacher_dtype="float32")
+    again = Namespace(teacher_dtype="auto", work=tmp_path)  # the next run on this machine keeps the choice
+    resolve_teacher_dtype(again, target, tokens=64)
+    assert again.teacher_dtype == args.teacher_dtype and "chosen earlier" in capsys.readouterr().err
+    (tmp_path / "teacher-dtype.json").write_text("{not json")  # a broken record is measured again
+    resolve_teacher_dtype(Namespace(teacher_dtype="auto", work=tmp_path), target, tokens=64)
+    assert "prefill tokens/s" in capsys.readouterr().err
+    args = Namespace(teacher_dtype="float32", work=tmp_path)
     resolve_teacher_dtype(args, target)
     assert args.teacher_dtype == "float32" and capsys.readouterr().err == ""

@@ -32,7 +32,7 @@ PROFILE_VERSION = 3  # 2: k counts every token fed (was k + 1); 3: 2048 context,
 # a forward of fewer tokens, or after a shorter context, never costs more than this times a larger
 # one's plus DISTURBED_MS: where it does, something else held the cores while it was timed
 DISTURBED_SLACK, DISTURBED_MS = 1.5, 2.0
-POINT_BUDGET_MS = 300.0  # a point's timed forwards stop once they took this long (at least one)
+POINT_BUDGET_MS = 300.0  # a profile point's timed forwards stop once two took this long
 
 Progress = Callable[[float, str], None]
 
@@ -260,7 +260,8 @@ def _context_ids(session: ModelSession, context: int) -> list[int]:
     return [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
 
 
-def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, room: int = 64) -> float:
+def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, room: int = 64,
+                quick: bool = False) -> float:
     """ms to feed `width` tokens in one forward after `context` cached ones, as the engine
     does: width 1 is a decode step (the last committed token alone); width k > 1 is that
     token and a star of k - 1 children after it, as a verification or a tree layer is.
@@ -268,9 +269,9 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, r
     A longer context than the session holds repeats the entries it holds (`stretch`:
     attention's cost depends on how many keys it reads, not on their values), so only the
     first context is prefilled for real; `room`: the widest forward to come after it.
-    The first forward of a point is one of the `repeats` timed (the median drops it if slow):
-    with 3 repeats this is a quarter less time than a separate warm-up. A point whose
-    forwards took POINT_BUDGET_MS is not timed again (a forward that long varies little)."""
+    `quick` (the profile): no separate warm-up, the first forward is one of those timed (the
+    median of 3 drops it if slow), and a point whose timed forwards took POINT_BUDGET_MS stops
+    after two, the first dropped (a forward that long varies little)."""
     ids = _context_ids(session, context)
     if not session.stretch(ids, room):
         session.prefill(ids)
@@ -284,7 +285,9 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, r
             session.forward_tree(ids, star)
             session.commit_path(star, [])
 
-    return median_ms(run, session.device, repeats, warm_up=repeats < 3, budget_ms=POINT_BUDGET_MS)
+    if quick:
+        return median_ms(run, session.device, repeats, warm_up=False, budget_ms=POINT_BUDGET_MS)
+    return median_ms(run, session.device, repeats)
 
 
 def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:
@@ -298,9 +301,9 @@ def measure_profile(
     contexts: tuple[int, ...] = CONTEXTS, ks: tuple[int, ...] = TARGET_KS,
     widths: tuple[int, ...] = DRAFT_WIDTHS, repeats: int = 3,
 ) -> CostProfile:
-    """Median of `repeats` timed forwards after a warm-up, for each (context, k) of the
+    """Median of `repeats` timed forwards (`_forward_ms`, quick), for each (context, k) of the
     target, each width of the draft after the shortest context and one draft token after
-    every context. Contexts run shortest first, so each prefill extends the last. A point
+    every context. Only the shortest context is prefilled; longer ones stretch it. A point
     that costs more than a larger forward (`disturbed`) is timed again, up to twice, keeping
     the lower figure. Both sessions are reset afterwards."""
     t0 = time.perf_counter()
@@ -319,7 +322,7 @@ def measure_profile(
             if progress is not None:
                 who = "target" if session is target else "draft"
                 progress(i / len(jobs), f"profiling {who}: {k} tokens after {c}")
-            ms = _forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths))
+            ms = _forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths), quick=True)
             if session is target:
                 target_ms[c][k] = ms
                 continue
@@ -332,7 +335,7 @@ def measure_profile(
             for who, c, k in sorted(disturbed(profile)):
                 if progress is not None:
                     progress(0.99, f"timing again: {who} {k} tokens after {c}")
-                ms = _forward_ms(target if who == "target" else draft, c, k, repeats)
+                ms = _forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
                 if who == "target":
                     target_ms[c][k] = min(target_ms[c][k], ms)
                 if who == "draft" and c == draft_contexts[0]:

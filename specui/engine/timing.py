@@ -11,18 +11,21 @@ import torch
 
 def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm_up: bool = True,
               budget_ms: float | None = None) -> float:
-    """Median milliseconds of `repeats` calls of `fn` after one warm-up call (`warm_up`; without
-    it a slow first call is one of the timed ones, which the median of 3 or more drops), the
-    device synchronised around each (CUDA). `budget_ms`: stop early once the timed calls took
-    that long (at least one call): a forward that long is timed well by fewer calls."""
+    """Median milliseconds of `repeats` calls of `fn` after one warm-up call, the device
+    synchronised around each (CUDA). Without `warm_up` the first call is timed too and is
+    dropped where fewer than 3 calls were timed (a median of 3 or more drops a slow first
+    call by itself). `budget_ms`: stop once at least two calls were timed and they took that
+    long: a forward that long is timed well by fewer calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if warm_up:
         fn()
     times: list[float] = []
-    while len(times) < repeats and (budget_ms is None or not times or sum(times) < budget_ms):
+    while len(times) < repeats and (budget_ms is None or len(times) < 2 or sum(times) < budget_ms):
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1000.0)
+    if not warm_up and 1 < len(times) < 3:
+        times = times[1:]
     return statistics.median(times)

@@ -35,6 +35,8 @@ from transformers import PreTrainedModel
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
 from specui.draft_model import add_feature_input, load_draft, save_draft
+from specui.dtypes import MARGIN
+from specui.engine.profile import cpu_model, model_identity
 from specui.engine.timing import median_ms
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
@@ -159,7 +161,7 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
         return AnswerSet(), AnswerSet()
     train_set = AnswerSet()
     labels = getattr(args, "labels", "soft")
-    if labels == "soft":
+    if labels != "hard":  # soft, or the head's own label kinds: a teacher pass
         resolve_teacher_dtype(args, target)
     teacher = pass_model(target, args.teacher_dtype)
     suffix = "" if args.teacher_dtype == "float32" else f"-{args.teacher_dtype}"
@@ -195,11 +197,23 @@ def pass_model(target: LoadedModel, dtype: str) -> Callable[[], PreTrainedModel]
 
 def resolve_teacher_dtype(args, target: LoadedModel, tokens: int = 512) -> None:
     """--teacher-dtype auto -> the dtype whose batched prefill of training-sized sequences is
-    faster here (bfloat16 on a GPU), said on stderr."""
+    faster here (bfloat16 on a GPU; on a CPU bfloat16 must be dtypes.MARGIN faster, as it rounds
+    more), said on stderr. The choice is kept in --work (keyed by CPU, torch and threads), so the
+    teacher caches and a resumed run's id do not flip between runs on the same machine."""
     if args.teacher_dtype != "auto":
         return
     if target.device.type == "cuda":
         args.teacher_dtype = "bfloat16"
+        return
+    key = f"{cpu_model()}|{torch.__version__}|{torch.get_num_threads()} threads|{model_identity(target.model)}"
+    path = args.work / "teacher-dtype.json"
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if isinstance(kept, dict) and kept.get("key") == key and kept.get("dtype") in ("float32", "bfloat16"):
+        args.teacher_dtype = kept["dtype"]
+        print(f"teacher passes in {args.teacher_dtype} (chosen earlier on this machine: {path})", file=sys.stderr)
         return
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, target.model.config.vocab_size, (4, tokens // 4), generator=gen)
@@ -207,11 +221,16 @@ def resolve_teacher_dtype(args, target: LoadedModel, tokens: int = 512) -> None:
     for name in ("float32", "bfloat16"):
         model = pass_model(target, name)()
         with torch.inference_mode():
-            ms = median_ms(lambda m=model: m(input_ids=batch.to(target.device), logits_to_keep=1), target.device, 2)
+            ms = median_ms(lambda m=model: m(input_ids=batch.to(target.device), logits_to_keep=1), target.device, 3)
         rates[name] = batch.numel() / ms * 1000.0
-    args.teacher_dtype = max(rates, key=rates.get)
+    args.teacher_dtype = "bfloat16" if MARGIN * rates["bfloat16"] > rates["float32"] else "float32"
     print(f"teacher passes in {args.teacher_dtype}: " + ", ".join(f"{n} {r:.0f}" for n, r in rates.items())
           + " prefill tokens/s (--teacher-dtype to fix it)", file=sys.stderr)
+    try:
+        args.work.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "dtype": args.teacher_dtype, "tokens_per_s": rates}, indent=1))
+    except OSError:
+        pass  # measured again next time
 
 
 def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:

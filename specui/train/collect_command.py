@@ -110,7 +110,11 @@ def more_rows(engine: Engine, prompts: list[list[int]], rows: int, rate: float, 
     """Double the rows while answer tokens/s grow by ROWS_GAIN or more, up to MOST_ROWS."""
     lines = [f"{rows} rows {rate:.0f}"]
     while rows * 2 <= MOST_ROWS:
-        doubled = batched_tokens_per_s(engine, prompts, rows * 2, answer_len)
+        try:
+            doubled = batched_tokens_per_s(engine, prompts, rows * 2, answer_len)
+        except (RuntimeError, MemoryError) as e:  # out of memory (torch's is a RuntimeError): stay below
+            lines.append(f"{rows * 2} rows did not fit ({type(e).__name__})")
+            break
         lines.append(f"{rows * 2} rows {doubled:.0f}")
         if doubled < (1 + ROWS_GAIN) * rate:
             break
