@@ -194,6 +194,8 @@ def test_a_long_forward_is_timed_fewer_times():
 
     assert 30 <= median_ms(slow, torch.device("cpu"), 3, warm_up=False, budget_ms=50) < 60 and len(calls) == 2
     calls.clear()
+    assert median_ms(slow, torch.device("cpu"), 3, warm_up=False, budget_ms=35) >= 80 and len(calls) == 1
+    calls.clear()
     assert median_ms(slow, torch.device("cpu"), 3, warm_up=False) < 60 and len(calls) == 3  # the median drops it
     calls.clear()
     assert median_ms(slow, torch.device("cpu"), 3) < 60 and len(calls) == 4  # a warm-up and three timed calls

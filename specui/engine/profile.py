@@ -271,7 +271,8 @@ def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, r
     first context is prefilled for real; `room`: the widest forward to come after it.
     `quick` (the profile): no separate warm-up, the first forward is one of those timed (the
     median of 3 drops it if slow), and a point whose timed forwards took POINT_BUDGET_MS stops
-    after two, the first dropped (a forward that long varies little)."""
+    after two, the first dropped, or after one that took twice that (a forward that long varies
+    little)."""
     ids = _context_ids(session, context)
     if not session.stretch(ids, room):
         session.prefill(ids)
