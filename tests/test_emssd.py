@@ -99,6 +99,35 @@ def test_unpadded_cache_matches_a_fresh_prefill(engine32):
             torch.testing.assert_close(v, v0[0], atol=1e-5, rtol=1e-4)
 
 
+def test_rows_leave_and_join_without_copying_the_whole_cache(engine32):
+    """A leaving row's buffer row takes one from above the new count (no other row moves), a
+    joining row reuses a freed buffer row (no reallocation), the caller's feed order need not
+    be the session's, and every row's cache still matches a fresh prefill of its tokens."""
+    from specui.engine.ragged import RaggedSession
+
+    session = RaggedSession(engine32.target.model, padding="unpad")
+    prompts = [list(p) for p in PROMPTS] + [[3, 7, 11, 13, 17]]
+    rows = [session.add_row() for _ in prompts[:4]]
+    session.advance([(row, p, 1) for row, p in zip(rows, prompts)])
+    layer = session.cache.layers[0]
+    buffer, kept = layer.kbuf.data_ptr(), layer.kbuf[3].clone()
+    session.remove_rows([rows[0], rows[2]])
+    assert session.rows == [rows[3], rows[1]] and layer.live == 2  # row 3 took the hole at 0
+    assert torch.equal(layer.kbuf[0], kept)
+    joining = [session.add_row(), session.add_row()]
+    logits = session.advance([(joining[1], prompts[4], 1), (rows[1], prompts[1] + [9], 1),
+                              (joining[0], prompts[2], 1)])
+    for got, ids in zip(logits, (prompts[4], prompts[1] + [9], prompts[2])):  # in the caller's order
+        torch.testing.assert_close(got, ModelSession(engine32.target.model).advance(ids), atol=1e-4, rtol=1e-4)
+    assert layer.kbuf.data_ptr() == buffer and layer.kbuf.shape[0] == 4 and layer.live == 4
+    for row in [rows[3], rows[1], *joining]:
+        fresh = ModelSession(engine32.target.model)
+        fresh.advance(row.cached, need=1)
+        for (k, v), (k0, v0) in zip(session.kv(row), fresh.kv()):
+            torch.testing.assert_close(k, k0[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v, v0[0], atol=1e-5, rtol=1e-4)
+
+
 def test_without_a_draft_rows_decode_autoregressively(engine32):
     gens = [emssd(engine32, p, 10, gamma=0) for p in PROMPTS[:3]]
     batch = engine32.batch(gens[0].method)

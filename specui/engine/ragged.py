@@ -124,15 +124,23 @@ def ragged_attention_in(configs: list) -> Iterator[None]:
 
 
 class RaggedLayer(DynamicLayer):
-    """A full-attention layer of buffers (rows, heads, capacity, D), zero-initialised (masked
-    slots must hold finite numbers); `update` writes each token where the layout says."""
+    """A full-attention layer of buffers (row capacity, heads, capacity, D); buffer rows
+    [0, live) are the session's rows, in order; `update` writes each token where the layout
+    says. Masked slots must hold finite numbers: zeros where never written, else a departed
+    row's entries (a row never attends to a slot it did not write).
+
+    Rows leave and join without copying the whole cache: a leaving row's buffer row takes
+    one of the rows above the new count (`move_rows`), and a joining row reuses a free buffer
+    row (the row capacity doubles only when every one is in use). Copying every row on each
+    change cost more than a decode step in a 64-row collection batch on a 2-core CPU."""
 
     def __init__(self, session: RaggedSession) -> None:
         super().__init__()
         self.session = session
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
-        self._added = 0  # rows added since the buffers last grew (grown together, once, when next used)
+        self.live = 0  # buffer rows in use
+        self._added = 0  # rows added since the buffers last took them in (together, once, when next used)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # a half-precision model on a CPU may keep its cache in float32, where that measured faster
@@ -142,6 +150,7 @@ class RaggedLayer(DynamicLayer):
                                          dtype=self.dtype)
         self.vbuf = value_states.new_zeros((rows, value_states.shape[1], MIN_CAPACITY, value_states.shape[-1]),
                                            dtype=self.dtype)
+        self.live, self._added = rows, 0
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -153,16 +162,25 @@ class RaggedLayer(DynamicLayer):
             capacity = self.kbuf.shape[2]
             while capacity < lay.kv_len:
                 capacity *= 2
-            self.kbuf, self.vbuf = (_grown(b, capacity) for b in (self.kbuf, self.vbuf))
+            self.kbuf, self.vbuf = (_resized(b, self.live, len(b), capacity) for b in (self.kbuf, self.vbuf))
         for buf, new in ((self.kbuf, key_states), (self.vbuf, value_states)):
             src = new[0].transpose(0, 1) if lay.packed else new[lay.rows, :, lay.cols]  # (T, H, D)
             buf[lay.rows, :, lay.slots] = src.to(buf.dtype)
-        return self.kbuf[:, :, : lay.kv_len], self.vbuf[:, :, : lay.kv_len]
+        return self.kbuf[: self.live, :, : lay.kv_len], self.vbuf[: self.live, :, : lay.kv_len]
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._grow_rows()
-            self.kbuf, self.vbuf = self.kbuf.index_select(0, index), self.vbuf.index_select(0, index)
+    @torch.inference_mode()
+    def move_rows(self, src: list[int], dst: list[int], live: int) -> None:
+        """Rows left: buffer rows `src` move into `dst` (the holes below the new count) and
+        rows [0, live) stay in use; no other row is copied."""
+        if not self.is_initialized:
+            return
+        self._grow_rows()
+        if src:
+            s = torch.tensor(src, dtype=torch.long, device=self.kbuf.device)
+            d = torch.tensor(dst, dtype=torch.long, device=self.kbuf.device)
+            for buf in (self.kbuf, self.vbuf):
+                buf[d] = buf.index_select(0, s)
+        self.live = live
 
     def add_row(self) -> None:
         if self.is_initialized:
@@ -170,21 +188,24 @@ class RaggedLayer(DynamicLayer):
 
     def _grow_rows(self) -> None:
         if self._added:
-            self.kbuf, self.vbuf = (torch.cat([b, b.new_zeros((self._added, *b.shape[1:]))])
-                                    for b in (self.kbuf, self.vbuf))
-            self._added = 0
+            need = self.live + self._added
+            if need > self.kbuf.shape[0]:
+                rows = max(need, 2 * self.kbuf.shape[0])
+                self.kbuf, self.vbuf = (_resized(b, self.live, rows, b.shape[2]) for b in (self.kbuf, self.vbuf))
+            self.live, self._added = need, 0
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         self._grow_rows()
-        return self.kbuf, self.vbuf
+        return self.kbuf[: self.live], self.vbuf[: self.live]
 
     def get_seq_length(self) -> int:
         return self.session.layout.kv_len if self.session.layout is not None else 0
 
 
-def _grown(buf: torch.Tensor, capacity: int) -> torch.Tensor:
-    new = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[-1]))
-    new[:, :, : buf.shape[2]] = buf
+def _resized(buf: torch.Tensor, live: int, rows: int, capacity: int) -> torch.Tensor:
+    """A zeroed buffer of `rows` rows and `capacity` slots holding buf's rows [0, live)."""
+    new = buf.new_zeros((rows, buf.shape[1], capacity, buf.shape[-1]))
+    new[:live, :, : buf.shape[2]] = buf[:live]
     return new
 
 
@@ -296,13 +317,20 @@ class RaggedSession:
         return row
 
     def remove_rows(self, gone: Sequence[SessionRow]) -> None:
-        keep = [i for i, row in enumerate(self.rows) if row not in gone]
-        if len(keep) == len(self.rows):
+        """The rows leave; each hole below the new count takes a row from above it (the rows'
+        order changes: they are known by object, never by position)."""
+        leaving = [i for i, row in enumerate(self.rows) if row in gone]
+        if not leaving:
             return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        left = len(self.rows) - len(leaving)
+        holes = [i for i in leaving if i < left]
+        movers = [i for i in range(left, len(self.rows)) if i not in set(leaving)]
         for layer in self.cache.layers:
-            layer.select_rows(index)
-        self.rows = [self.rows[i] for i in keep]
+            layer.move_rows(movers, holes, left)
+        rows = list(self.rows)
+        for h, m in zip(holes, movers):
+            rows[h] = rows[m]
+        self.rows = rows[:left]
 
     def padding_slots(self) -> int:
         """Cache slots below some row's end that hold none of that row's tokens."""
@@ -326,12 +354,19 @@ class RaggedSession:
             plan.append((row, list(ids[len(row.cached):]), need))
         if not plan:
             return []
+        # the packed input follows the session's row order (which leaving rows change), not the caller's
+        where = {id(row): i for i, row in enumerate(self.rows)}
+        order = sorted(range(len(plan)), key=lambda i: where[id(plan[i][0])])
+        plan = [plan[i] for i in order]
         self.layout = self._layout(plan)
         lay = self.layout
         try:
-            out = self._run(plan, lay)
+            ran = self._run(plan, lay)
         finally:
             self.layout = None
+        out: list[torch.Tensor] = [ran[0]] * len(ran)
+        for k, i in enumerate(order):
+            out[i] = ran[k]
         common = max(r.end for r in self.rows)  # vanilla's one write offset
         for row, fresh, _ in plan:
             start = common if self.padding == "vanilla" else row.end
