@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (
 )
 
 from specui.engine.methods.speculative import verify_chain
-from specui.engine.sampling import SamplingConfig, residual, warp
+from specui.engine.sampling import SamplingConfig, make_generator, residual, sample, warp
 
 
 def hf_warp(logits, t, k, p):
@@ -70,3 +70,14 @@ def test_verify_chain_sampling_with_hand_written_logits():
     assert (verdict.accepted, verdict.next_token, verdict.bonus) == (2, 1, False)
     verdict = verify_chain([3, 4, 1], warp(_logits([3, 4, 1]), cfg), p, cfg, g)
     assert (verdict.accepted, verdict.next_token, verdict.bonus) == (3, 5, True)
+
+
+def test_one_draw_follows_the_distribution_and_never_picks_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = make_generator(0)
+    n = 20000
+    counts = torch.bincount(torch.tensor([sample(probs, g) for _ in range(n)]), minlength=6).double() / n
+    assert counts[0] == counts[2] == counts[5] == 0
+    assert torch.allclose(counts, probs.double(), atol=0.015)  # 4+ standard errors at n = 20000
+    assert sample(probs * 7.0, make_generator(3)) == sample(probs, make_generator(3))  # unnormalised: the same draw
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2

@@ -67,8 +67,13 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a 1-D probability vector."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One draw from a 1-D probability vector (unnormalised is fine): the first token whose
+    cumulative probability exceeds a uniform share of the total (inverse CDF, in float64, so
+    a token of probability 0 is never drawn). torch.multinomial took about 1.3 ms for one draw
+    over a 49152-token vocabulary on a 2-core CPU, 15% of a 64-row collection's time."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True).item()), probs.shape[-1] - 1)
 
 
 def uniform(generator: torch.Generator | None) -> float:
