@@ -105,10 +105,10 @@ def test_memory_mode_keeps_one_beam_and_width_one_is_greedy(tiny_target, tiny_dr
 
 def test_trace_draws_the_forest(tiny_target):
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_target, eos_ids=[EOS])
-    gen = engine.generate(GenerationRequest(PROMPTS[0], 12, SamplingConfig(temperature=1.0, seed=1)),
+    gen = engine.generate(GenerationRequest(PROMPTS[0], 12, SamplingConfig(temperature=1.0, seed=2)),
                           make_method("dsbd", width=2, draft_width=4, gamma=2))
     steps = list(gen)
-    second = steps[1]  # two input beams: a forest of two trees
+    second = steps[1]  # two input beams (with this seed's draws): a forest of two trees
     roots = [n for n in second.nodes if n.parent == -1]
     assert len(roots) == 2 and {n.beam for n in roots} == {0, 1}
     for n in second.nodes:

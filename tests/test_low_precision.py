@@ -49,8 +49,10 @@ def generate(engine: Engine, prompt: list[int], n: int, method: str, **params) -
 
 def check_near_ties(make_engine, prompts, n, runs) -> tuple[int, list[float]]:
     """Compare each (method, params) in `runs` with autoregressive decoding on every prompt;
-    returns (divergent replies, the gap/difference ratios at their first divergences)."""
+    returns (divergent replies, the gap/difference ratios at their first divergences); the
+    largest logit difference over the contexts both computed is kept in `check_near_ties.most`."""
     divergent, ratios = 0, []
+    check_near_ties.most = 0.0
     ar_engine = make_engine()
     ar_logits = record_logits(ar_engine)
     for prompt in prompts:
@@ -60,6 +62,9 @@ def check_near_ties(make_engine, prompts, n, runs) -> tuple[int, list[float]]:
             spec_logits = record_logits(engine)
             ours = generate(engine, prompt, n, method, **params)
             i = next((i for i, (a, b) in enumerate(zip(ar, ours)) if a != b), None)
+            for context in set(ar_logits) & set(spec_logits):
+                check_near_ties.most = max(check_near_ties.most,
+                                           (ar_logits[context] - spec_logits[context]).abs().max().item())
             if i is None:
                 assert len(ours) == len(ar) or EOS in ours, (method, params, prompt)
                 continue
@@ -81,8 +86,11 @@ def test_bf16_speculative_divergences_on_a_tiny_model_are_near_ties():
     runs = [("speculative", {"gamma": g}) for g in (2, 4, 7)] + [("auto", {})]
     divergent, ratios = check_near_ties(
         lambda: Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]), PROMPTS, 48, runs)
-    # not vacuous: bf16 chains of 3-8 tokens do round differently from one token at a time here
-    assert divergent > 0
+    # not vacuous: where bf16 chains of 3-8 tokens round differently from one token at a time
+    # (CPUs with bfloat16 dot products) some replies diverge here; on a CPU without AVX-512 the
+    # logits differed by at most 1/64 and no reply diverged: nothing to check there
+    if divergent == 0:
+        pytest.skip(f"no bf16 reply diverged on this CPU (largest logit difference {check_near_ties.most:.4g})")
     print(f"\n{divergent} divergent replies of {len(PROMPTS) * len(runs)}; gap/difference at each: "
           + ", ".join(f"{r:.2f}" for r in ratios))
 
