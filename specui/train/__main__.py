@@ -35,8 +35,7 @@ from transformers import PreTrainedModel
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
 from specui.draft_model import add_feature_input, load_draft, save_draft
-from specui.dtypes import MARGIN
-from specui.engine.profile import cpu_model, model_identity
+from specui.dtypes import choice_key, choose_dtype, dtype_name
 from specui.engine.timing import median_ms
 from specui.errors import SpecUIError
 from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
@@ -197,40 +196,29 @@ def pass_model(target: LoadedModel, dtype: str) -> Callable[[], PreTrainedModel]
 
 def resolve_teacher_dtype(args, target: LoadedModel, tokens: int = 512) -> None:
     """--teacher-dtype auto -> the dtype whose batched prefill of training-sized sequences is
-    faster here (bfloat16 on a GPU; on a CPU bfloat16 must be dtypes.MARGIN faster, as it rounds
-    more), said on stderr. The choice is kept in --work (keyed by CPU, torch and threads), so the
-    teacher caches and a resumed run's id do not flip between runs on the same machine."""
+    faster here (bfloat16 on a GPU), chosen as `--dtype auto` chooses (dtypes.choose_dtype:
+    interleaved timings, bfloat16 only where 5% faster, kept in --work per model, CPU, torch and
+    threads, so the teacher caches and a resumed run's id do not flip), said on stderr."""
     if args.teacher_dtype != "auto":
         return
     if target.device.type == "cuda":
         args.teacher_dtype = "bfloat16"
         return
-    key = f"{cpu_model()}|{torch.__version__}|{torch.get_num_threads()} threads|{model_identity(target.model)}"
-    path = args.work / "teacher-dtype.json"
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        kept = {}
-    if isinstance(kept, dict) and kept.get("key") == key and kept.get("dtype") in ("float32", "bfloat16"):
-        args.teacher_dtype = kept["dtype"]
-        print(f"teacher passes in {args.teacher_dtype} (chosen earlier on this machine: {path})", file=sys.stderr)
-        return
     gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, target.model.config.vocab_size, (4, tokens // 4), generator=gen)
-    rates = {}
-    for name in ("float32", "bfloat16"):
-        model = pass_model(target, name)()
+    batch = torch.randint(0, target.model.config.vocab_size, (4, tokens // 4), generator=gen).to(target.device)
+
+    def prefill_ms(model) -> float:
         with torch.inference_mode():
-            ms = median_ms(lambda m=model: m(input_ids=batch.to(target.device), logits_to_keep=1), target.device, 3)
-        rates[name] = batch.numel() / ms * 1000.0
-    args.teacher_dtype = "bfloat16" if MARGIN * rates["bfloat16"] > rates["float32"] else "float32"
-    print(f"teacher passes in {args.teacher_dtype}: " + ", ".join(f"{n} {r:.0f}" for n, r in rates.items())
-          + " prefill tokens/s (--teacher-dtype to fix it)", file=sys.stderr)
-    try:
-        args.work.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "dtype": args.teacher_dtype, "tokens_per_s": rates}, indent=1))
-    except OSError:
-        pass  # measured again next time
+            return median_ms(lambda: model(input_ids=batch, logits_to_keep=1), target.device, 3)
+
+    path = args.work / "teacher-dtype.json"
+    choice = choose_dtype(lambda d: pass_model(target, dtype_name(d))(), choice_key(target.model, "teacher prefill"),
+                          path, timer=prefill_ms)
+    args.teacher_dtype = dtype_name(choice.dtype)
+    rates = ", ".join(f"{n} {batch.numel() / ms * 1000:.0f}" for n, ms in choice.ms.items())
+    where = f" (chosen earlier on this machine: {path})" if choice.cached else ""
+    print(f"teacher passes in {args.teacher_dtype}{where}: {rates} prefill tokens/s (--teacher-dtype to fix it)",
+          file=sys.stderr)
 
 
 def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:
