@@ -319,12 +319,12 @@ class RaggedSession:
     def remove_rows(self, gone: Sequence[SessionRow]) -> None:
         """The rows leave; each hole below the new count takes a row from above it (the rows'
         order changes: they are known by object, never by position)."""
-        leaving = [i for i, row in enumerate(self.rows) if row in gone]
+        leaving = {i for i, row in enumerate(self.rows) if row in gone}
         if not leaving:
             return
         left = len(self.rows) - len(leaving)
-        holes = [i for i in leaving if i < left]
-        movers = [i for i in range(left, len(self.rows)) if i not in set(leaving)]
+        holes = sorted(i for i in leaving if i < left)
+        movers = [i for i in range(left, len(self.rows)) if i not in leaving]
         for layer in self.cache.layers:
             layer.move_rows(movers, holes, left)
         rows = list(self.rows)
