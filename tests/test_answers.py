@@ -18,6 +18,7 @@ from specui.draft_model import vocab_fingerprint
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
 from specui.loading import ModelSpec, load_model
+from specui.train.__main__ import PromptSource
 from specui.train.__main__ import main as train_main
 from specui.train.answers import AnswerStore, collect_answers
 from specui.train.data import Collector, teacher_topk
@@ -81,6 +82,25 @@ def test_interrupted_collection_resumes_without_duplicates_or_losses(tiny, tmp_p
     again.store.compact()
     compacted = AnswerStore(tmp_path / "parts", vocab_fingerprint(target.tokenizer))
     assert len(compacted.chunks()) == 1 and compacted.answers() == mine
+
+
+def test_a_sample_range_selects_exactly_those_answers(tiny, tmp_path):
+    """FILE@M-N (going on with what a collection added): sampled answers M..N, no greedy one;
+    together with FILE@(M-1) it is FILE@N, answer for answer."""
+    _, _, target, prompts, eos = tiny
+    c = collector(target, eos, tmp_path / "store", tmp_path)
+    items = load_prompts(prompts)
+    late = PromptSource.parse(f"{prompts}@2-3")
+    assert (late.samples, late.first, str(late)) == (3, 2, f"{prompts}@2-3")
+    assert PromptSource.parse(f"{prompts}@3") == PromptSource(prompts, 3)
+    for bad in ("@0-2", "@3-2", "@x", "@2-"):
+        with pytest.raises(Exception, match="FILE@M-N"):
+            PromptSource.parse(f"{prompts}{bad}")
+    only = c.jobs(items, "train", late.samples, first=late.first)
+    whole, before = c.jobs(items, "train", 3), c.jobs(items, "train", 1)
+    assert len(only) == 2 * len(items) and all(j.round in (2, 3) and j.temperature > 0 for j in only)
+    assert sorted(j.key for j in before + only) == sorted(j.key for j in whole)
+    assert {j.key: j.temperature for j in only}.items() <= {j.key: j.temperature for j in whole}.items()
 
 
 def test_store_keeps_token_ids_of_one_target_only(tiny, tmp_path):

@@ -60,17 +60,28 @@ GENERATED = PROMPTS_DIR / "generated.jsonl"
 
 @dataclass(frozen=True)
 class PromptSource:
+    """FILE: the greedy answers; FILE@N: and N sampled answers per prompt; FILE@M-N: only the
+    sampled answers M to N (1-based), e.g. to go on training a draft on what a collection added."""
     path: Path
-    samples: int = 0  # sampled answers per prompt, besides the greedy one
+    samples: int = 0  # sampled answers per prompt: the last one's number
+    first: int = 0  # the first sampled answer's number; 0: the greedy answer and samples 1..samples
 
     @classmethod
     def parse(cls, text: str) -> PromptSource:
         path, _, n = text.partition("@")
-        if n and not n.isdigit():
-            raise argparse.ArgumentTypeError(f"'{text}': use FILE or FILE@N (N sampled answers per prompt)")
-        return cls(Path(path), int(n or 0))
+        lo, dash, hi = n.partition("-")
+        if not n:
+            return cls(Path(path))
+        if not dash and lo.isdigit():
+            return cls(Path(path), int(lo))
+        if dash and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi):
+            return cls(Path(path), int(hi), int(lo))
+        raise argparse.ArgumentTypeError(f"'{text}': use FILE, FILE@N (the greedy answer and N sampled ones per "
+                                         "prompt) or FILE@M-N (only the sampled answers M to N, 1 <= M <= N)")
 
     def __str__(self) -> str:
+        if self.first:
+            return f"{self.path}@{self.first}-{self.samples}"
         return f"{self.path}@{self.samples}" if self.samples else str(self.path)
 
 
@@ -81,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--target", default=BUNDLED)
     common.add_argument("--device", default="auto")
     common.add_argument("--train-prompts", type=PromptSource.parse, nargs="+", default=[PromptSource(TRAIN)],
-                        help="JSONL files; FILE@N adds N sampled answers per prompt (--temperatures) to the greedy one")
+                        help="JSONL files; FILE@N adds N sampled answers per prompt (--temperatures) to the "
+                             "greedy one; FILE@M-N: only sampled answers M to N")
     common.add_argument("--heldout-prompts", type=Path, default=HELDOUT)
     common.add_argument("--work", type=Path, default=Path("out/distill"), help="data cache and checkpoints")
     common.add_argument("--max-new-tokens", type=int, default=160, help="longest target answer collected")
@@ -148,7 +160,7 @@ def answer_sets(args, target: LoadedModel) -> tuple[AnswerSet, AnswerSet]:
         leaked = [i.id for i in items if _user_text(i) in heldout_texts or i.id in {h.id for h in heldout_items}]
         if leaked:
             raise SpecUIError(f"{path} holds held-out prompts ({', '.join(leaked[:5])}); they are never trained on")
-        train_jobs[path.stem] = collector.jobs(items, path.stem, source.samples)
+        train_jobs[path.stem] = collector.jobs(items, path.stem, source.samples, first=source.first)
     heldout_jobs = collector.jobs(heldout_items, "heldout")
     # held-out first, then round by round over every file: a collection stopped early still covers every prompt
     report = collector.gather(heldout_jobs + sorted((j for jobs in train_jobs.values() for j in jobs),

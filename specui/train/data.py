@@ -117,16 +117,18 @@ class Collector:
     collect_rows: int = 0  # rows of the collection batch (0: batch_size); make_engine may set it
     _engine: Engine | None = field(default=None, repr=False)
 
-    def jobs(self, items: Sequence[PromptItem], set_name: str, samples: int = 0, greedy: bool = True) -> list[Job]:
-        """Greedy answers (when `greedy`) and `samples` sampled ones per prompt; sample s is
-        drawn at temperatures[s % len(temperatures)]."""
+    def jobs(self, items: Sequence[PromptItem], set_name: str, samples: int = 0, greedy: bool = True,
+             first: int = 0) -> list[Job]:
+        """Greedy answers (when `greedy` and not `first`) and sampled ones per prompt: numbers
+        `first` (1-based; 0: from 1) to `samples`; sample s (0-based) is drawn at
+        temperatures[s % len(temperatures)]."""
         check_chat_model(self.tokenizer)
         out = []
         for item in items:
             prompt = tuple(build_prompt(self.tokenizer, item.messages, self.context - self.max_new_tokens)[0])
-            if greedy:
+            if greedy and not first:
                 out.append(Job(answer_key(set_name, item.id, 0.0, 0), prompt))
-            for s in range(samples):
+            for s in range(max(first - 1, 0), samples):
                 t = self.temperatures[s % len(self.temperatures)]
                 out.append(Job(answer_key(set_name, item.id, t, s), prompt, t, s + 1))
         return sorted(out, key=lambda j: j.round)  # every prompt's greedy answer first, then round by round
