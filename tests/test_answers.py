@@ -227,3 +227,8 @@ def test_target_written_requests_are_filtered_and_resumable(tiny, tmp_path, monk
     assert len({r["messages"][0]["content"] for r in rows}) == len(rows)
     assert json.loads(out.with_suffix(".state.json").read_text())["asked"] == 10
     assert all(r["id"].startswith("gen-") and r["category"] == "chat" for r in rows)
+    # another series (output file or seed) asks its own requests: no reply of the first is reused
+    before = set(c.store.keys())
+    other = questions.generate(c, items, [], tmp_path / "other.jsonl", 4, seed=1)
+    added = set(c.store.keys()) - before
+    assert len(added) == 4 and all(k.startswith("questions-other-s1/") for k in added), (other, added)

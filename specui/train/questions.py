@@ -56,12 +56,14 @@ def requests(examples: dict[str, list[str]], count: int, seed: int, start: int =
     return out
 
 
-def question_jobs(collector: Collector, plan: list[tuple[str, str, list[str]]]) -> list[Job]:
+def question_jobs(collector: Collector, plan: list[tuple[str, str, list[str]]], series: str) -> list[Job]:
+    """One sampled reply per planned request, keyed by `series` (the output file and seed: the
+    same request number of another series is another request, never a cached reply)."""
     jobs = []
     for qid, cat, shown in plan:
         text = INSTRUCTION.format(examples="\n\n".join(f"{i + 1}. {e}" for i, e in enumerate(shown)), category=cat)
         prompt = build_prompt(collector.tokenizer, [{"role": "user", "content": text}], collector.context)[0]
-        jobs.append(Job(answer_key("questions", qid, 1.0, 0), tuple(prompt), 1.0, 1))
+        jobs.append(Job(answer_key(f"questions-{series}", qid, 1.0, 0), tuple(prompt), 1.0, 1))
     return jobs
 
 
@@ -90,7 +92,7 @@ def generate(collector: Collector, train_items: Sequence[PromptItem], heldout_it
     state = out.with_suffix(".state.json")
     asked = json.loads(state.read_text())["asked"] if state.is_file() else 0
     plan = requests(single_turn(train_items), count, seed, start=asked)
-    jobs = question_jobs(collector, plan)
+    jobs = question_jobs(collector, plan, f"{out.stem}-s{seed}")
     collector.gather(jobs, desc="target-written requests")
     answers = collector.store.answers()
     heldout = [words(m["content"]) for it in heldout_items for m in it.messages if m["role"] == "user"]
