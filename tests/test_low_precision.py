@@ -47,12 +47,11 @@ def generate(engine: Engine, prompt: list[int], n: int, method: str, **params) -
     return engine.generate(GenerationRequest(list(prompt), n), make_method(method, **params)).run().output_ids
 
 
-def check_near_ties(make_engine, prompts, n, runs) -> tuple[int, list[float]]:
+def check_near_ties(make_engine, prompts, n, runs) -> tuple[int, list[float], float]:
     """Compare each (method, params) in `runs` with autoregressive decoding on every prompt;
-    returns (divergent replies, the gap/difference ratios at their first divergences); the
-    largest logit difference over the contexts both computed is kept in `check_near_ties.most`."""
-    divergent, ratios = 0, []
-    check_near_ties.most = 0.0
+    returns (divergent replies, the gap/difference ratios at their first divergences, the
+    largest logit difference over the contexts both computed)."""
+    divergent, ratios, most = 0, [], 0.0
     ar_engine = make_engine()
     ar_logits = record_logits(ar_engine)
     for prompt in prompts:
@@ -63,8 +62,7 @@ def check_near_ties(make_engine, prompts, n, runs) -> tuple[int, list[float]]:
             ours = generate(engine, prompt, n, method, **params)
             i = next((i for i, (a, b) in enumerate(zip(ar, ours)) if a != b), None)
             for context in set(ar_logits) & set(spec_logits):
-                check_near_ties.most = max(check_near_ties.most,
-                                           (ar_logits[context] - spec_logits[context]).abs().max().item())
+                most = max(most, (ar_logits[context] - spec_logits[context]).abs().max().item())
             if i is None:
                 assert len(ours) == len(ar) or EOS in ours, (method, params, prompt)
                 continue
@@ -77,20 +75,20 @@ def check_near_ties(make_engine, prompts, n, runs) -> tuple[int, list[float]]:
             assert gap <= difference, (f"{method} {params} diverged at {i} with a logit gap of {gap:.4g}, larger "
                                        f"than the two computations' largest difference {difference:.4g}: not rounding")
             ratios.append(gap / difference)
-    return divergent, ratios
+    return divergent, ratios, most
 
 
 def test_bf16_speculative_divergences_on_a_tiny_model_are_near_ties():
     target = tiny_llama(0, layers=3, dtype=torch.bfloat16)
     draft = tiny_llama(0, layers=3, dtype=torch.bfloat16)  # the same weights: every draft is the target's pick
     runs = [("speculative", {"gamma": g}) for g in (2, 4, 7)] + [("auto", {})]
-    divergent, ratios = check_near_ties(
+    divergent, ratios, most = check_near_ties(
         lambda: Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]), PROMPTS, 48, runs)
     # not vacuous: where bf16 chains of 3-8 tokens round differently from one token at a time
     # (CPUs with bfloat16 dot products) some replies diverge here; on a CPU without AVX-512 the
     # logits differed by at most 1/64 and no reply diverged: nothing to check there
     if divergent == 0:
-        pytest.skip(f"no bf16 reply diverged on this CPU (largest logit difference {check_near_ties.most:.4g})")
+        pytest.skip(f"no bf16 reply diverged on this CPU (largest logit difference {most:.4g})")
     print(f"\n{divergent} divergent replies of {len(PROMPTS) * len(runs)}; gap/difference at each: "
           + ", ".join(f"{r:.2f}" for r in ratios))
 
@@ -101,7 +99,7 @@ def test_float32_keeps_exact_equality():
     target = tiny_llama(0, layers=3, dtype=torch.float32)
     draft = tiny_llama(0, layers=3, dtype=torch.float32)
     runs = [("speculative", {"gamma": 4})]
-    divergent, _ = check_near_ties(lambda: Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]),
+    divergent, _, _ = check_near_ties(lambda: Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]),
                                    PROMPTS[:3], 32, runs)
     assert divergent == 0
 
@@ -117,6 +115,6 @@ def test_bundled_pair_in_bfloat16_diverges_only_at_near_ties():
     chats = ["Give me three tips for learning to play the guitar.", "Why is the sky blue?",
              "Write a haiku about autumn."]
     prompts = [build_prompt(pair.target.tokenizer, [{"role": "user", "content": c}], 2048)[0] for c in chats]
-    divergent, ratios = check_near_ties(pair.engine, prompts, 48, [("speculative", {"gamma": 3})])
+    divergent, ratios, _ = check_near_ties(pair.engine, prompts, 48, [("speculative", {"gamma": 3})])
     print(f"\nbundled pair, bfloat16: {divergent} of {len(prompts)} replies diverge; gap/difference "
           + ", ".join(f"{r:.2f}" for r in ratios))

@@ -14,14 +14,13 @@ Padding is a strategy of this one piece (PADDINGS):
   each token's row and position are recovered from the forward's Layout.
 
 In transformers terms: the cache is a DynamicCache whose layers (RaggedLayer, in
-engine/ragged_cache.py) write each
-token at its (row, slot), and "unpad" runs through an attention function registered with
-transformers' AttentionInterface (`ragged_attention`: the packed queries' padded view
-attends to each row's cache, with SDPA and an explicit per-row mask on a CPU, or with
-FlexAttention and a block mask, compiled, on a GPU, falling back to SDPA with a note where
-FlexAttention fails). No modeling code is forked. The model's
-attention implementation is switched to it only for the duration of a packed forward, so
-the single-sequence sessions that share the model keep their own attention.
+engine/ragged_cache.py) write each token at its (row, slot), and "unpad" runs through an
+attention function registered with transformers' AttentionInterface (`ragged_attention`: the
+packed queries' padded view attends to each row's cache, with SDPA and an explicit per-row
+mask on a CPU, or with FlexAttention and a block mask, compiled, on a GPU, falling back to
+SDPA with a note where FlexAttention fails). No modeling code is forked. The model's
+attention implementation is switched to it only for the duration of a packed forward, so the
+single-sequence sessions that share the model keep their own attention.
 
 Why not DSBD's RowSession: its rows share one committed length (beams), and padding of
 committed entries is what EMS-SD exists to remove. A row's committed entries here always

@@ -117,16 +117,15 @@ class Collector:
     collect_rows: int = 0  # rows of the collection batch (0: batch_size); make_engine may set it
     _engine: Engine | None = field(default=None, repr=False)
 
-    def jobs(self, items: Sequence[PromptItem], set_name: str, samples: int = 0, greedy: bool = True,
-             first: int = 0) -> list[Job]:
-        """Greedy answers (when `greedy` and not `first`) and sampled ones per prompt: numbers
+    def jobs(self, items: Sequence[PromptItem], set_name: str, samples: int = 0, first: int = 0) -> list[Job]:
+        """Greedy answers (unless `first`) and sampled ones per prompt: numbers
         `first` (1-based; 0: from 1) to `samples`; sample s (0-based) is drawn at
         temperatures[s % len(temperatures)]."""
         check_chat_model(self.tokenizer)
         out = []
         for item in items:
             prompt = tuple(build_prompt(self.tokenizer, item.messages, self.context - self.max_new_tokens)[0])
-            if greedy and not first:
+            if not first:
                 out.append(Job(answer_key(set_name, item.id, 0.0, 0), prompt))
             for s in range(max(first - 1, 0), samples):
                 t = self.temperatures[s % len(self.temperatures)]
@@ -191,7 +190,7 @@ def collect(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: l
     store = AnswerStore(path.with_name(path.stem + "-answers"), vocab_fingerprint(tokenizer))
     c = Collector(model, tokenizer, eos_ids, store, path.parent, lambda: engine, max_new_tokens, batch_size, k,
                   context, (temperature,) if temperature > 0 else (0.8,))
-    jobs = c.jobs(items, "prompts", samples=0, greedy=True)
+    jobs = c.jobs(items, "prompts")
     if temperature > 0:
         jobs = [Job(answer_key("prompts", j.key.split("/")[1], temperature, seed), j.prompt_ids, temperature)
                 for j in jobs]
