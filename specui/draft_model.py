@@ -31,7 +31,9 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
     config.specui_draft = {"head_size": K, "target_vocab": V, ...}; buffer token_map (K,)
     maps head rows to vocabulary ids. With "features": true it also reads the target's
     hidden state before each position (`features`, zeros where unknown), mixed into the
-    token's embedding by `feature_fc` (H + H -> H)."""
+    token's embedding by `feature_fc` (H + H -> H): the state after the final norm, or with
+    "feature_layers": [l1, l2, ...] the states after those decoder layers, each brought to the
+    embeddings' RMS on its own (H + n H -> H)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
@@ -39,15 +41,21 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
         self.lm_head = torch.nn.Linear(config.hidden_size, k, bias=False)
         self.register_buffer("token_map", torch.arange(k, dtype=torch.long), persistent=True)
         h = config.hidden_size
-        self.feature_fc = torch.nn.Linear(2 * h, h, bias=False) if reads_features(config) else None
+        sources = max(1, len(feature_layers(config)))
+        self.feature_fc = torch.nn.Linear((1 + sources) * h, h, bias=False) if reads_features(config) else None
 
     def mix_features(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """The decoder's input: the token embeddings with the target's states (zeros where None)."""
         emb = self.model.embed_tokens(input_ids)
         if features is None:
-            features = emb.new_zeros(emb.shape)
+            features = emb.new_zeros((*emb.shape[:-1], self.feature_fc.in_features - emb.shape[-1]))
         scale = float(self.config.specui_draft.get("feature_scale", 1.0))  # states to the embeddings' size
-        return self.feature_fc(torch.cat([emb, features.to(emb.dtype) * scale], dim=-1))
+        features = features.to(emb.dtype)
+        if feature_layers(self.config):  # residual streams: sizes differ by layer and by token, so per vector
+            parts = features.unflatten(-1, (-1, emb.shape[-1]))
+            rms = parts.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+            features = (parts / rms).flatten(-2)
+        return self.feature_fc(torch.cat([emb, features * scale], dim=-1))
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., K) logits over the head's tokens."""
@@ -70,15 +78,19 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
                                       hidden_states=out.hidden_states, attentions=out.attentions)
 
 
-def add_feature_input(draft: SpecUIDraftForCausalLM, scale: float = 1.0) -> SpecUIDraftForCausalLM:
+def add_feature_input(draft: SpecUIDraftForCausalLM, scale: float = 1.0,
+                      layers: list[int] | None = None) -> SpecUIDraftForCausalLM:
     """Make a token draft read the target's features too: a new feature_fc that starts as
     [I | 0], so the draft begins exactly as it was and training learns what the features add.
     `scale` multiplies the states first (training sets it to bring their size to the
-    embeddings': the target's states are about 14x larger for SmolLM2)."""
+    embeddings': the target's final states are about 14x larger for SmolLM2). `layers`: read
+    the states after these target decoder layers instead of after the final norm."""
     h = draft.config.hidden_size
-    draft.config.specui_draft = {**draft.config.specui_draft, "features": True, "feature_scale": scale}
+    extra = {"feature_layers": list(layers)} if layers else {}
+    draft.config.specui_draft = {**draft.config.specui_draft, "features": True, "feature_scale": scale, **extra}
     weight = draft.model.norm.weight
-    draft.feature_fc = torch.nn.Linear(2 * h, h, bias=False).to(device=weight.device, dtype=weight.dtype)
+    width = (1 + max(1, len(layers or ()))) * h
+    draft.feature_fc = torch.nn.Linear(width, h, bias=False).to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         draft.feature_fc.weight.zero_()
         draft.feature_fc.weight[:, :h].copy_(torch.eye(h))
@@ -88,6 +100,12 @@ def add_feature_input(draft: SpecUIDraftForCausalLM, scale: float = 1.0) -> Spec
 def reads_features(config) -> bool:
     """Whether a draft's config says it reads the target's features."""
     return bool(getattr(config, MARKER, None) and getattr(config, MARKER).get("features"))
+
+
+def feature_layers(config) -> list[int]:
+    """The target decoder layers a feature draft reads the states after ([]: the final norm's)."""
+    marker = getattr(config, MARKER, None) or {}
+    return [int(i) for i in marker.get("feature_layers", [])]
 
 
 def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, int]:

@@ -1,11 +1,12 @@
 """A draft session that reads the target's features (EAGLE's idea, kept lossless by design).
 
 A feature draft's input at position i is its token x_i together with the target's hidden
-state (after the final norm) at position i - 1: the state that produced the target's
-distribution for x_i, which the draft can only guess at from tokens. Where the target has
-not computed that state (the draft's own proposals), the draft gets zeros there, as it did
-for a share of positions in training; it never feeds itself its own guesses. The feature is
-an input like any other, so verification is unchanged and stays lossless.
+state at position i - 1 (after the final norm, or after the decoder layers its config names):
+the state that produced the target's distribution for x_i, which the draft can only guess at
+from tokens. Where the target has not computed that state (the draft's own proposals), the
+draft gets zeros there, as it did for a share of positions in training; it never feeds itself
+its own guesses. The feature is an input like any other, so verification is unchanged and
+stays lossless.
 
 Cache rule on top of ModelSession's: a cached draft position that was fed zeros is dropped
 (and fed again) once the target has computed the state it should have had, i.e. after the
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from specui.draft_model import feature_layers
 from specui.engine.session import ModelSession, common_prefix
 
 
@@ -26,7 +28,7 @@ class FeatureDraftSession(ModelSession):
     def __init__(self, model: PreTrainedModel, vocab_size: int | None, target: ModelSession) -> None:
         super().__init__(model, vocab_size)
         self.target = target
-        target.keep_features()
+        target.keep_features(feature_layers(model.config))
         self.true_len = 0  # cached positions [0, true_len) were fed the target's state before them
         self._sequence: list[int] = []  # the committed ids of the forward under way
 

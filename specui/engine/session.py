@@ -7,7 +7,7 @@ returns the logits asked for, `commit` crops back to the longest prefix that is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -30,9 +30,37 @@ def output_layer_inputs(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]:
         hook.remove()
 
 
-def final_norm(model: PreTrainedModel) -> torch.nn.Module | None:
-    """The norm a decoder applies last (its output is what the output layer reads)."""
-    return getattr(model.get_decoder(), "norm", None)
+def feature_sources(model: PreTrainedModel, layers: Sequence[int] = ()) -> list[torch.nn.Module]:
+    """The modules whose outputs a feature draft reads: the final norm (no `layers`), or these
+    decoder layers (their output residual stream, low / middle / high as in EAGLE-3)."""
+    decoder = model.get_decoder()
+    if not layers:
+        norm = getattr(decoder, "norm", None)
+        if norm is None:
+            raise SpecUIError("a feature draft needs a target whose decoder ends in a final norm (Llama-like)")
+        return [norm]
+    blocks = getattr(decoder, "layers", None)
+    n = 0 if blocks is None else len(blocks)
+    if not all(-n <= i < n for i in layers):
+        raise SpecUIError(f"the draft reads the target's layers {list(layers)}, but the target has {n} decoder layers")
+    return [blocks[i] for i in layers]
+
+
+@contextmanager
+def capture_features(model: PreTrainedModel, layers: Sequence[int] = ()) -> Iterator[Callable[[], torch.Tensor]]:
+    """While inside, every forward of `model` records its feature sources' outputs; the yielded
+    function gives the last forward's, concatenated on the last dim ((B, T, H * sources))."""
+    seen: list[list[torch.Tensor]] = [[] for _ in feature_sources(model, layers)]
+
+    def keep(i: int):
+        return lambda _m, _a, out: seen[i].append(out[0] if isinstance(out, tuple) else out)
+
+    hooks = [m.register_forward_hook(keep(i)) for i, m in enumerate(feature_sources(model, layers))]
+    try:
+        yield lambda: torch.cat([s[-1] for s in seen], dim=-1)
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -62,13 +90,15 @@ class ModelSession:
         # a feature draft's input: this (target) session's hidden states after the final norm,
         # one row per cached position (None: not kept)
         self.features: torch.Tensor | None = None
+        self.feature_layers: tuple[int, ...] = ()  # () : after the final norm
 
-    def keep_features(self) -> None:
-        """Keep the hidden state (after the final norm) at every cached position, for a
-        draft that reads the target's features (specui/engine/feature_draft.py)."""
-        if final_norm(self.model) is None:
-            raise SpecUIError("a feature draft needs a target whose decoder ends in a final norm (Llama-like)")
-        self.features = torch.empty((0, self.model.config.hidden_size), device=self.device)
+    def keep_features(self, layers: Sequence[int] = ()) -> None:
+        """Keep the hidden state (after the final norm, or after each of these decoder `layers`,
+        concatenated) at every cached position, for a draft that reads the target's features
+        (specui/engine/feature_draft.py)."""
+        width = self.model.config.hidden_size * len(feature_sources(self.model, layers))
+        self.feature_layers = tuple(layers)
+        self.features = torch.empty((0, width), device=self.device)
 
     # -- cache bookkeeping -------------------------------------------------------------
     @property
@@ -208,13 +238,9 @@ class ModelSession:
         try:
             if self.features is None:
                 return self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
-            seen: list[torch.Tensor] = []
-            hook = final_norm(self.model).register_forward_hook(lambda _m, _a, out: seen.append(out))
-            try:
+            with capture_features(self.model, self.feature_layers) as captured:
                 out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
-            finally:
-                hook.remove()
-            self.features = torch.cat([self.features[: self.length], seen[-1][0].to(self.features.dtype)])
+            self.features = torch.cat([self.features[: self.length], captured()[0].to(self.features.dtype)])
             return out
         except BaseException:
             self.reset()

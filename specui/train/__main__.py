@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import add_feature_input, load_draft, save_draft
+from specui.draft_model import add_feature_input, feature_layers, load_draft, save_draft
 from specui.dtypes import choice_key, choose_dtype, dtype_name
 from specui.engine.timing import median_ms
 from specui.errors import SpecUIError
@@ -85,6 +85,14 @@ class PromptSource:
         return f"{self.path}@{self.samples}" if self.samples else str(self.path)
 
 
+def _layer_list(text: str) -> list[int]:
+    """'2,14,27' -> [2, 14, 27] (negative: from the last layer)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': use layer numbers separated by commas, e.g. 2,14,27") from None
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specui.train", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -123,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--features", action="store_true",
                    help="the draft also reads the target's hidden state before each position (EAGLE's idea; "
                         "a pass over every conversation in --teacher-dtype computes them)")
+    d.add_argument("--feature-layers", type=_layer_list, default=[],
+                   help="--features: read the states after these target decoder layers (e.g. 2,14,27: low, middle "
+                        "and high, as EAGLE-3) instead of after the final norm")
     d.add_argument("--unknown-state", type=float, default=0.3,
                    help="--features: share of positions trained without the target's state, as at the "
                         "draft's own proposals")
@@ -185,14 +196,19 @@ def _user_text(item) -> str:
     return "\n".join(m["content"].strip() for m in item.messages if m["role"] == "user")
 
 
-def states(args, target: LoadedModel, data: AnswerSet, wanted: bool) -> list[torch.Tensor] | None:
-    """The target's states along `data` for a feature draft (cached under --work), else None."""
+def states(args, target: LoadedModel, data: AnswerSet, wanted: bool,
+           layers: list[int] | None = None) -> list[torch.Tensor] | None:
+    """The target's states (after the final norm, or after decoder `layers`) along `data` for a
+    feature draft (cached under --work), else None."""
     if not wanted:
         return None
     seqs = [p + a for p, a in zip(data.prompt_ids, data.answer_ids)]
     resolve_teacher_dtype(args, target)
     dtype = args.teacher_dtype
-    return states_for(pass_model(target, dtype), data.ids, seqs, args.work / f"states-{dtype}")
+    n = target.model.config.num_hidden_layers
+    where = "".join(f"-L{i % n}" for i in layers or ())
+    return states_for(pass_model(target, dtype), data.ids, seqs, args.work / f"states-{dtype}{where}",
+                      layers=layers or ())
 
 
 def pass_model(target: LoadedModel, dtype: str) -> Callable[[], PreTrainedModel]:
@@ -265,9 +281,14 @@ def cmd_draft(args, target: LoadedModel) -> dict:
         head = choose_head_tokens(train_set, args.head_size, eos)
         draft = build_draft(target.model, layers, head)
     reads = args.features or draft.feature_fc is not None
-    train_states, heldout_states = states(args, target, train_set, reads), states(args, target, heldout, reads)
+    read_layers = feature_layers(draft.config) if draft.feature_fc is not None else args.feature_layers
+    train_states = states(args, target, train_set, reads, read_layers)
+    heldout_states = states(args, target, heldout, reads, read_layers)
     if args.features and draft.feature_fc is None:
-        add_feature_input(draft, size_ratio(draft.model.embed_tokens.weight, train_states))
+        emb = draft.model.embed_tokens.weight
+        scale = (float(emb.detach().float().pow(2).mean().sqrt()) if read_layers  # states normalised per vector
+                 else size_ratio(emb, train_states))
+        add_feature_input(draft, scale, read_layers)
     batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens, train_states)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
@@ -275,6 +296,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                                          args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
                                          args.temperatures, args.init, args.features, args.unknown_state,
                                          args.teacher_dtype))
+    if args.feature_layers:
+        recipe += f"|feature layers {args.feature_layers}"
     if args.quant_aware:
         recipe += f"|as stored, {args.layer_bits}-bit layers"
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh

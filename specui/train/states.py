@@ -1,7 +1,8 @@
-"""The target's hidden states (after its final norm) along every training conversation, for a
-draft that reads them (a feature draft, specui/engine/feature_draft.py). Computed in
-right-padded batched prefills and cached as bfloat16 chunks under the work folder, keyed by
-answer, so an interrupted pass goes on where it stopped."""
+"""The target's hidden states (after its final norm, or after some of its decoder layers) along
+every training conversation, for a draft that reads them (a feature draft,
+specui/engine/feature_draft.py). Computed in right-padded batched prefills and cached as
+bfloat16 chunks under the work folder, keyed by answer, so an interrupted pass goes on where
+it stopped."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
+
+from specui.engine.session import capture_features
 
 CHUNK_ANSWERS = 256  # answers per saved chunk
 
@@ -34,14 +37,41 @@ def padded_groups(seqs: Sequence[Sequence[int]], batch_tokens: int) -> Iterator[
             group.append(i)
 
 
+class _Enough(Exception):
+    """Raised by a hook once the deepest layer a pass needs has run."""
+
+
+def _stop_after(model: PreTrainedModel, layers: Sequence[int]):
+    """A hook handle that ends a forward after the deepest of `layers` (None: the pass needs the
+    final norm, so it runs to the end)."""
+    if not layers:
+        return None
+    blocks = model.get_decoder().layers
+    deepest = max(i % len(blocks) for i in layers)
+
+    def stop(_m, _a, _out):
+        raise _Enough
+    return blocks[deepest].register_forward_hook(stop)
+
+
 @torch.inference_mode()
 def target_states(model: PreTrainedModel, seqs: Sequence[Sequence[int]],
-                  batch_tokens: int = 4096) -> list[torch.Tensor]:
-    """The model's last hidden states (after the final norm) at every position of each sequence,
-    as bfloat16 (len, H) tensors."""
+                  batch_tokens: int = 4096, layers: Sequence[int] = ()) -> list[torch.Tensor]:
+    """The model's hidden states after the final norm (or after each of the decoder `layers`,
+    concatenated, as the engine's target session keeps them) at every position of each
+    sequence, as bfloat16 (len, H * sources) tensors. A pass for layers stops after the deepest."""
     out: list = [None] * len(seqs)
     for group, ids in padded_groups(seqs, batch_tokens):
-        hidden = model.get_decoder()(input_ids=ids.to(model.device), use_cache=False).last_hidden_state
+        with capture_features(model, layers) as captured:
+            stop = _stop_after(model, layers)
+            try:
+                model.get_decoder()(input_ids=ids.to(model.device), use_cache=False)
+            except _Enough:
+                pass
+            finally:
+                if stop is not None:
+                    stop.remove()
+            hidden = captured()
         for r, j in enumerate(group):
             out[j] = hidden[r, :len(seqs[j])].to(torch.bfloat16).cpu()
     return out
@@ -70,7 +100,7 @@ class StateCache:
 
 
 def states_for(make_model: Callable[[], PreTrainedModel], keys: Sequence[str], seqs: Sequence[Sequence[int]],
-               folder: Path, desc: str = "target states") -> list[torch.Tensor]:
+               folder: Path, desc: str = "target states", layers: Sequence[int] = ()) -> list[torch.Tensor]:
     """The target's states for each (key, sequence), from the cache in `folder` where present,
     computed (by the model `make_model()` gives, called only then) and cached chunk by chunk
     where not. Aligned with `keys`."""
@@ -81,7 +111,7 @@ def states_for(make_model: Callable[[], PreTrainedModel], keys: Sequence[str], s
     bar = tqdm(total=sum(len(seqs[i]) for i in missing), desc=desc, unit="tok")
     for start in range(0, len(missing), CHUNK_ANSWERS):
         part = missing[start:start + CHUNK_ANSWERS]
-        states = target_states(model, [seqs[i] for i in part])
+        states = target_states(model, [seqs[i] for i in part], layers=layers)
         cache.add([keys[i] for i in part], states)
         have.update((keys[i], s) for i, s in zip(part, states))
         bar.update(sum(len(seqs[i]) for i in part))
