@@ -318,9 +318,12 @@ def test_train_cli_quant_aware_grown_draft_resumes_and_ships_what_it_probed(setu
     assert (tmp_path / "grown" / "model.safetensors").read_bytes() == shipped
 
 
-def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path):
+@pytest.mark.parametrize("reads", [[], ["--feature-layers", "0,-1", "--feature-lr-scale", "10"]],
+                         ids=["final-norm", "layers"])
+def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path, reads):
     """--features --init: the token draft gains the target's states as input (starting as it
-    was), trains, ships, and decodes losslessly in the engine; the states pass is cached."""
+    was), trains, ships, and decodes losslessly in the engine; the states pass is cached. With
+    --feature-layers it reads the states after those target layers, from training to the engine."""
     root, folder, _, _, train_file, heldout_file = setup
     base = ["--target", str(folder), "--train-prompts", str(train_file), "--heldout-prompts", str(heldout_file),
             "--work", str(tmp_path / "work"), "--max-new-tokens", "16", "--batch-size", "8", "--head-size", "24",
@@ -328,9 +331,11 @@ def test_train_cli_feature_draft_from_a_token_draft(setup, tmp_path):
     assert train_main(["draft", *base, "--out", str(tmp_path / "tok")]) == 0
     token = json.loads((tmp_path / "tok" / "metrics.json").read_text())
     argv = ["draft", *base, "--out", str(tmp_path / "feat"), "--init", str(tmp_path / "tok"), "--features",
-            "--lr", "3e-3", "--epochs", "4"]
+            "--lr", "3e-3", "--epochs", "4", *reads]
     assert train_main(argv) == 0
     report = json.loads((tmp_path / "feat" / "metrics.json").read_text())
+    config = json.loads((tmp_path / "feat" / "config.json").read_text())
+    assert config["specui_draft"].get("feature_layers", []) == [int(v) for v in (reads[1:2] or [""])[0].split(",") if v]
     assert report["agreement_before_training"] == pytest.approx(token["agreement"], abs=0.05)  # starts as it was
     assert 0 <= report["agreement_unknown_state"] <= 1 and report["expected_accepted"]["2"] >= 1
     chunks = sorted((tmp_path / "work").glob("states-*/chunk-*.pt"))
@@ -392,3 +397,15 @@ def test_teacher_dtype_auto_is_measured_once_and_a_given_one_kept(setup, capsys,
     args = Namespace(teacher_dtype="float32", work=tmp_path)
     resolve_teacher_dtype(args, target)
     assert args.teacher_dtype == "float32" and capsys.readouterr().err == ""
+
+
+def test_lr_scale_gives_named_parameters_their_own_learning_rate():
+    """TrainConfig.lr_scale: parameters under a name prefix move at their own rate (0: not at all)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    before = [p.detach().clone() for p in net.parameters()]
+    batches = [torch.randn(8, 4) for _ in range(4)]
+    train(net, batches, lambda x: net(x).pow(2).mean(), TrainConfig(epochs=1, lr=1e-2, warmup_steps=1,
+                                                                    weight_decay=0.1, lr_scale={"1.": 0.0}))
+    moved = [not torch.equal(b, p) for b, p in zip(before, net.parameters())]
+    assert moved == [True, True, False, False]  # layer 0's weight and bias moved, layer 1's did not

@@ -134,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--feature-layers", type=_layer_list, default=[],
                    help="--features: read the states after these target decoder layers (e.g. 2,14,27: low, middle "
                         "and high, as EAGLE-3) instead of after the final norm")
+    d.add_argument("--feature-lr-scale", type=float, default=1.0,
+                   help="--features: the feature mixing's learning rate over --lr (it starts at zero for the "
+                        "states and has far to go)")
     d.add_argument("--unknown-state", type=float, default=0.3,
                    help="--features: share of positions trained without the target's state, as at the "
                         "draft's own proposals")
@@ -298,12 +301,15 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                                          args.teacher_dtype))
     if args.feature_layers:
         recipe += f"|feature layers {args.feature_layers}"
+    if args.feature_lr_scale != 1.0:
+        recipe += f"|feature lr x{args.feature_lr_scale}"
     if args.quant_aware:
         recipe += f"|as stored, {args.layer_bits}-bit layers"
     run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
-                      probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)))
+                      probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)),
+                      lr_scale={"feature_fc.": args.feature_lr_scale})
     t0 = time.time()
     # --quant-aware: trained and probed as stored; after the block, save_draft rounds the float weights the same way
     with quantization_aware(draft, args.layer_bits, on=args.quant_aware):
@@ -366,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "eval":
             _, heldout = answer_sets(args, target)
             draft = load_draft(args.draft, target.model, target.tokenizer)
-            report = measure(draft, target, heldout, states(args, target, heldout, draft.feature_fc is not None))
+            report = measure(draft, target, heldout,
+                             states(args, target, heldout, draft.feature_fc is not None, feature_layers(draft.config)))
         else:
             report = cmd_draft(args, target)
     except SpecUIError as e:

@@ -26,6 +26,7 @@ class TrainConfig:
     checkpoint: Path | None = None  # resumable state, saved every `save_every` steps and at the end
     save_every: int = 50
     probe_every: int = 0  # steps between calls of train()'s `probe` (0: never; always at the end when given)
+    lr_scale: dict[str, float] = field(default_factory=dict)  # parameter name prefix -> its lr over `lr`
 
 
 @dataclass
@@ -39,6 +40,17 @@ def cosine_lr(step: int, total: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _param_groups(module: torch.nn.Module, lr_scale: dict[str, float]) -> list[dict]:
+    """The trainable parameters in one optimizer group per lr scale (the first matching name
+    prefix of `lr_scale`, else 1)."""
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            scale = next((v for k, v in lr_scale.items() if name.startswith(k)), 1.0)
+            groups.setdefault(scale, []).append(p)
+    return [{"params": ps, "scale": scale} for scale, ps in groups.items()]
 
 
 def train(
@@ -56,7 +68,7 @@ def train(
     steps and after the last; `probed_before`, where the caller already measured it, is the
     value before the first step. Returns the losses and the probes."""
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(_param_groups(module, cfg.lr_scale), lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.epochs * len(batches)
     step, log = 0, TrainLog()
     losses = log.losses
@@ -78,7 +90,7 @@ def train(
         torch.manual_seed(cfg.seed * 1000 + step)
         for i in order[offset:]:
             for group in opt.param_groups:
-                group["lr"] = cosine_lr(step, total, cfg)
+                group["lr"] = cosine_lr(step, total, cfg) * group["scale"]
             loss = loss_fn(batches[i])
             opt.zero_grad(set_to_none=True)
             loss.backward()
