@@ -409,3 +409,18 @@ def test_lr_scale_gives_named_parameters_their_own_learning_rate():
                                                                     weight_decay=0.1, lr_scale={"1.": 0.0}))
     moved = [not torch.equal(b, p) for b, p in zip(before, net.parameters())]
     assert moved == [True, True, False, False]  # layer 0's weight and bias moved, layer 1's did not
+
+
+def test_time_limit_stops_early_checkpointed_and_the_same_run_goes_on(tmp_path):
+    """TrainConfig.time_limit_s: training stops after the step where time ran out, probed and
+    checkpointed, and the same call without a limit goes on from that step to the end."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    batches = [torch.randn(8, 4) for _ in range(5)]
+    ckpt = tmp_path / "run.ckpt"
+    cfg = dict(epochs=2, lr=1e-2, warmup_steps=1, checkpoint=ckpt, save_every=100)
+    log = train(net, batches, lambda x: net(x).pow(2).mean(), TrainConfig(**cfg, time_limit_s=0.0),
+                probe=lambda: 0.5)
+    assert log.stopped_at == 1 and len(log.losses) == 1 and log.probes[-1][0] == 1 and ckpt.is_file()
+    log = train(net, batches, lambda x: net(x).pow(2).mean(), TrainConfig(**cfg), probe=lambda: 0.5)
+    assert log.stopped_at is None and len(log.losses) == 10 and log.probes[-1][0] == 10

@@ -134,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--feature-layers", type=_layer_list, default=[],
                    help="--features: read the states after these target decoder layers (e.g. 2,14,27: low, middle "
                         "and high, as EAGLE-3) instead of after the final norm")
+    d.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
+                   help="stop training after this many minutes (checkpointed: the same command goes on from there), "
+                        "then evaluate and save the draft as usual")
     d.add_argument("--feature-lr-scale", type=float, default=1.0,
                    help="--features: the feature mixing's learning rate over --lr (it starts at zero for the "
                         "states and has far to go)")
@@ -309,7 +312,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
                       checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
                       probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)),
-                      lr_scale={"feature_fc.": args.feature_lr_scale})
+                      lr_scale={"feature_fc.": args.feature_lr_scale},
+                      time_limit_s=None if args.time_limit is None else args.time_limit * 60)
     t0 = time.time()
     # --quant-aware: trained and probed as stored; after the block, save_draft rounds the float weights the same way
     with quantization_aware(draft, args.layer_bits, on=args.quant_aware):
@@ -320,6 +324,10 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                     probed_before=before.agreement)
     losses = log.losses
     report = {}
+    if log.stopped_at is not None:
+        print(f"--time-limit: training stopped at step {log.stopped_at} of {args.epochs * len(batches)}",
+              file=sys.stderr)
+        report["stopped_at_step"] = log.stopped_at
     report.update(train_minutes=(time.time() - t0) / 60, final_loss=sum(losses[-20:]) / len(losses[-20:]),
                   agreement_before_training=before.agreement, train_answer_tokens=train_set.answer_tokens,
                   heldout_answer_tokens=heldout.answer_tokens,

@@ -6,12 +6,8 @@ draft's folder as curve.html / curve.png (and the points into metrics.json)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
-
-from specui.bench.png import save_figure
 
 
 def run_points(probes: list[tuple[int, float]], tokens_per_epoch: int, batches: int) -> list[dict]:
@@ -51,7 +47,10 @@ def trained_so_far(sizes: list[int]) -> list[int]:
     return out
 
 
-def figure(points: list[dict], versions: list[dict], train_tokens: int, final: float) -> go.Figure:
+def figure(points: list[dict], versions: list[dict], train_tokens: int, final: float):
+    """The plotly figure (plotly imported here: training runs, e.g. on a GPU machine, without it)."""
+    from plotly.subplots import make_subplots
+
     fig = make_subplots(rows=1, cols=2, subplot_titles=("This run: held-out agreement as training goes",
                                                         "Versions: held-out agreement vs training answers"))
     fig.add_scatter(x=[p["tokens_seen"] for p in points], y=[p["agreement"] for p in points],
@@ -72,4 +71,14 @@ def figure(points: list[dict], versions: list[dict], train_tokens: int, final: f
 
 
 def write(folder: Path, points: list[dict], versions: list[dict], train_tokens: int, final: float) -> list[Path]:
+    """curve.html / curve.png in `folder`; none, with a note, where plotly is not installed (the
+    points stay in metrics.json)."""
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        print("plotly is not installed: no curve.html / curve.png (the curve's points are in metrics.json)",
+              file=sys.stderr)
+        return []
+    from specui.bench.png import save_figure
+
     return save_figure(figure(points, versions, train_tokens, final), folder, "curve")

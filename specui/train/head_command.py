@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import plotly.graph_objects as go
-
 from specui.bench.prompts import DEV, load_prompts
 from specui.chat import stop_token_ids
 from specui.draft_model import load_draft
@@ -174,6 +172,8 @@ def pareto_points(answers, values, gamma_max: int, costs, extra_forward: bool) -
 
 
 def figures(folder: Path, quality: acc.HeadQuality, points: list[dict]) -> None:
+    import plotly.graph_objects as go  # here: the other commands of `python -m specui.train` run without plotly
+
     cal = go.Figure()
     cal.add_scatter(x=[0, 1], y=[0, 1], mode="lines", line=dict(dash="dot", color="grey"), name="perfect")
     cal.add_scatter(x=[c[0] for c in quality.calibration], y=[c[1] for c in quality.calibration],

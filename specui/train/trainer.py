@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +28,14 @@ class TrainConfig:
     save_every: int = 50
     probe_every: int = 0  # steps between calls of train()'s `probe` (0: never; always at the end when given)
     lr_scale: dict[str, float] = field(default_factory=dict)  # parameter name prefix -> its lr over `lr`
+    time_limit_s: float | None = None  # stop after this many seconds of this call's training (then probe, return)
 
 
 @dataclass
 class TrainLog:
     losses: list[float] = field(default_factory=list)
     probes: list[tuple[int, float]] = field(default_factory=list)  # (step, probe value), step 0 = before training
+    stopped_at: int | None = None  # the step where cfg.time_limit_s ended training early
 
 
 def cosine_lr(step: int, total: int, cfg: TrainConfig) -> float:
@@ -83,6 +86,7 @@ def train(
         _probe(module, (lambda: probed_before) if probed_before is not None else probe, step, log)
     module.train()
     bar = tqdm(total=total, initial=step, desc=desc, unit="batch")
+    deadline = None if cfg.time_limit_s is None else time.monotonic() + cfg.time_limit_s
     while step < total:
         epoch, offset = divmod(step, len(batches))
         order = list(range(len(batches)))
@@ -104,8 +108,17 @@ def train(
                 _probe(module, probe, step, log)
                 postfix["probe"] = f"{log.probes[-1][1]:.4f}"
             bar.set_postfix(**postfix)
-            if cfg.checkpoint is not None and (step % cfg.save_every == 0 or step == total):
+            out_of_time = deadline is not None and time.monotonic() > deadline and step < total
+            if out_of_time:
+                log.stopped_at = step
+                if probe is not None and log.probes[-1:] and log.probes[-1][0] != step:
+                    _probe(module, probe, step, log)
+            if cfg.checkpoint is not None and (step % cfg.save_every == 0 or step == total or out_of_time):
                 _save(cfg.checkpoint, module, opt, step, log)
+            if out_of_time:
+                break
+        if log.stopped_at is not None:
+            break
     bar.close()
     module.eval()
     return log
