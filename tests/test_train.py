@@ -366,6 +366,14 @@ def test_target_without_chat_template_is_refused(setup, tmp_path, capsys):
     assert code == 2 and "no chat template" in capsys.readouterr().err
 
 
+def test_feature_layers_without_features_is_refused(setup, tmp_path, capsys):
+    _, folder, _, _, train_file, heldout_file = setup
+    code = train_main(["draft", "--target", str(folder), "--train-prompts", str(train_file), "--heldout-prompts",
+                       str(heldout_file), "--work", str(tmp_path / "w"), "--out", str(tmp_path / "d"),
+                       "--feature-layers", "0"])
+    assert code == 2 and "add --features" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
 def test_versions_stand_at_the_largest_training_set_so_far():
     """curve.png's right panel: a continuation on part of the store (the new answers only)
     stands above the data already learnt, not back at its own smaller size."""

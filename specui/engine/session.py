@@ -50,12 +50,13 @@ def feature_sources(model: PreTrainedModel, layers: Sequence[int] = ()) -> list[
 def capture_features(model: PreTrainedModel, layers: Sequence[int] = ()) -> Iterator[Callable[[], torch.Tensor]]:
     """While inside, every forward of `model` records its feature sources' outputs; the yielded
     function gives the last forward's, concatenated on the last dim ((B, T, H * sources))."""
-    seen: list[list[torch.Tensor]] = [[] for _ in feature_sources(model, layers)]
+    sources = feature_sources(model, layers)
+    seen: list[list[torch.Tensor]] = [[] for _ in sources]
 
     def keep(i: int):
         return lambda _m, _a, out: seen[i].append(out[0] if isinstance(out, tuple) else out)
 
-    hooks = [m.register_forward_hook(keep(i)) for i, m in enumerate(feature_sources(model, layers))]
+    hooks = [m.register_forward_hook(keep(i)) for i, m in enumerate(sources)]
     try:
         yield lambda: torch.cat([s[-1] for s in seen], dim=-1)
     finally:

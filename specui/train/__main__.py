@@ -269,6 +269,8 @@ def measure(draft, target: LoadedModel, heldout: AnswerSet, heldout_states=None)
 
 
 def cmd_draft(args, target: LoadedModel) -> dict:
+    if args.feature_layers and not args.features:
+        raise SpecUIError("--feature-layers says which target states a feature draft reads: add --features")
     train_set, heldout = answer_sets(args, target)
     eos = stop_token_ids(target.tokenizer, target.model.generation_config)
     layers = [int(x) for x in (args.layers or "0,-1").split(",")]
