@@ -51,14 +51,14 @@ def capture_features(model: PreTrainedModel, layers: Sequence[int] = ()) -> Iter
     """While inside, every forward of `model` records its feature sources' outputs; the yielded
     function gives the last forward's, concatenated on the last dim ((B, T, H * sources))."""
     sources = feature_sources(model, layers)
-    seen: list[list[torch.Tensor]] = [[] for _ in sources]
+    last: list[torch.Tensor | None] = [None] * len(sources)
 
     def keep(i: int):
-        return lambda _m, _a, out: seen[i].append(out[0] if isinstance(out, tuple) else out)
+        return lambda _m, _a, out: last.__setitem__(i, out[0] if isinstance(out, tuple) else out)
 
     hooks = [m.register_forward_hook(keep(i)) for i, m in enumerate(sources)]
     try:
-        yield lambda: torch.cat([s[-1] for s in seen], dim=-1)
+        yield lambda: torch.cat(last, dim=-1)
     finally:
         for h in hooks:
             h.remove()

@@ -255,10 +255,14 @@ def resolve_teacher_dtype(args, target: LoadedModel, tokens: int = 512) -> None:
           file=sys.stderr)
 
 
+def rms(t: torch.Tensor) -> float:
+    return float(t.detach().float().pow(2).mean().sqrt())
+
+
 def size_ratio(embeddings: torch.Tensor, states: list[torch.Tensor]) -> float:
     """RMS of the input embeddings over RMS of the target's states (a sample of them)."""
     sample = torch.cat([s.float() for s in states[:: max(1, len(states) // 200)]])
-    return float(embeddings.float().pow(2).mean().sqrt() / sample.pow(2).mean().sqrt().clamp_min(1e-12))
+    return rms(embeddings) / max(rms(sample), 1e-12)
 
 
 def measure(draft, target: LoadedModel, heldout: AnswerSet, heldout_states=None) -> dict:
@@ -294,8 +298,7 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     heldout_states = states(args, target, heldout, reads, read_layers)
     if args.features and draft.feature_fc is None:
         emb = draft.model.embed_tokens.weight
-        scale = (float(emb.detach().float().pow(2).mean().sqrt()) if read_layers  # states normalised per vector
-                 else size_ratio(emb, train_states))
+        scale = rms(emb) if read_layers else size_ratio(emb, train_states)  # layer states: normalised per vector
         add_feature_input(draft, scale, read_layers)
     batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens, train_states)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "

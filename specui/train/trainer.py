@@ -87,7 +87,7 @@ def train(
     module.train()
     bar = tqdm(total=total, initial=step, desc=desc, unit="batch")
     deadline = None if cfg.time_limit_s is None else time.monotonic() + cfg.time_limit_s
-    while step < total:
+    while step < total and log.stopped_at is None:
         epoch, offset = divmod(step, len(batches))
         order = list(range(len(batches)))
         random.Random(cfg.seed * 1000 + epoch).shuffle(order)
@@ -117,8 +117,6 @@ def train(
                 _save(cfg.checkpoint, module, opt, step, log)
             if out_of_time:
                 break
-        if log.stopped_at is not None:
-            break
     bar.close()
     module.eval()
     return log
