@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -50,6 +51,29 @@ def test_the_fastest_candidate_is_loaded_and_the_choice_cached(folder, tmp_path)
     assert close.spec.quantization == "int8" and len(calls) == 4
 
 
+def test_a_less_preferred_option_wins_only_if_timing_both_again_confirms_it(folder, tmp_path):
+    """A burst of noise during the preferred option's turn must not decide (CI once chose
+    none over int4 on the bundled GGUF that way): the challenger and the best so far are
+    timed again, taking turns, and each keeps its fastest time."""
+    spec = ModelSpec(str(folder), quantization="auto")
+    slow_once = iter([20.0])  # int8's first timing is hit by noise; its later ones are not
+
+    def noisy(model):
+        calls.append(_kind(model))
+        ms = next(slow_once, 4.0) if _kind(model) == "int8" else 9.0
+        return ms, 1.5 * ms
+
+    calls: list[str] = []
+    loaded = choose_quantization(spec, ("int8", "none"), "", "target", tmp_path / "a.json", noisy)
+    assert loaded.spec.quantization == "int8" and _kind(loaded.model) == "int8"
+    assert calls == ["int8", "none", "int8", "none", "int8", "none"]
+    assert loaded.notes[0].startswith("target quantization auto -> int8: 4.0 ms per token vs 9.0 ms with none")
+    calls.clear()  # a challenger that is really faster still wins after the second look
+    loaded = choose_quantization(spec, ("int8", "none"), "", "target", tmp_path / "b.json",
+                                 _timer({"int8": 9, "none": 4}, calls))
+    assert loaded.spec.quantization == "none" and _kind(loaded.model) == "none" and len(calls) == 6
+
+
 def test_a_candidate_the_kernels_refuse_is_reported_and_skipped(folder, tmp_path, monkeypatch):
     monkeypatch.setattr(quantize.Int8Linear, "from_stored", classmethod(lambda *a, **k: None))
     calls: list[str] = []
@@ -86,10 +110,18 @@ def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights(
     from specui.loading import BUNDLED
 
     loaded = load_model(ModelSpec(BUNDLED, quantization="auto"), role="target")
-    assert loaded.spec.quantization == "int4"  # 4-bit blocks: about 3x fewer bytes read per token here
+    # which one is faster is this machine's answer (int4 reads about 3x fewer bytes per token, but
+    # a CPU with fast bfloat16 matrices may disagree); what must hold is that both were measured
+    # and the note's figures follow the rule: int4, the preferred one, unless none is 5% faster
     note = loaded.notes[0]
-    assert note.startswith("target quantization auto -> int4 (the GGUF's own 4-bit blocks (210 matrices)")
-    assert "ms with none (bfloat16)" in note or "ms with none (float32)" in note
+    found = re.match(r"target quantization auto -> (int4|none)( \(the GGUF's own 4-bit blocks \(210 matrices\) "
+                     r"on torch's int4 kernel\))?: ([\d.]+) ms per token vs ([\d.]+) ms with (int4|none) "
+                     r"\((bfloat16|float32)\); measured on this machine", note)
+    assert found, note
+    chosen, why, mine, other_ms, other, _ = found.groups()
+    assert chosen == loaded.spec.quantization and other != chosen and bool(why) == (chosen == "int4")
+    int4_ms, none_ms = (float(mine), float(other_ms)) if chosen == "int4" else (float(other_ms), float(mine))
+    assert (chosen == "none") == (none_ms < 0.95 * int4_ms)
 
 
 def test_the_cli_and_the_model_tab_print_the_measured_options(folder, capsys):
