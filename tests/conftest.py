@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# under pytest-xdist the workers share the cores: one thread each on a 2-core machine
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # cost profiles and dtype choices measured by the tests (and the apps they start) go to a
 # fresh cache, never the user's ~/.cache/specui
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specui-test-cache-")

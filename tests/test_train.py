@@ -235,11 +235,11 @@ def test_cpu_float32_draft_computes_with_the_stored_bytes(setup, tmp_path, layer
 
 
 def test_four_bit_groups_pack_two_to_a_byte():
-    from specui.draft_model import _pack4, _unpack4
+    from specui.quantize import pack4, unpack4
 
     q = torch.randint(0, 16, (5, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    packed = _pack4(q)
-    assert packed.shape == (5, 32) and packed.dtype == torch.uint8 and torch.equal(_unpack4(packed), q)
+    packed = pack4(q)
+    assert packed.shape == (5, 32) and packed.dtype == torch.uint8 and torch.equal(unpack4(packed), q)
     assert int(packed[0, 0]) == int(q[0, 0]) + 16 * int(q[0, 1])  # even column in the low nibble
 
 
