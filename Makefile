@@ -3,6 +3,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
+# test files run on this many processes (pytest-xdist, a file per worker: its fixtures load once)
+TEST_WORKERS ?= 2
 
 .PHONY: setup setup-test browser run cli test lint bench measured clean
 
@@ -37,7 +39,7 @@ cli: setup
 
 test: setup-test
 	$(PY) -m ruff check specui app.py tests
-	$(PY) -m pytest -q --durations=12
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
 
 bench: setup
 	$(PY) -m specui.bench.run $(ARGS)

@@ -129,6 +129,9 @@ def test_method_needing_a_draft_without_one(capsys, tiny_dirs):
 
 def test_unreachable_hub_id_is_a_clear_message(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the hub library read the variable when it was imported: without this, it tries the network
+    # and waits for its timeouts (46 s in CI)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(SpecUIError, match="could not load"):
         load_model(ModelSpec("specui-tests/definitely-not-a-model"))
 
