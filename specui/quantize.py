@@ -112,22 +112,21 @@ class Int4Linear(_Quantized):
     0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None, nibbles: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, block: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
-        # the same 4-bit values two to a byte in plain order (the kernel's packing differs by
-        # CPU): what the long-input path dequantizes; half a byte a weight more
-        self.register_buffer("nibbles", nibbles)
+        self.block = block  # the kernel's row block in `packed` as found here (kernel_block); None: unknown
         # the kernel's overload resolved once: a call through the op packet costs about 1 us more
         self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def dense(self) -> torch.Tensor:
-        if self.nibbles is None:
-            raise ValueError("this Int4Linear keeps no plain copy of its 4-bit values")
-        q = unpack4(self.nibbles).float().reshape(self.out_features, -1, GROUP)
+        if self.block is None:
+            raise ValueError("the int4 kernel's packing was not recognised here: no dense weights")
+        q = unpack_kernel(self.packed, self.block, (self.out_features, self.in_features))
+        q = q.float().reshape(self.out_features, -1, GROUP)
         sz = self.scales_zeros.float().transpose(0, 1)  # (N, K / GROUP, 2): the kernel's own bfloat16 values
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
@@ -158,7 +157,7 @@ class Int4Linear(_Quantized):
             return None
         # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale
         scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        module = cls(packed, scales_zeros, q.shape[1], bias, pack4(q))
+        module = cls(packed, scales_zeros, q.shape[1], bias, kernel_block(packed, q))
         return _self_checked(module, dequantize_groups(q, scale, low), bias)
 
 
@@ -181,6 +180,26 @@ def pack4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def unpack_kernel(packed: torch.Tensor, block: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The (N, K) 4-bit values from the int4 CPU kernel's packing, which on the CPUs seen puts
+    rows in blocks of `block`: for each block and input column, byte d holds row d (low
+    nibble) and row d + block / 2 (high nibble)."""
+    n, k = shape
+    flat = packed.reshape(n // block, k, block // 2)
+    return torch.cat([flat & 15, flat >> 4], dim=-1).transpose(1, 2).reshape(n, k)
+
+
+def kernel_block(packed: torch.Tensor, q: torch.Tensor) -> int | None:
+    """The row block of the kernel's packing of `q` on this machine (its layout depends on the
+    CPU's vector width), found by unpacking it again; None where no known layout matches."""
+    want = q.to(torch.uint8)
+    for block in (32, 64, 16):
+        if q.shape[0] % block == 0 and packed.numel() * 2 == q.numel() and torch.equal(
+                unpack_kernel(packed, block, tuple(q.shape)), want):
+            return block
+    return None
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -242,7 +261,7 @@ def use_long_path(model: torch.nn.Module, role: str = "model", rows: int = LONG_
     for kind in (Int4Linear, Int8Linear):
         modules = [m for m in model.modules() if isinstance(m, kind) and m is not head]
         if kind is Int4Linear:
-            modules = [m for m in modules if m.nibbles is not None]
+            modules = [m for m in modules if m.block is not None]
         if not modules:
             continue
         name = "int4" if kind is Int4Linear else "int8"

@@ -2,6 +2,7 @@
 message each, exit code 2, never a traceback."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -66,11 +67,14 @@ def test_cli_sums_up_step_notes_after_the_reply(capsys, tiny_dirs, tmp_path):
     assert code == 0, err
     assert "note" not in out and "auto:" not in out
     summary = err[err.index("choices: "):]
-    assert summary.count("note: auto:") == 1 and "more like it" in summary
+    # which choices auto makes depends on this machine's timings: what must hold is one line per
+    # kind of note (notes that differ in figures only are counted, not repeated)
+    kinds = [re.sub(r"\d+(\.\d+)?", "#", line) for line in summary.splitlines() if line.startswith("note: auto:")]
+    assert kinds and len(kinds) == len(set(kinds)) and "more like it" in summary
     code, out, err = cli(capsys, *argv, "--verbose")
     assert code == 0, err
-    assert err.count("note: auto:") >= 2 and all(line.startswith("note: ") or "note" not in line
-                                                   for line in err.splitlines())
+    assert err.count("note: auto:") > len(kinds) and all(line.startswith("note: ") or "note" not in line
+                                                         for line in err.splitlines())
 
 
 def test_step_notes_count_notes_that_differ_in_figures_only():
