@@ -20,6 +20,7 @@ from specui.errors import SpecUIError
 from specui.loading import DTYPES, QUANTIZATIONS
 from specui.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.settings import ChatSettings, PairChoice, check_settings
+from specui.threads import use_long_threads
 
 
 def method_params(settings: ChatSettings) -> dict:
@@ -72,7 +73,19 @@ class ChatService:
         self.pair = pair
         self.engine = pair.engine()
         self.threads_note = ""  # how many threads torch uses here, and why (set by the app)
+        self.long_threads: int | None = None  # threads for long inputs where the app measured them faster
         self._batch_loop: BatchLoop | None = None
+
+    def use_long_threads(self, threads: int | None) -> None:
+        """Long inputs (prefills) of this pair, and of every pair loaded later, run with `threads`."""
+        self.long_threads = threads
+        self._hook_long_threads(self.pair)
+
+    def _hook_long_threads(self, pair: ModelPair) -> None:
+        if self.long_threads:
+            for loaded in (pair.target, pair.draft):
+                if loaded is not None:
+                    use_long_threads(loaded.model, self.long_threads)
 
     def batch_loop(self, submit) -> BatchLoop:
         """The one loop that decodes every ems-sd chat of the app together (made on first use;
@@ -91,6 +104,7 @@ class ChatService:
                          if progress else None, head=choice.head,
                          decision=choice.decision)
         engine = pair.engine()
+        self._hook_long_threads(pair)
         if progress:
             progress(0.95, "waiting for the running generation")
         with self.engine.lock:

@@ -50,6 +50,7 @@ def launch(args: argparse.Namespace) -> int:
         raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
     threads = choose_threads(service.pair.target.model, local_browser=not args.share, requested=args.threads)
     service.threads_note = f"torch threads: {threads.reason}"
+    service.use_long_threads(threads.long_threads)
     print(service.threads_note, file=sys.stderr)
     runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/runner.py
     demo = build_ui(service, settings_from_args(args), submit=runner.submit).queue(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import form_values, tiny_llama
 
@@ -74,3 +75,50 @@ def _live_figures(outputs) -> dict:
 
 def _is_figure(value) -> bool:
     return hasattr(value, "to_plotly_json")
+
+
+def test_long_inputs_run_with_their_own_thread_count_and_restore_it(tiny_target):
+    from specui.threads import use_long_threads
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    probe = tiny_target.model.layers[0].register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+    try:
+        torch.set_num_threads(1)
+        use_long_threads(tiny_target, 2, rows=8)
+        with torch.inference_mode():
+            tiny_target(input_ids=torch.arange(1, 11)[None])  # 10 tokens: long
+            tiny_target(input_ids=torch.arange(1, 4)[None])  # 3 tokens
+            with pytest.raises(IndexError):  # a failing long forward still restores the count
+                tiny_target(input_ids=torch.full((1, 9), 10_000))
+        assert seen[:2] == [2, 1] and torch.get_num_threads() == 1
+    finally:
+        probe.remove()
+        for hooks in (tiny_target._forward_pre_hooks, tiny_target._forward_hooks):
+            hooks.clear()
+        torch.set_num_threads(before)
+
+
+def test_the_app_measures_long_inputs_apart_where_it_leaves_a_core(tiny_target, monkeypatch):
+    from specui import threads
+
+    monkeypatch.setattr(threads, "_forward_ms", lambda model, n: {2: 9.0, 1: 5.0}[n])  # one token: 1 thread
+    monkeypatch.setattr(threads, "_long_forward_ms", lambda model, n: {2: 300.0, 1: 550.0}[n])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    choice = threads.choose_threads(tiny_target, local_browser=True)
+    assert (choice.threads, choice.long_threads) == (1, 2)
+    assert choice.reason.endswith("; 2 for inputs of 256+ tokens, while the page waits (300 vs 550 ms)")
+    monkeypatch.setattr(threads, "_long_forward_ms", lambda model, n: {2: 600.0, 1: 550.0}[n])
+    assert threads.choose_threads(tiny_target, local_browser=True).long_threads is None
+
+
+def test_a_swapped_pair_gets_the_long_input_threads_too(tiny_dirs):
+    from specui.settings import PairChoice
+
+    target, draft, _ = tiny_dirs
+    service = ChatService(load_pair(ModelSpec(str(target)), ModelSpec(str(draft))))
+    service.use_long_threads(2)
+    assert len(service.pair.target.model._forward_pre_hooks) == 1
+    service.load(PairChoice(target=str(target), draft=str(draft)))
+    assert len(service.pair.target.model._forward_pre_hooks) == 1 == len(service.pair.draft.model._forward_pre_hooks)

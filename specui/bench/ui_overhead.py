@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     service = ChatService(load_pair(spec, spec.with_source(default_draft_source())))
     if args.threads != "0":
         requested = 0 if args.threads == "auto" else int(args.threads)
-        print(f"torch threads: {choose_threads(service.pair.target.model, True, requested).reason}")
+        threads = choose_threads(service.pair.target.model, True, requested)
+        service.use_long_threads(threads.long_threads)
+        print(f"torch threads: {threads.reason}")
     port = _free_port()
     runner = MainThreadRunner()
     meter = JobMeter()  # CPU shares while each reply decodes
