@@ -33,13 +33,10 @@ LONG_GAIN = 0.9  # ... where measured at least 10% faster that way
 
 
 class _Quantized(torch.nn.Module):
-    """What Int8Linear and Int4Linear share: the long-input path (dense weights, float32)."""
+    """What Int8Linear and Int4Linear share: the long-input path, over each one's `dense()`
+    (the (out, in) float32 weights its kernel computes with)."""
 
     long_rows: int | None = None  # set by use_long_path; None: always the kernel
-
-    def dense(self) -> torch.Tensor:
-        """The (out, in) float32 weights the kernel computes with."""
-        raise NotImplementedError
 
     def _long(self, x: torch.Tensor) -> bool:
         return self.long_rows is not None and x.dim() >= 2 and x.shape[-2] >= self.long_rows
