@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.profile import _forward_ms, cpu_model, model_identity
+from specui.engine.profile import _forward_ms, cpu_signature, model_identity
 from specui.engine.session import ModelSession
 
 CANDIDATES = (torch.float32, torch.bfloat16)
@@ -60,7 +60,7 @@ def default_cache_file() -> Path:
 
 
 def choice_key(model: torch.nn.Module, extra: str = "") -> str:
-    raw = json.dumps([model_identity(model), extra, cpu_model(), torch.get_num_threads(), torch.__version__])
+    raw = json.dumps([model_identity(model), extra, cpu_signature(), torch.get_num_threads(), torch.__version__])
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 

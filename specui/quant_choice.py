@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specui.dtypes import dtype_name, read_cache, write_cache
-from specui.engine.profile import _forward_ms, cpu_model
+from specui.engine.profile import _forward_ms, cpu_signature
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.gguf_cache import GGUFSource
@@ -85,7 +85,7 @@ def _identity(spec: ModelSpec) -> str:
 
 
 def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
-    raw = json.dumps([_identity(spec), spec.dtype, spec.device, list(candidates), cpu_model(),
+    raw = json.dumps([_identity(spec), spec.dtype, spec.device, list(candidates), cpu_signature(),
                       torch.get_num_threads(), torch.__version__])
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 

@@ -8,6 +8,7 @@ import torch
 from conftest import EOS, TinyTokenizer
 
 from specui.engine import Engine
+from specui.engine import profile as prof_module
 from specui.engine.profile import CostProfile, disturbed, get_profile, load_cached, measure_profile, profile_key
 
 
@@ -130,6 +131,31 @@ def test_key_changes_with_the_draft_and_dtype(tiny_target, tiny_draft):
     assert profile_key(with_draft.target, with_draft.draft)[0] != profile_key(alone.target, None)[0]
     key, describe = profile_key(alone.target, None)
     assert describe["target_dtype"] == "float64" and describe["draft_dtype"] == "none"
+
+
+ZEN3 = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "stepping": "1", "flags": "fpu avx avx2 fma"}
+ZEN4 = {"model name": "AMD EPYC", "cpu family": "25", "model": "17", "stepping": "1",
+        "flags": "fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni"}
+
+
+@pytest.mark.parametrize("module", ["specui.dtypes", "specui.quant_choice"])
+def test_two_cpus_of_one_name_never_share_a_cached_choice(tiny_target, tiny_draft, monkeypatch, module):
+    """Virtual machines call a Zen 3 and a Zen 4 both "AMD EPYC"; bfloat16 is emulated on one
+    and native on the other, so every cache key carries the CPU's instructions and model."""
+    import importlib
+
+    from specui.loading import ModelSpec
+
+    keys = {}
+    for name, info in (("zen3", ZEN3), ("zen4", ZEN4)):
+        monkeypatch.setattr(prof_module, "_cpuinfo", lambda info=info: dict(info))
+        engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft)
+        choice_key = importlib.import_module(module).choice_key
+        own = choice_key(tiny_draft) if module == "specui.dtypes" else choice_key(ModelSpec("org/name"), ("int4", "none"))
+        keys[name] = (prof_module.cpu_model(), profile_key(engine.target, engine.draft)[0], own)
+    assert keys["zen3"][0].startswith("AMD EPYC (") and "avx512_bf16" in keys["zen4"][0]
+    assert "avx512_bf16" not in keys["zen3"][0]
+    assert keys["zen3"][1] != keys["zen4"][1] and keys["zen3"][2] != keys["zen4"][2]
 
 
 def test_failed_profiling_leaves_the_engine_usable(tiny_target, tiny_draft, tmp_path, monkeypatch):

@@ -145,12 +145,40 @@ def _interp(row: dict[int, float], k: int) -> float:
 
 
 # -- keys and the disk cache ---------------------------------------------------------------
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):  # no /proc (macOS, Windows)
+# Vector instructions that change which kernels torch runs (bfloat16 is emulated without
+# avx512_bf16 / AMX): shown beside the CPU's name and part of every cache key.
+ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo; {} where there is none (macOS, Windows)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's name and what decides its kernels, e.g. "AMD EPYC (AVX2)" or "Intel Xeon
+    (AVX512, avx512_bf16, amx_bf16)": virtual machines name CPUs of different generations
+    alike, and bfloat16 is fast on one and emulated on the other."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    isa = [torch.backends.cpu.get_cpu_capability()] + [f for f in ISA_FLAGS if f in flags]
+    return f"{name} ({', '.join(isa)})"
+
+
+def cpu_signature() -> str:
+    """What the cost caches are keyed by: the name and instructions (cpu_model) and the CPU's
+    family, model and stepping, so a choice timed on one machine is never read on another
+    machine of the same name."""
+    info = _cpuinfo()
+    return "|".join([cpu_model()] + [info.get(k, "") for k in ("cpu family", "model", "stepping")])
 
 
 def model_identity(model: torch.nn.Module) -> str:
@@ -173,7 +201,7 @@ def model_identity(model: torch.nn.Module) -> str:
 def profile_key(target: ModelSession, draft: ModelSession | None, quantization: str = "none") -> tuple[str, dict]:
     """A hash of everything that changes the figures, and a readable summary of it."""
     describe = {
-        "cpu": cpu_model(),
+        "cpu": cpu_signature(),
         "device": str(target.device),
         "target_dtype": str(target.model.dtype).replace("torch.", ""),
         "draft_dtype": str(draft.model.dtype).replace("torch.", "") if draft else "none",
