@@ -151,7 +151,8 @@ def test_two_cpus_of_one_name_never_share_a_cached_choice(tiny_target, tiny_draf
         monkeypatch.setattr(prof_module, "_cpuinfo", lambda info=info: dict(info))
         engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft)
         choice_key = importlib.import_module(module).choice_key
-        own = choice_key(tiny_draft) if module == "specui.dtypes" else choice_key(ModelSpec("org/name"), ("int4", "none"))
+        spec = ModelSpec("org/name")
+        own = choice_key(tiny_draft) if module == "specui.dtypes" else choice_key(spec, ("int4", "none"))
         keys[name] = (prof_module.cpu_model(), profile_key(engine.target, engine.draft)[0], own)
     assert keys["zen3"][0].startswith("AMD EPYC (") and "avx512_bf16" in keys["zen4"][0]
     assert "avx512_bf16" not in keys["zen3"][0]
