@@ -247,6 +247,12 @@ class Auto(Method):
         if gamma == TREE:  # no room left for a tree: the last token(s) plainly
             gamma, why = 0, "end of the reply"
         self.count_step(tree=False)
+        if gamma > 0:
+            # the draft first reads what it has not (the prompt, tokens decoded without it): that
+            # catch-up is costed apart (catch_up_per_token); timed inside the step it would count
+            # as the chain's own cost in the calibration ratio, and one 47-token catch-up made
+            # chains look 25% dearer than they are for the rest of the reply
+            ctx.draft.prefill(ctx.ids)
         t0 = time.perf_counter()
         if gamma == 0:
             result = self.ar.step(ctx)
