@@ -89,6 +89,12 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
+def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a product matches the one it stands for, within the kernels' bfloat16 rounding
+    (2% of the largest magnitude): the self-check of every kernel module and of the long path."""
+    return bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6)
+
+
 def _self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.nn.Module | None:
     """`module` if its product with a random input matches x W^T (+ b) for the weight it
@@ -101,7 +107,7 @@ def _self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
     want = x @ want_weight.float().T
     if bias is not None:
         want = want + bias.float()
-    return module if bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6) else None
+    return module if agrees(got, want) else None
 
 
 class Int4Linear(_Quantized):
@@ -266,7 +272,7 @@ def use_long_path(model: torch.nn.Module, role: str = "model", rows: int = LONG_
         probe.long_rows = None
         x = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         kernel_out, dense_out = probe(x).float(), probe._dense_forward(x).float()
-        if not bool((kernel_out - dense_out).abs().max() <= 0.02 * kernel_out.abs().max() + 1e-6):
+        if not agrees(dense_out, kernel_out):
             said.append(f"{name} matrices on the kernel (dequantized, its products differ here)")
             continue
         timed = [(timer or _both_ms)(probe, x) for _ in range(repeats)]
