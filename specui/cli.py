@@ -16,10 +16,10 @@ from pathlib import Path
 from specui.engine.methods import METHODS, make_method
 from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
-from specui.loading import DTYPES, QUANTIZATIONS, ModelSpec
-from specui.pair import DEFAULT_TARGET, ModelPair, get_preset, load_pair, pair_specs
-from specui.service import ChatService, method_params, validate_settings
+from specui.service.chat_service import ChatService, method_params, validate_settings
+from specui.service.pair import DEFAULT_TARGET, ModelPair, get_preset, load_pair, pair_specs
 from specui.settings import ChatSettings, PairChoice
+from specui.weights.loading import DTYPES, QUANTIZATIONS, ModelSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +184,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_quantization_options(args: argparse.Namespace) -> int:
     from specui.engine.profile import cpu_model
-    from specui.quant_choice import CONTEXT, measure_options, options_table
+    from specui.weights.quant_choice import CONTEXT, measure_options, options_table
 
     target, _ = specs_from_args(args)
     costs = measure_options(target, "target", print_progress)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
-from specui.runner import MainThreadRunner
-from specui.service import ChatService
-from specui.threads import choose_threads
+from specui.service.chat_service import ChatService
+from specui.service.runner import MainThreadRunner
+from specui.weights.threads import choose_threads
 
 
 def parse_auth(value: str | None) -> list[tuple[str, str]] | None:
@@ -52,7 +52,7 @@ def launch(args: argparse.Namespace) -> int:
     service.threads_note = f"torch threads: {threads.reason}"
     service.use_long_threads(threads.long_threads)
     print(service.threads_note, file=sys.stderr)
-    runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/runner.py
+    runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/service/runner.py
     demo = build_ui(service, settings_from_args(args), submit=runner.submit).queue(
         max_size=args.queue, default_concurrency_limit=1)
     kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True, css=PAGE_CSS)

@@ -108,8 +108,8 @@ def tiny_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bundled_pair():
     """The bundled SmolLM2-135M-Instruct (GGUF, float32) and the default draft."""
-    from specui.loading import BUNDLED, ModelSpec
-    from specui.pair import default_draft_source, load_pair
+    from specui.service.pair import default_draft_source, load_pair
+    from specui.weights.loading import BUNDLED, ModelSpec
 
     spec = ModelSpec(BUNDLED, dtype="float32", device="cpu")
     return load_pair(spec, spec.with_source(default_draft_source()))

@@ -14,14 +14,14 @@ from test_train import write_prompts
 
 from specui.bench.prompts import load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import vocab_fingerprint
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
-from specui.loading import ModelSpec, load_model
 from specui.train.__main__ import PromptSource
 from specui.train.__main__ import main as train_main
 from specui.train.answers import AnswerStore, collect_answers
 from specui.train.data import Collector, teacher_topk
+from specui.weights.draft import vocab_fingerprint
+from specui.weights.loading import ModelSpec, load_model
 
 
 @pytest.fixture(scope="module")

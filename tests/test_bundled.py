@@ -6,7 +6,7 @@ import torch
 
 from specui.chat import build_prompt, stop_token_ids
 from specui.engine import Engine, GenerationRequest, make_method
-from specui.service import ChatService
+from specui.service.chat_service import ChatService
 from specui.settings import ChatSettings
 
 pytestmark = pytest.mark.bundled

@@ -8,11 +8,11 @@ import gradio as gr
 import pytest
 from conftest import form_values
 
-from specui.loading import ModelSpec
-from specui.pair import load_pair
-from specui.service import ChatService
+from specui.service.chat_service import ChatService
+from specui.service.pair import load_pair
 from specui.ui.chat_ui import ChatPage
 from specui.ui.compare import Comparison, Run, first_difference, summary_markdown
+from specui.weights.loading import ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from specui.draft_model import CastEmbedding, load_draft, save_draft
-from specui.dtypes import MARGIN, DtypeChoice, choose_dtype
-from specui.loading import ModelSpec, load_model
-from specui.pair import load_pair
+from specui.service.pair import load_pair
 from specui.train.distill import build_draft
+from specui.weights.draft import CastEmbedding, load_draft, save_draft
+from specui.weights.dtypes import MARGIN, DtypeChoice, choose_dtype
+from specui.weights.loading import ModelSpec, load_model
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -63,10 +63,10 @@ def test_the_choice_is_cached_per_key_and_a_corrupt_entry_is_remeasured(tmp_path
 
 @pytest.mark.parametrize("faster", ["bfloat16", "float32"])  # either outcome, whatever this CPU measures
 def test_auto_loads_the_measured_dtype_and_float32_stays_one_flag_away(tiny_dirs, tmp_path, monkeypatch, faster):
-    import specui.dtypes
+    import specui.weights.dtypes
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(specui.dtypes, "decide", lambda ms: getattr(torch, faster))
+    monkeypatch.setattr(specui.weights.dtypes, "decide", lambda ms: getattr(torch, faster))
     target, _, _ = tiny_dirs
     fixed = load_model(ModelSpec(str(target), dtype="float32", device="cpu"))
     assert fixed.model.dtype == F32 and fixed.notes == ()

@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from specui.errors import SpecUIError
-from specui.loading import ModelSpec
-from specui.pair import load_pair
-from specui.runner import run_in_new_thread
-from specui.service import ChatService
+from specui.service.chat_service import ChatService
+from specui.service.pair import load_pair
+from specui.service.runner import run_in_new_thread
 from specui.settings import ChatSettings
 from specui.ui.streaming import Started, run_in_background
+from specui.weights.loading import ModelSpec
 
 PROMPTS = [f"w{i} w{i + 3} w{2 * i + 1}" for i in range(1, 9)]
 
@@ -111,7 +111,7 @@ def _free_port() -> int:
 def test_eight_http_clients_at_once_each_get_their_own_reply(service):
     from gradio_client import Client
 
-    from specui.runner import MainThreadRunner
+    from specui.service.runner import MainThreadRunner
     from specui.ui.chat_ui import build_ui
 
     runner = MainThreadRunner()

@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import EOS, TINY_VOCAB, TinyTokenizer, tiny_llama
 
-from specui.draft_model import SpecUIDraftForCausalLM, add_feature_input, reads_features
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.feature_draft import FeatureDraftSession
+from specui.heads.feature_draft import add_feature_input, reads_features
+from specui.weights.draft import SpecUIDraftForCausalLM
 
 PROMPTS = [[1, 5, 9, 13, 7], [1, 17, 22, 22, 9, 60, 33, 12]]
 
@@ -102,7 +103,7 @@ def test_positions_fed_zeros_are_fed_again_once_the_target_knows_them(pair):
 
 
 def test_a_feature_draft_saves_and_loads(tmp_path, pair):
-    from specui.draft_model import load_draft, save_draft
+    from specui.weights.draft import load_draft, save_draft
 
     target, draft = pair
     save_draft(draft.float(), tmp_path / "d", quantized=False)
@@ -179,7 +180,8 @@ def test_a_draft_naming_layers_the_target_lacks_is_refused(layered_pair):
 
 
 def test_a_layered_feature_draft_saves_and_loads(tmp_path, layered_pair):
-    from specui.draft_model import feature_layers, load_draft, save_draft
+    from specui.heads.feature_draft import feature_layers
+    from specui.weights.draft import load_draft, save_draft
 
     target, draft = layered_pair
     save_draft(copy.deepcopy(draft).float(), tmp_path / "d", quantized=False)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from specui.gguf_cache import (
+from specui.weights.gguf_cache import (
     MANIFEST,
     folder_for,
     load_four_bit,
@@ -67,7 +67,7 @@ def test_a_large_gguf_is_loaded_directly_not_copied_to_float32(tmp_path, monkeyp
 def test_the_bundled_gguf_converted_loads_the_same_weights_and_tokenizer(bundled_pair):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specui.loading import bundled_gguf_path
+    from specui.weights.loading import bundled_gguf_path
 
     path = bundled_gguf_path()
     source = open_source(path)  # converted by the fixture's load already, or now

@@ -12,12 +12,12 @@ from conftest import form_values
 
 import app
 from specui.errors import SpecUIError
-from specui.loading import ModelSpec
-from specui.pair import load_pair
-from specui.service import ChatService, validate_settings
+from specui.service.chat_service import ChatService, validate_settings
+from specui.service.pair import load_pair
 from specui.settings import ChatSettings, check_settings
 from specui.ui.chat_ui import ChatPage, build_ui
 from specui.ui.streaming import settings_from_values, to_messages
+from specui.weights.loading import ModelSpec
 
 METHODS, PRESETS = ["autoregressive", "speculative", "tree"], ["eagle-25"]
 

@@ -11,8 +11,8 @@ from conftest import save_tiny_model
 import app
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
-from specui.loading import ModelSpec, load_model
-from specui.pair import load_pair
+from specui.service.pair import load_pair
+from specui.weights.loading import ModelSpec, load_model
 
 
 def cli(capsys, *argv):
@@ -182,7 +182,7 @@ def test_dtype_and_device_choices(tiny_dirs):
 
 def test_presets_resolve_and_flags_override(capsys):
     from specui.cli import build_parser, specs_from_args
-    from specui.pair import load_presets
+    from specui.service.pair import load_presets
 
     presets = load_presets()
     assert "smollm2-135m" in presets and all(p.target for p in presets.values())

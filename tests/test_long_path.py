@@ -9,7 +9,7 @@ from conftest import EOS, TinyTokenizer, tiny_llama
 
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.session import ModelSession
-from specui.quantize import (
+from specui.weights.quantize import (
     Int4Linear,
     Int8Linear,
     dequantize_groups,

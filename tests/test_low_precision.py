@@ -107,8 +107,8 @@ def test_float32_keeps_exact_equality():
 @pytest.mark.bundled
 def test_bundled_pair_in_bfloat16_diverges_only_at_near_ties():
     from specui.chat import build_prompt
-    from specui.loading import BUNDLED, ModelSpec
-    from specui.pair import default_draft_source, load_pair
+    from specui.service.pair import default_draft_source, load_pair
+    from specui.weights.loading import BUNDLED, ModelSpec
 
     spec = ModelSpec(BUNDLED, dtype="bfloat16", device="cpu")
     pair = load_pair(spec, spec.with_source(default_draft_source()))

@@ -9,13 +9,13 @@ from conftest import EOS, TinyTokenizer, tiny_llama
 from test_sampling_distribution import RUNS, TV_BOUND, empirical, exact, tv
 from test_sampling_distribution import pair as pair  # noqa: F401 (fixture: the flat tiny pair)
 
-from specui.decision import DecisionModel, DecisionModels, load_decision_models, save_decision_models
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.methods.fork import ForkMask
 from specui.engine.trace import DROPPED, TARGET
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
-from specui.heads import draft_fingerprint
+from specui.heads.acceptance import draft_fingerprint
+from specui.heads.decision import DecisionModel, DecisionModels, load_decision_models, save_decision_models
 
 PROMPTS = [[1, 5, 9, 13, 7], [1, 40, 41, 3], [1, 17, 22, 22, 9, 60, 33, 12]]
 

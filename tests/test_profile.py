@@ -138,13 +138,13 @@ ZEN4 = {"model name": "AMD EPYC", "cpu family": "25", "model": "17", "stepping":
         "flags": "fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni"}
 
 
-@pytest.mark.parametrize("module", ["specui.dtypes", "specui.quant_choice"])
+@pytest.mark.parametrize("module", ["specui.weights.dtypes", "specui.weights.quant_choice"])
 def test_two_cpus_of_one_name_never_share_a_cached_choice(tiny_target, tiny_draft, monkeypatch, module):
     """Virtual machines call a Zen 3 and a Zen 4 both "AMD EPYC"; bfloat16 is emulated on one
     and native on the other, so every cache key carries the CPU's instructions and model."""
     import importlib
 
-    from specui.loading import ModelSpec
+    from specui.weights.loading import ModelSpec
 
     keys = {}
     for name, info in (("zen3", ZEN3), ("zen4", ZEN4)):
@@ -152,7 +152,7 @@ def test_two_cpus_of_one_name_never_share_a_cached_choice(tiny_target, tiny_draf
         engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft)
         choice_key = importlib.import_module(module).choice_key
         spec = ModelSpec("org/name")
-        own = choice_key(tiny_draft) if module == "specui.dtypes" else choice_key(spec, ("int4", "none"))
+        own = choice_key(tiny_draft) if module == "specui.weights.dtypes" else choice_key(spec, ("int4", "none"))
         keys[name] = (prof_module.cpu_model(), profile_key(engine.target, engine.draft)[0], own)
     assert keys["zen3"][0].startswith("AMD EPYC (") and "avx512_bf16" in keys["zen4"][0]
     assert "avx512_bf16" not in keys["zen3"][0]

@@ -11,9 +11,9 @@ import torch
 from conftest import save_tiny_model
 
 from specui import quantize
-from specui.loading import ModelSpec, load_model
-from specui.quant_choice import choose_quantization, measure_options, options_table
-from specui.quantize import Int4Linear, Int8Linear
+from specui.weights.loading import ModelSpec, load_model
+from specui.weights.quant_choice import choose_quantization, measure_options, options_table
+from specui.weights.quantize import Int4Linear, Int8Linear
 
 
 def _kind(model: torch.nn.Module) -> str:
@@ -107,7 +107,7 @@ def test_an_option_that_cannot_run_says_why_in_the_table(folder, monkeypatch):
 
 @pytest.mark.bundled
 def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights(bundled_pair):
-    from specui.loading import BUNDLED
+    from specui.weights.loading import BUNDLED
 
     loaded = load_model(ModelSpec(BUNDLED, quantization="auto"), role="target")
     # which one is faster is this machine's answer (int4 reads about 3x fewer bytes per token, but
@@ -126,8 +126,8 @@ def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights(
 
 def test_the_cli_and_the_model_tab_print_the_measured_options(folder, capsys):
     from app import main
-    from specui.pair import load_pair
-    from specui.service import ChatService
+    from specui.service.chat_service import ChatService
+    from specui.service.pair import load_pair
 
     assert main(["--quantization-options", "--target", str(folder), "--draft", "none"]) == 0
     out = capsys.readouterr().out

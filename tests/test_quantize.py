@@ -9,9 +9,9 @@ import torch
 from conftest import save_tiny_model, tiny_llama
 
 from specui.errors import SpecUIError
-from specui.gguf_blocks import _row_permutation, decode_blocks, matched
-from specui.loading import ModelSpec, load_model
-from specui.quantize import (
+from specui.weights.gguf_blocks import _row_permutation, decode_blocks, matched
+from specui.weights.loading import ModelSpec, load_model
+from specui.weights.quantize import (
     GROUP,
     Int4Linear,
     Int8Linear,
@@ -148,7 +148,7 @@ def test_load_model_int4_says_what_it_did(tmp_path):
 
 @pytest.mark.bundled
 def test_the_bundled_gguf_runs_on_its_own_4bit_blocks(bundled_pair):
-    from specui.loading import BUNDLED
+    from specui.weights.loading import BUNDLED
 
     loaded = load_model(ModelSpec(BUNDLED, quantization="int4"), role="target")
     note = next(n for n in loaded.notes if n.startswith("target int4:"))
@@ -181,8 +181,8 @@ def _gguf_with(path, kinds: dict[str, str]):
 
 
 def test_quantization_auto_weighs_int4_against_none_for_a_4bit_gguf_on_a_cpu_and_is_none_otherwise(tmp_path):
-    from specui.gguf_blocks import block_types, open_gguf
-    from specui.loading import auto_candidates
+    from specui.weights.gguf_blocks import block_types, open_gguf
+    from specui.weights.loading import auto_candidates
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     kinds = {"blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"}

@@ -93,7 +93,7 @@ def test_specdec_sampling_matches_target_distribution(pair):
     head keeps sampling exact. Three new tokens, so the first chain may hold 2 candidates; the
     head (a_t near 1/2 against H = 1/2) stops it after one candidate in some runs and not in
     others; the first two tokens must follow the target's P(x1, x2)."""
-    from specui.heads import AcceptanceHead
+    from specui.heads.acceptance import AcceptanceHead
 
     target, draft = pair
     torch.manual_seed(3)

@@ -11,16 +11,16 @@ from test_train import write_prompts
 
 from specui.bench.prompts import load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import load_draft, save_draft
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
-from specui.heads import AcceptanceHead, draft_fingerprint, load_head, save_head
-from specui.loading import ModelSpec, load_model
-from specui.pair import load_pair
+from specui.heads.acceptance import AcceptanceHead, draft_fingerprint, load_head, save_head
+from specui.service.pair import load_pair
 from specui.train import acceptance as acc
 from specui.train.__main__ import main as train_main
 from specui.train.data import collect
 from specui.train.distill import build_draft, choose_head_tokens
+from specui.weights.draft import load_draft, save_draft
+from specui.weights.loading import ModelSpec, load_model
 
 PROMPTS = [[1, 5, 9, 13, 7], [1, 40, 41, 3], [1, 17, 22, 22, 9, 60, 33, 12]]
 
@@ -227,7 +227,7 @@ def test_unusable_heads_say_how_to_train_one(tiny_head_setup, tmp_path, capsys):
 
 
 def test_panels_show_the_head_and_the_threshold(tiny_target):
-    from specui.service import ChatService
+    from specui.service.chat_service import ChatService
     from specui.ui.figures import choices_figure, step_markdown, tree_figure
 
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_llama(1, layers=1), eos_ids=[],

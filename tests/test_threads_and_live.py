@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import form_values, tiny_llama
 
-from specui.loading import ModelSpec
-from specui.pair import load_pair
-from specui.service import ChatService
-from specui.threads import choose_threads
+from specui.service.chat_service import ChatService
+from specui.service.pair import load_pair
 from specui.ui.chat_ui import ChatPage
+from specui.weights.loading import ModelSpec
+from specui.weights.threads import choose_threads
 
 
 def test_thread_choice_is_measured_or_given():
@@ -78,7 +78,7 @@ def _is_figure(value) -> bool:
 
 
 def test_long_inputs_run_with_their_own_thread_count_and_restore_it(tiny_target):
-    from specui.threads import use_long_threads
+    from specui.weights.threads import use_long_threads
 
     before = torch.get_num_threads()
     seen: list[int] = []

@@ -9,11 +9,9 @@ from conftest import save_tiny_model
 
 from specui.bench.prompts import load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import Int4Linear, Int8Linear, load_draft, save_draft
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
-from specui.loading import ModelSpec, load_model
-from specui.pair import load_pair
+from specui.service.pair import load_pair
 from specui.train.__main__ import main as train_main
 from specui.train.data import collect
 from specui.train.distill import (
@@ -26,6 +24,8 @@ from specui.train.distill import (
     quantization_aware,
 )
 from specui.train.trainer import TrainConfig, train
+from specui.weights.draft import Int4Linear, Int8Linear, load_draft, save_draft
+from specui.weights.loading import ModelSpec, load_model
 
 
 def write_prompts(path, n, prefix, offset=0):
@@ -235,7 +235,7 @@ def test_cpu_float32_draft_computes_with_the_stored_bytes(setup, tmp_path, layer
 
 
 def test_four_bit_groups_pack_two_to_a_byte():
-    from specui.quantize import pack4, unpack4
+    from specui.weights.quantize import pack4, unpack4
 
     q = torch.randint(0, 16, (5, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     packed = pack4(q)

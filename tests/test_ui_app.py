@@ -11,9 +11,8 @@ from conftest import form_values
 
 from specui.engine.trace import traces_from_json
 from specui.errors import SpecUIError
-from specui.loading import ModelSpec
-from specui.pair import load_pair
-from specui.service import ChatService
+from specui.service.chat_service import ChatService
+from specui.service.pair import load_pair
 from specui.settings import ChatSettings, PairChoice
 from specui.ui.chat_ui import SETTING_FIELDS, ChatPage
 from specui.ui.figures import (
@@ -26,6 +25,7 @@ from specui.ui.figures import (
     timing_figure,
     tree_figure,
 )
+from specui.weights.loading import ModelSpec
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
 METHODS = ("autoregressive", "beam", "speculative", "speculative-sampled", "tree", "opt-tree", "dsbd", "dsbd-sampled")
@@ -279,7 +279,7 @@ def test_an_engine_failure_becomes_a_message_and_the_next_reply_works(page, monk
 def test_runner_runs_jobs_on_the_serving_thread_and_fails_leftovers():
     import threading
 
-    from specui.runner import MainThreadRunner
+    from specui.service.runner import MainThreadRunner
 
     runner = MainThreadRunner()
     done = runner.submit(threading.get_ident)

@@ -31,7 +31,7 @@ from specui.bench.run import common_parser, load_bench, out_folder
 from specui.chat import build_prompt
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.profile import cpu_model
-from specui.pair import ModelPair
+from specui.service.pair import ModelPair
 
 AR_BATCH = "batched autoregressive"
 VANILLA = "vanilla speculative (padded)"

@@ -22,7 +22,7 @@ from specui.bench.png import command_line, save_results
 from specui.bench.run import AR, Row, bench, common_parser, load_bench, ours, out_folder, table, to_json
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
-from specui.pair import ModelPair
+from specui.service.pair import ModelPair
 
 DECISIONS = ("none", "hidden", "entropy")
 

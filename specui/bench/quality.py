@@ -26,8 +26,8 @@ from specui.bench.run import Row, bench_prompts, ours
 from specui.engine import make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
-from specui.loading import BUNDLED, ModelSpec
-from specui.pair import ModelPair, default_draft_source, load_pair
+from specui.service.pair import ModelPair, default_draft_source, load_pair
+from specui.weights.loading import BUNDLED, ModelSpec
 
 DEFAULT_GRID = ("autoregressive;speculative:gamma=3;beam:width=1;beam:width=2;beam:width=3;beam:width=4;"
                 "dsbd:width=2,gamma=2;dsbd:width=2,gamma=3;dsbd:width=3,gamma=2;dsbd:width=4,gamma=2,draft_width=6;"

@@ -36,9 +36,9 @@ from specui.chat import build_prompt
 from specui.engine import GenerationRequest, make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
-from specui.loading import BUNDLED, ModelSpec
-from specui.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
+from specui.service.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
+from specui.weights.loading import BUNDLED, ModelSpec
 
 AR = "autoregressive"
 

@@ -27,7 +27,7 @@ from specui.bench.prompts import PROMPTS_DIR, load_prompts
 from specui.bench.run import AR, Row, bench, common_parser, load_bench, make_rows, out_folder, to_json
 from specui.chat import build_prompt
 from specui.engine.profile import cpu_model
-from specui.pair import ModelPair
+from specui.service.pair import ModelPair
 
 ASK = "Summarize the text above in one sentence."
 

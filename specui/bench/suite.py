@@ -60,7 +60,7 @@ from specui.engine import METHODS
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
 from specui.errors import SpecUIError
-from specui.loading import DTYPES, QUANTIZATIONS, gguf_path
+from specui.weights.loading import DTYPES, QUANTIZATIONS, gguf_path
 
 ALL = ["autoregressive", "auto", "speculative:2", "speculative:4", "specdec++", "tree:eagle-25", "opt-tree:25",
        "mcsd", "lookup", "dsbd:2", "beam:2"]

@@ -22,13 +22,13 @@ import torch
 from specui.bench.png import command_line, save_results
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.engine.profile import cpu_model
-from specui.loading import BUNDLED, ModelSpec
-from specui.pair import default_draft_source, load_pair
-from specui.runner import MainThreadRunner
-from specui.service import ChatService
+from specui.service.chat_service import ChatService
+from specui.service.pair import default_draft_source, load_pair
+from specui.service.runner import MainThreadRunner
 from specui.settings import ChatSettings
 from specui.ui.chat_ui import build_ui
 from specui.ui.live_panels import PAGE_CSS
+from specui.weights.loading import BUNDLED, ModelSpec
 
 
 def _client(url: str, conn) -> None:

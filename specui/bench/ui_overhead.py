@@ -19,14 +19,14 @@ from collections import deque
 from specui.bench.cpu_usage import CpuShares, JobMeter
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.bench.run import parse_method
-from specui.loading import BUNDLED, ModelSpec
-from specui.pair import default_draft_source, load_pair
-from specui.runner import MainThreadRunner
-from specui.service import ChatService
+from specui.service.chat_service import ChatService
+from specui.service.pair import default_draft_source, load_pair
+from specui.service.runner import MainThreadRunner
 from specui.settings import ChatSettings
-from specui.threads import choose_threads
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui
 from specui.ui.live_panels import PAGE_CSS
+from specui.weights.loading import BUNDLED, ModelSpec
+from specui.weights.threads import choose_threads
 
 
 def settings_for(spec: str, max_new_tokens: int) -> ChatSettings:

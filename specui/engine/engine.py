@@ -10,8 +10,6 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specui.decision import DecisionModels
-from specui.draft_model import reads_features
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
@@ -20,6 +18,8 @@ from specui.engine.methods.emssd import Batch, EmsSd
 from specui.engine.profile import Progress, get_profile
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
+from specui.heads.decision import DecisionModels
+from specui.heads.feature_draft import reads_features
 
 
 class Decoder(Protocol):

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specui.draft_model import feature_layers
 from specui.engine.session import ModelSession, common_prefix
+from specui.heads.feature_draft import feature_layers
 
 
 class FeatureDraftSession(ModelSession):

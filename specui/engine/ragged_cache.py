@@ -5,7 +5,7 @@ without copying the cache."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -14,8 +14,15 @@ from transformers.cache_utils import DynamicLayer
 from specui.engine.attention import cache_dtype
 from specui.errors import SpecUIError
 
-if TYPE_CHECKING:
-    from specui.engine.ragged import RaggedSession
+
+class RowsInLayout(Protocol):
+    """What the cache reads of its session (engine/ragged.py's RaggedSession, which owns the
+    cache): the model (for its config), the rows in order, and the layout of the forward
+    being run (None between forwards)."""
+
+    model: torch.nn.Module
+    rows: list
+    layout: Any
 
 MIN_CAPACITY = 256  # slots a row's buffer starts with (doubling from there)
 
@@ -31,7 +38,7 @@ class RaggedLayer(DynamicLayer):
     row (the row capacity doubles only when every one is in use). Copying every row on each
     change cost more than a decode step in a 64-row collection batch on a 2-core CPU."""
 
-    def __init__(self, session: RaggedSession) -> None:
+    def __init__(self, session: RowsInLayout) -> None:
         super().__init__()
         self.session = session
         self.kbuf: torch.Tensor | None = None
@@ -107,7 +114,7 @@ def _resized(buf: torch.Tensor, live: int, rows: int, capacity: int) -> torch.Te
 
 
 class RaggedCache(DynamicCache):
-    def __init__(self, session: RaggedSession, config) -> None:
+    def __init__(self, session: RowsInLayout, config) -> None:
         super().__init__(config=config)
         if any(type(layer) is not DynamicLayer for layer in self.layers):
             raise SpecUIError("batched decoding needs a model whose layers all use full attention")

@@ -34,11 +34,9 @@ from transformers import PreTrainedModel
 
 from specui.bench.prompts import HELDOUT, PROMPTS_DIR, TRAIN, load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import add_feature_input, feature_layers, load_draft, save_draft
-from specui.dtypes import choice_key, choose_dtype, dtype_name
 from specui.engine.timing import median_ms
 from specui.errors import SpecUIError
-from specui.loading import BUNDLED, LoadedModel, ModelSpec, load_model
+from specui.heads.feature_draft import add_feature_input, feature_layers
 from specui.train import curve, decision_command, head_command, questions
 from specui.train.collect_command import add_arguments, make_collector
 from specui.train.cost import decode_ms
@@ -54,6 +52,9 @@ from specui.train.distill import (
 )
 from specui.train.states import states_for
 from specui.train.trainer import TrainConfig, train
+from specui.weights.draft import load_draft, save_draft
+from specui.weights.dtypes import choice_key, choose_dtype, dtype_name
+from specui.weights.loading import BUNDLED, LoadedModel, ModelSpec, load_model
 
 GENERATED = PROMPTS_DIR / "generated.jsonl"
 

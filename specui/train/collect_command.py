@@ -15,12 +15,12 @@ import torch
 
 from specui.bench.prompts import PROMPTS_DIR, load_prompts
 from specui.chat import build_prompt, stop_token_ids
-from specui.draft_model import vocab_fingerprint
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.loading import BUNDLED, LoadedModel, load_model
 from specui.train.answers import AnswerStore, batched_tokens_per_s
 from specui.train.data import Collector
+from specui.weights.draft import vocab_fingerprint
+from specui.weights.loading import BUNDLED, LoadedModel, load_model
 
 BUNDLED_DATA = PROMPTS_DIR.parent / "distill" / "smollm2-135m"
 MOST_ROWS, ROWS_GAIN = 128, 0.1  # --collect-rows auto: largest batch tried, gain a doubling must bring

@@ -16,11 +16,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specui.bench.prompts import PromptItem
 from specui.chat import build_prompt
-from specui.draft_model import vocab_fingerprint
 from specui.engine import Engine
 from specui.errors import SpecUIError
 from specui.train.answers import Answer, AnswerStore, CollectReport, Job, answer_key, collect_answers
 from specui.train.states import padded_groups
+from specui.weights.draft import vocab_fingerprint
 
 
 class SavedFields:

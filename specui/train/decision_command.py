@@ -1,5 +1,5 @@
 """`python -m specui.train decision`: train MCSD's two early-stop decision models for a draft
-(specui.decision) and ship them in one folder with their held-out quality.
+(specui.heads.decision) and ship them in one folder with their held-out quality.
 
 Data: the examples of SpecDec++'s acceptance head (specui.train.acceptance; the same cache
 under --work, so a draft whose head was trained reuses them): at each draft position of the
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from specui.decision import KINDS, DecisionModel, save_decision_models
-from specui.draft_model import load_draft
-from specui.heads import draft_fingerprint
-from specui.loading import LoadedModel
+from specui.heads.acceptance import draft_fingerprint
+from specui.heads.decision import KINDS, DecisionModel, save_decision_models
 from specui.train import acceptance as acc
 from specui.train.data import AnswerSet
 from specui.train.trainer import TrainConfig, train
+from specui.weights.draft import load_draft
+from specui.weights.loading import LoadedModel
 
 WIDTHS = {"hidden": 256, "entropy": 64}
 

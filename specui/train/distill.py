@@ -15,10 +15,10 @@ import torch
 from torch.nn.utils import parametrize
 from transformers import PreTrainedModel
 
-from specui.draft_model import EMBED_KEY, SpecUIDraftForCausalLM, stored_matrix
 from specui.errors import SpecUIError
 from specui.train.data import AnswerSet
 from specui.train.states import padded_groups
+from specui.weights.draft import EMBED_KEY, SpecUIDraftForCausalLM, stored_matrix
 
 
 def choose_head_tokens(data: AnswerSet, size: int, always: list[int]) -> torch.Tensor:

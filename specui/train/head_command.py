@@ -20,14 +20,14 @@ from pathlib import Path
 
 from specui.bench.prompts import DEV, load_prompts
 from specui.chat import stop_token_ids
-from specui.draft_model import load_draft
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.profile import cpu_model, get_profile
 from specui.engine.session import ModelSession
-from specui.heads import draft_fingerprint, save_head
-from specui.loading import LoadedModel, ModelSpec, load_model
+from specui.heads.acceptance import draft_fingerprint, save_head
 from specui.train import acceptance as acc
 from specui.train.data import AnswerSet, collect
+from specui.weights.draft import load_draft
+from specui.weights.loading import LoadedModel, ModelSpec, load_model
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99)
 

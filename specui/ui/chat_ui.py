@@ -1,7 +1,7 @@
 """The chat page: streaming chat, method switch, per-method settings, model panel, live
 speculation panels, step inspector and trace export.
 
-The service (specui.service.ChatService) is injected; this module reads settings and step
+The service (specui.service.chat_service.ChatService) is injected; this module reads settings and step
 traces (plain data) only and never imports torch."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import gradio as gr
 
 from specui.engine.trace import StepTrace, traces_to_json
 from specui.errors import SpecUIError
-from specui.runner import run_in_new_thread
+from specui.service.runner import run_in_new_thread
 from specui.settings import ChatSettings, PairChoice
 from specui.ui.alternatives import is_alternative, reply_alternatives
 from specui.ui.api import ChatAPI

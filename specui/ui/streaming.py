@@ -13,9 +13,9 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from specui.batch_loop import DONE, Request, Started
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
+from specui.service.batch_loop import DONE, Request, Started
 from specui.settings import RANGES, SEED_MAX, SWITCHES, ChatSettings, coerce
 
 STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specui.decision import DecisionModel
 from specui.engine.method import DecodeContext
 from specui.engine.methods.speculative import accept_chain
 from specui.engine.methods.tree import draft_probs, top_tokens
 from specui.engine.sampling import SamplingConfig
 from specui.engine.tree import TokenTree
+from specui.heads.decision import DecisionModel
 
 
 class ForkMask:

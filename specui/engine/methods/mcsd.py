@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from specui.decision import DECISIONS
 from specui.engine.method import DecodeContext, StepResult
 from specui.engine.methods.fork import ChainCheck, Fork, ForkDrafter, ForkMask, check_chains, tree_forward
 from specui.engine.methods.tree import DraftedTree, TreeMethod, draft_probs, expected_accept, top_tokens
@@ -34,6 +33,7 @@ from specui.engine.sampling import sample, shown_probs, warp
 from specui.engine.trace import ACCEPTED, DROPPED, REJECTED, TARGET, UNVERIFIED, NodeTrace
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
+from specui.heads.decision import DECISIONS
 
 
 def parse_k_config(text: str) -> tuple[int, ...]:

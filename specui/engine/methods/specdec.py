@@ -23,7 +23,7 @@ from specui.engine.methods.speculative import Speculative, chain_nodes, verify_c
 from specui.engine.sampling import SamplingConfig, sample, shown_probs, warp
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
-from specui.heads import AcceptanceHead
+from specui.heads.acceptance import AcceptanceHead
 
 DEFAULT_THRESHOLD = 0.5  # used only when a head's config names no tuned threshold
 

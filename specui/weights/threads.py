@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specui.quantize import LONG_ROWS
+from specui.weights.quantize import LONG_ROWS
 
 SPIN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
 

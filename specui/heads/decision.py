@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specui.errors import SpecUIError
-from specui.heads import Q_STATS, draft_fingerprint, q_stats, read_marked_config
+from specui.heads.acceptance import Q_STATS, draft_fingerprint, q_stats, read_marked_config
 
 KINDS = ("hidden", "entropy")
 DECISIONS = ("hidden", "entropy", "none")

@@ -9,14 +9,15 @@ from pathlib import Path
 import torch
 
 from specui.chat import stop_token_ids
-from specui.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
-from specui.decision import DecisionModels, load_decision_models
-from specui.draft_model import is_specui_draft, load_draft
-from specui.dtypes import choice_key, choose_dtype
 from specui.engine import Engine
 from specui.errors import SpecUIError
-from specui.heads import TRAIN_COMMAND, load_head
-from specui.loading import (
+from specui.heads.acceptance import TRAIN_COMMAND, load_head
+from specui.heads.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
+from specui.heads.decision import DecisionModels, load_decision_models
+from specui.settings import PairChoice
+from specui.weights.draft import is_specui_draft, load_draft
+from specui.weights.dtypes import choice_key, choose_dtype
+from specui.weights.loading import (
     BUNDLED,
     QUANTIZATIONS,
     LoadedModel,
@@ -26,7 +27,6 @@ from specui.loading import (
     measures_dtype,
     resolve_dtype,
 )
-from specui.settings import PairChoice
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"

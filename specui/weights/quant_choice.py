@@ -6,7 +6,7 @@ Each option is loaded, timed (the median ms of one token, and of four tokens in 
 after CONTEXT cached ones) and dropped before the next one loads, except the best so far: at
 most two copies of the model are in memory. auto's choice is cached on disk under the model's
 file, the dtype asked for, the CPU, the threads and the torch version, like dtype auto's
-(specui.dtypes); a corrupt entry is re-measured."""
+(specui.weights.dtypes); a corrupt entry is re-measured."""
 
 from __future__ import annotations
 
@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from specui.dtypes import dtype_name, read_cache, write_cache
 from specui.engine.profile import _forward_ms, cpu_signature
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
-from specui.gguf_cache import GGUFSource
-from specui.loading import (
+from specui.weights.concrete import load_concrete
+from specui.weights.dtypes import dtype_name, read_cache, write_cache
+from specui.weights.gguf_cache import GGUFSource
+from specui.weights.sources import (
     LoadedModel,
     ModelSpec,
-    _locate,
     auto_candidates,
     gguf_source,
-    load_concrete,
+    locate,
     resolve_device,
 )
 
@@ -76,7 +76,7 @@ def default_cache_file() -> Path:
 
 def _identity(spec: ModelSpec) -> str:
     """The model's files (path, size, mtime) where it is local, else its source."""
-    where, gguf, local = _locate(spec.source)
+    where, gguf, local = locate(spec.source)
     path = Path(where) / gguf if gguf else Path(where)
     if not local or not path.exists():
         return spec.source

@@ -6,7 +6,7 @@ weights, then maps and dequantizes every tensor: about 19 s for the bundled 98 M
 2-core CPU, each time the app starts. The first load of a GGUF writes what those parses yield
 into a folder under ~/.cache/specui/gguf/: the config, the tokenizer, the weights in float32
 (safetensors, exactly the dequantized values), the file's own 4-bit blocks already matched to
-their modules (specui/gguf_blocks.py), and the file's tensor types. Later loads read the
+their modules (specui/weights/gguf_blocks.py), and the file's tensor types. Later loads read the
 folder instead. The folder's name holds the file's path, size and mtime and the transformers
 version; it is built under a temporary name and renamed when complete, so an interrupted or
 concurrent build never leaves a half-written folder in use. Where it cannot be built (a full
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from specui.gguf_blocks import Groups, block_types, matched, open_gguf, read_four_bit
+from specui.weights.gguf_blocks import Groups, block_types, matched, open_gguf, read_four_bit
 
 FORMAT = 1  # bump when what the folder holds changes
 MANIFEST = "specui_gguf.json"

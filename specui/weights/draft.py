@@ -18,7 +18,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedMo
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from specui.errors import SpecUIError
-from specui.quantize import (
+from specui.heads.feature_draft import MARKER, feature_layers, reads_features
+from specui.weights.quantize import (
     GROUP,
     Int4Linear,
     Int8Linear,
@@ -30,7 +31,6 @@ from specui.quantize import (
     use_long_path,
 )
 
-MARKER = "specui_draft"  # config.json key that marks a SpecUI draft folder
 EMBED_KEY = "model.embed_tokens.weight"
 SCALE = ".int8_scale"
 Q4, G_SCALE, G_LOW = ".int4_groups", ".int4_scale", ".int4_low"  # 4-bit groups: two per byte, low nibble first
@@ -86,36 +86,6 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
         logits.index_copy_(-1, self.token_map, small)
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values,
                                       hidden_states=out.hidden_states, attentions=out.attentions)
-
-
-def add_feature_input(draft: SpecUIDraftForCausalLM, scale: float = 1.0,
-                      layers: list[int] | None = None) -> SpecUIDraftForCausalLM:
-    """Make a token draft read the target's features too: a new feature_fc that starts as
-    [I | 0], so the draft begins exactly as it was and training learns what the features add.
-    `scale` multiplies the states first (training sets it to bring their size to the
-    embeddings': the target's final states are about 14x larger for SmolLM2). `layers`: read
-    the states after these target decoder layers instead of after the final norm."""
-    h = draft.config.hidden_size
-    extra = {"feature_layers": list(layers)} if layers else {}
-    draft.config.specui_draft = {**draft.config.specui_draft, "features": True, "feature_scale": scale, **extra}
-    weight = draft.model.norm.weight
-    width = (1 + max(1, len(layers or ()))) * h
-    draft.feature_fc = torch.nn.Linear(width, h, bias=False).to(device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        draft.feature_fc.weight.zero_()
-        draft.feature_fc.weight[:, :h].copy_(torch.eye(h))
-    return draft
-
-
-def reads_features(config) -> bool:
-    """Whether a draft's config says it reads the target's features."""
-    return bool(getattr(config, MARKER, None) and getattr(config, MARKER).get("features"))
-
-
-def feature_layers(config) -> list[int]:
-    """The target decoder layers a feature draft reads the states after ([]: the final norm's)."""
-    marker = getattr(config, MARKER, None) or {}
-    return [int(i) for i in marker.get("feature_layers", [])]
 
 
 def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, int]:

@@ -13,14 +13,14 @@ from dataclasses import asdict
 
 import torch
 
-from specui.batch_loop import BatchLoop
 from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
-from specui.loading import DTYPES, QUANTIZATIONS
-from specui.pair import ModelPair, load_pair, load_presets, pair_specs
+from specui.service.batch_loop import BatchLoop
+from specui.service.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.settings import ChatSettings, PairChoice, check_settings
-from specui.threads import use_long_threads
+from specui.weights.loading import DTYPES, QUANTIZATIONS
+from specui.weights.threads import use_long_threads
 
 
 def method_params(settings: ChatSettings) -> dict:
@@ -131,7 +131,7 @@ class ChatService:
         """Each quantization of the loaded target loaded and timed in turn (no generation runs
         meanwhile): a markdown table, and what it was measured on."""
         from specui.engine.profile import cpu_model
-        from specui.quant_choice import CONTEXT, measure_options, options_table
+        from specui.weights.quant_choice import CONTEXT, measure_options, options_table
 
         with self.engine.lock:
             costs = measure_options(self.pair.target.spec, "target", progress)

@@ -3,7 +3,7 @@
 transformers loads a GGUF by dequantizing it (its packed path needs kernels from the hub).
 A Q4_0 / Q4_1 block is 32 consecutive inputs of one output row with one scale (and, Q4_1, one
 minimum) in float16: w = d * q + m (Q4_1) or d * (q - 8) (Q4_0), q in 0..15. That is exactly an
-int4 group (specui/quantize.py), so `--quantization int4` on a GGUF computes with the file's
+int4 group (specui/weights/quantize.py), so `--quantization int4` on a GGUF computes with the file's
 own weights, not a second rounding of the dequantized ones.
 
 Each block tensor is matched to the module whose dequantized weight it equals: as stored, or
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specui.quantize import GROUP, dequantize_groups
+from specui.weights.quantize import GROUP, dequantize_groups
 
 Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q (N, K) in 0..15, scale, low (N, K / GROUP)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}

@@ -1,0 +1,122 @@
+"""Load a model with one concrete quantization: transformers' loader (hub id, local folder,
+GGUF), then SpecUI's int8 / int4 CPU kernels or bitsandbytes 8-bit / 4-bit (nf4), the measured
+dtype and attention. Every failure becomes a SpecUIError with a clear message."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from specui.engine.attention import use_measured_attention
+from specui.errors import SpecUIError
+from specui.weights.dtypes import auto_dtype_model
+from specui.weights.gguf_cache import GGUFSource
+from specui.weights.quantize import quantize_model, use_long_path
+from specui.weights.sources import (
+    BUNDLED,
+    BUNDLED_GGUF,
+    CPU_KERNELS,
+    QUANTIZATIONS,
+    LoadedModel,
+    ModelSpec,
+    gguf_source,
+    load_tokenizer,
+    locate,
+    measures_dtype,
+    resolve_device,
+    resolve_dtype,
+    short_error,
+)
+
+
+def _quantization_config(quantization: str, dtype: torch.dtype):
+    if quantization not in QUANTIZATIONS:
+        raise SpecUIError(f"unknown quantization '{quantization}'; choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none" or quantization in CPU_KERNELS:
+        return None  # int8 / int4 are applied after loading (specui.weights.quantize)
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise SpecUIError("quantization needs bitsandbytes: pip install bitsandbytes") from None
+    if quantization == "8bit":
+        warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*")  # once per forward
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+
+
+def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
+                  source: GGUFSource | None = None) -> LoadedModel:
+    """Load with a concrete quantization. `given`: notes to put first (quantization auto's
+    choice: then a quantization no kernel serves here loads dequantized, not refused);
+    `source`: the GGUF as gguf_source gave it, if already opened."""
+    where, gguf, local = locate(spec.source)
+    if gguf and local:
+        source = source or gguf_source(spec)
+        where, gguf = source.location()
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    if spec.quantization in CPU_KERNELS:
+        if device.type != "cpu":
+            raise SpecUIError(f"--quantization {spec.quantization} is SpecUI's CPU kernel; "
+                              "on a GPU use 8bit or 4bit (bitsandbytes)")
+        if spec.dtype == "auto":
+            dtype = torch.bfloat16  # the kernels compute in bfloat16: the rest of the model follows them
+    quant = _quantization_config(spec.quantization, dtype)
+    tokenizer = load_tokenizer(spec, (where, gguf, local))
+    kwargs = dict(gguf_file=gguf, dtype=dtype, trust_remote_code=spec.trust_remote_code, local_files_only=local)
+    if quant is not None:
+        kwargs.update(quantization_config=quant, device_map={"": device})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        raise SpecUIError(
+            f"out of GPU memory loading '{spec.source}'; try --quantization 4bit or a smaller model"
+        ) from None
+    except Exception as e:  # noqa: BLE001
+        hint = " (no internet? use a local folder or the bundled model)" if not local else ""
+        raise SpecUIError(f"could not load model '{spec.source}'{hint}: {short_error(e)}") from None
+    if quant is None:
+        model = model.to(device)
+    model.eval()
+    notes: tuple[str, ...] = given
+    if measures_dtype(spec, device) and model.dtype == torch.float32:
+        model, choice = auto_dtype_model(model)
+        notes += (choice.note(role),)
+    if spec.quantization in CPU_KERNELS:
+        notes += (_quantize(model, spec, role, source, chosen=bool(given)),)
+        long_inputs = use_long_path(model, role)
+        notes += (long_inputs,) if long_inputs else ()
+    attention = use_measured_attention(model)
+    notes += (f"{role} {attention}",) if attention else ()
+    label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
+
+
+def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
+              chosen: bool = False) -> str:
+    """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF `source`'s own 4-bit
+    blocks where it has them); the note of what went where. Where the kernels serve no
+    matrix, an explicit request is refused; a `chosen` one (quantization auto) keeps the
+    model as loaded."""
+    blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else {}
+    unread = ""
+    if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
+        unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"
+    counts = quantize_model(model, spec.quantization, blocks)
+    if not counts["int8"] + counts["int4"] and chosen:
+        return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"
+    if not counts["int8"] + counts["int4"]:
+        raise SpecUIError(f"--quantization {spec.quantization}: torch's kernels serve none of the matrices of "
+                          f"'{spec.source}' on this machine; use none, 8bit or 4bit")
+    said = [f"{counts[k]} matrices on the weight-only {k} kernel" for k in ("int4", "int8") if counts[k]]
+    if counts["from_file"]:
+        said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
+    if counts["kept"]:
+        said.append(f"{counts['kept']} left in {str(model.dtype).removeprefix('torch.')}")
+    return f"{role} {spec.quantization}: " + ", ".join(said) + unread
+
+

