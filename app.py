@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        if args.cli or args.profile or args.quantization_options:
+        if args.cli or args.doctor or args.profile or args.quantization_options:
             return run_cli(args)
         from specui.webapp import launch
 

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantization-options", action="store_true",
                    help="load the target with each quantization this device offers in turn, print each one's weight "
                         "size and measured ms per token, and exit")
+    c.add_argument("--doctor", action="store_true",
+                   help="print a report to paste into a bug report (machine, packages, every kernel's self-check, "
+                        "the cached measured choices) and exit; loads no model")
     c.add_argument("--profile-dir", type=Path, help="where cost profiles are cached (default ~/.cache/specui/profiles)")
     c.add_argument("--trace", type=Path, help="write every step's trace as JSON to this file (--cli)")
     c.add_argument("--verbose", action="store_true",
@@ -194,11 +197,21 @@ def run_quantization_options(args: argparse.Namespace) -> int:
     return 0 if any(c.ms_token is not None for c in costs) else 1
 
 
+def run_doctor(args: argparse.Namespace) -> int:
+    from specui.weights.doctor import FAILED, report
+
+    text, checks = report()
+    print(text)
+    return 1 if any(c.status == FAILED for c in checks) else 0
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.doctor:
+        return run_doctor(args)
     if args.profile:
         return run_profile(args)
     if args.quantization_options:

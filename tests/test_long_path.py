@@ -32,7 +32,7 @@ def test_dense_weights_are_the_kernels_own():
     # the kernel computes with bfloat16 scales and zeros: the dense weights are exactly those
     s16, z16 = scale.to(torch.bfloat16).float(), (low + 8 * scale).to(torch.bfloat16).float()
     want = ((q.float() - 8).reshape(96, -1, 32) * s16[..., None] + z16[..., None]).reshape(96, 64)
-    assert int4.block is not None  # the kernel's packing was recognised on this machine
+    assert int4.layout is not None  # the kernel's packing was recognised on this machine
     assert torch.equal(int4.dense(), want)
     assert (int4.dense() - dequantize_groups(q, scale, low)).abs().max() <= 0.01 * want.abs().max()
     assert torch.equal(int8.dense(), int8.weight.float() * int8.scale.float()[:, None])

@@ -10,13 +10,14 @@ import copy
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specui.engine.profile import _forward_ms, cpu_signature, model_identity
+from specui.engine.measure import cpu_signature, forward_ms, model_identity
 from specui.engine.session import ModelSession
 
 CANDIDATES = (torch.float32, torch.bfloat16)
@@ -51,7 +52,7 @@ class DtypeChoice:
 def token_ms(model: torch.nn.Module) -> float:
     """Median ms of one token's forward after CONTEXT cached tokens (after a warm-up)."""
     with torch.inference_mode():
-        return _forward_ms(ModelSession(model), CONTEXT, 1, REPEATS)
+        return forward_ms(ModelSession(model), CONTEXT, 1, REPEATS)
 
 
 def default_cache_file() -> Path:
@@ -105,9 +106,14 @@ def choose_dtype(
             ms[name] = min(ms.get(name, float("inf")), float(timer(model)))
     del models
     choice = DtypeChoice(decide(ms), ms)
-    cache[key] = {"dtype": dtype_name(choice.dtype), "ms": ms}
+    cache[key] = {"dtype": dtype_name(choice.dtype), "ms": ms, "measured": measured_stamp()}
     write_cache(path, cache)
     return choice
+
+
+def measured_stamp() -> dict:
+    """Where and when a cached choice was measured (the doctor shows it)."""
+    return {"at": time.time(), "cpu": cpu_signature(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def write_cache(path: Path, cache: dict) -> None:

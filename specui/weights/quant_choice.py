@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.profile import _forward_ms, cpu_signature
+from specui.engine.measure import cpu_signature, forward_ms
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.weights.concrete import load_concrete
-from specui.weights.dtypes import dtype_name, read_cache, write_cache
+from specui.weights.dtypes import dtype_name, measured_stamp, read_cache, write_cache
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.sources import (
     LoadedModel,
@@ -66,7 +66,7 @@ def time_model(model: torch.nn.Module) -> tuple[float, float]:
     """(ms for one token, ms for four tokens in one forward) after CONTEXT cached tokens."""
     with torch.inference_mode():
         session = ModelSession(model)
-        return _forward_ms(session, CONTEXT, 1, REPEATS), _forward_ms(session, CONTEXT, 4, REPEATS)
+        return forward_ms(session, CONTEXT, 1, REPEATS), forward_ms(session, CONTEXT, 4, REPEATS)
 
 
 def default_cache_file() -> Path:
@@ -171,7 +171,7 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     if best is None or kept is None:
         raise SpecUIError(f"could not load '{spec.source}' with any of {', '.join(candidates)}: "
                           + "; ".join(f"{c.quantization}: {c.problem}" for c in costs))
-    cache[key] = {"chosen": best.quantization, "costs": [c.to_dict() for c in costs]}
+    cache[key] = {"chosen": best.quantization, "costs": [c.to_dict() for c in costs], "measured": measured_stamp()}
     write_cache(path, cache)
     kept.notes = (choice_note(role, best.quantization, reason, costs, cached=False),) + kept.notes
     return kept

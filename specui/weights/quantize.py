@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from specui.weights.int4_layout import Int4Layout, find_layout
+
 GROUP = 32  # inputs per 4-bit group: a GGUF Q4_0 / Q4_1 block
 LONG_ROWS = 256  # tokens a row from which a forward may compute dequantized (use_long_path)
 LONG_GAIN = 0.9  # ... where measured at least 10% faster that way
@@ -115,20 +117,20 @@ class Int4Linear(_Quantized):
     0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None, block: int | None = None) -> None:
+                 bias: torch.Tensor | None = None, layout: Int4Layout | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, scales_zeros.shape[1]
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
-        self.block = block  # the kernel's row block in `packed` as found here (kernel_block); None: unknown
+        self.layout = layout  # the kernel's packing order as found here (int4_layout.py); None: unknown
         # the kernel's overload resolved once: a call through the op packet costs about 1 us more
         self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def dense(self) -> torch.Tensor:
-        if self.block is None:
+        if self.layout is None:
             raise ValueError("the int4 kernel's packing was not recognised here: no dense weights")
-        q = unpack_kernel(self.packed, self.block, (self.out_features, self.in_features))
+        q = self.layout.unpack(self.packed, (self.out_features, self.in_features))
         q = q.float().reshape(self.out_features, -1, GROUP)
         sz = self.scales_zeros.float().transpose(0, 1)  # (N, K / GROUP, 2): the kernel's own bfloat16 values
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
@@ -146,21 +148,23 @@ class Int4Linear(_Quantized):
 
     @classmethod
     def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, device: torch.device,
-                    bias: torch.Tensor | None = None) -> Int4Linear | None:
+                    bias: torch.Tensor | None = None,
+                    learned: dict[tuple[int, int], torch.Tensor] | None = None) -> Int4Linear | None:
         """The module over 4-bit groups (q (N, K) in 0..15, scale and low (N, K / GROUP)), or
         None where the kernel cannot serve them: not CPU, K not a multiple of GROUP, a shape
-        the kernel refuses, or a product that fails the self-check against q * scale + low."""
+        the kernel refuses, or a product that fails the self-check against q * scale + low.
+        `learned`: packing orders learned by shape (int4_layout.py), shared between matrices."""
         aten = torch.ops.aten
         if (device.type != "cpu" or q.shape[1] % GROUP or not hasattr(aten, "_weight_int4pack_mm_for_cpu")
                 or not hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
             return None
         try:
-            packed = aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+            packed = _pack_int4(q.to(torch.int32))
         except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
             return None
         # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale
         scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        module = cls(packed, scales_zeros, q.shape[1], bias, kernel_block(packed, q))
+        module = cls(packed, scales_zeros, q.shape[1], bias, find_layout(packed, q, _pack_int4, learned))
         return _self_checked(module, dequantize_groups(q, scale, low), bias)
 
 
@@ -185,24 +189,9 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def unpack_kernel(packed: torch.Tensor, block: int, shape: tuple[int, int]) -> torch.Tensor:
-    """The (N, K) 4-bit values from the int4 CPU kernel's packing, which on the CPUs seen puts
-    rows in blocks of `block`: for each block and input column, byte d holds row d (low
-    nibble) and row d + block / 2 (high nibble)."""
-    n, k = shape
-    flat = packed.reshape(n // block, k, block // 2)
-    return torch.cat([flat & 15, flat >> 4], dim=-1).transpose(1, 2).reshape(n, k)
-
-
-def kernel_block(packed: torch.Tensor, q: torch.Tensor) -> int | None:
-    """The row block of the kernel's packing of `q` on this machine (its layout depends on the
-    CPU's vector width), found by unpacking it again; None where no known layout matches."""
-    want = q.to(torch.uint8)
-    for block in (32, 64, 16):
-        if q.shape[0] % block == 0 and packed.numel() * 2 == q.numel() and torch.equal(
-                unpack_kernel(packed, block, tuple(q.shape)), want):
-            return block
-    return None
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int32 values 0..15 -> torch's int4 CPU packing of them (raises where refused)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -218,6 +207,7 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
     head gets its own copy; the input embeddings stay. Returns counts: "int8", "int4",
     "from_file" (of int4) and "kept" (left as they were)."""
     groups = groups or {}
+    learned: dict[tuple[int, int], torch.Tensor] = {}  # int4 packing orders learned on this machine, by shape
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     counts = {"int8": 0, "int4": 0, "from_file": 0, "kept": 0}
     for name, module in list(model.named_modules()):
@@ -226,7 +216,8 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
         fast, used = None, "int8"
         if kind == "int4" and module is not head:
             given = groups.get(name)
-            fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device, module.bias)
+            fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device,
+                                          module.bias, learned)
             used = "int4"
             counts["from_file"] += int(fast is not None and given is not None)
         if fast is None:
@@ -263,11 +254,17 @@ def use_long_path(model: torch.nn.Module, role: str = "model", rows: int = LONG_
     said = []
     for kind in (Int4Linear, Int8Linear):
         modules = [m for m in model.modules() if isinstance(m, kind) and m is not head]
+        name = "int4" if kind is Int4Linear else "int8"
+        layouts = ""
         if kind is Int4Linear:
-            modules = [m for m in modules if m.block is not None]
+            unread = sum(m.layout is None for m in modules)
+            modules = [m for m in modules if m.layout is not None]
+            layouts = "; packing read back as " + ", ".join(sorted({m.layout.name for m in modules})) if modules else ""
+            if unread:
+                said.append(f"{unread} int4 matrices always on the kernel (its packing on this CPU, "
+                            f"{torch.backends.cpu.get_cpu_capability()}, was not recognised)")
         if not modules:
             continue
-        name = "int4" if kind is Int4Linear else "int8"
         probe = max(modules, key=lambda m: m.in_features * m.out_features)
         probe.long_rows = None
         x = torch.randn(rows, probe.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -283,5 +280,5 @@ def use_long_path(model: torch.nn.Module, role: str = "model", rows: int = LONG_
         how = "dequantized to float32" if faster else "on the kernel"
         said.append(f"{len(modules)} {name} matrices {how} for inputs of {rows}+ tokens "
                     f"({dense_ms:.1f} ms dequantized vs {kernel_ms:.1f} ms on the kernel, "
-                    f"{rows} rows of a {probe.out_features}x{probe.in_features} matrix)")
+                    f"{rows} rows of a {probe.out_features}x{probe.in_features} matrix{layouts})")
     return f"{role} long inputs: " + "; ".join(said) if said else None
