@@ -28,7 +28,7 @@ from specui.weights.loading import (
     resolve_dtype,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # specui/service/pair.py -> the repository
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
 SHIPPED_HEAD = REPO / "models" / "smollm2-135m-specdec-head"  # SpecDec++'s acceptance head for it
 SHIPPED_DECISION = REPO / "models" / "smollm2-135m-mcsd-decision"  # MCSD's early-stop decision models for it
