@@ -148,7 +148,7 @@ def test_two_cpus_of_one_name_never_share_a_cached_choice(tiny_target, tiny_draf
 
     keys = {}
     for name, info in (("zen3", ZEN3), ("zen4", ZEN4)):
-        monkeypatch.setattr(prof_module, "_cpuinfo", lambda info=info: dict(info))
+        monkeypatch.setattr("specui.engine.measure._cpuinfo", lambda info=info: dict(info))
         engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft)
         choice_key = importlib.import_module(module).choice_key
         spec = ModelSpec("org/name")
@@ -187,19 +187,19 @@ def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_d
     import specui.engine.profile as prof
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
     calls = []
-    real = prof._forward_ms
+    real = prof.forward_ms
 
     def busy_then_calm(session, context, width, repeats, *room, **quick):  # the first timing of k=1 was disturbed
         calls.append((session is engine.target, context, width))
         ms = real(session, context, width, repeats, *room, **quick)
         return ms + 500.0 if calls.count((True, 64, 1)) == 1 and (context, width) == (64, 1) else ms
 
-    monkeypatch.setattr(prof, "_forward_ms", busy_then_calm)
+    monkeypatch.setattr(prof, "forward_ms", busy_then_calm)
     p, note = get_profile(engine.target, engine.draft, tmp_path)
     assert calls.count((True, 64, 1)) == 2 and p.target_ms[64][1] < 100 and "measured" in note
     assert load_cached(tmp_path / f"{p.key}.json", p.key) == p  # timed again: calm, so cached
 
-    monkeypatch.setattr(prof, "_forward_ms", lambda s, c, w, r, *room, **quick: 500.0 if (c, w) == (64, 1) else 1.0 * w)
+    monkeypatch.setattr(prof, "forward_ms", lambda s, c, w, r, *room, **quick: 500.0 if (c, w) == (64, 1) else 1.0 * w)
     p, note = get_profile(engine.target, engine.draft, tmp_path, refresh=True)
     assert "busy" in note and "not cached" in note and disturbed(p)
     # a disturbed profile written by an older version is re-measured, never trusted

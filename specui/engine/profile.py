@@ -2,18 +2,17 @@
 contexts (64, 512 and 2048 cached tokens; linear in the context beyond), draft ms per token
 and per tree layer of width w, and the draft's one-token ms at each context. Measured once, cached on disk
 under a key of everything that changes the figures (model files, dtype, quantization,
-device, threads, torch version, CPU); a corrupt or mismatched file is re-measured.
+device, threads, torch version, CPU: the machine and model parts, and the timed forward
+itself, are engine/measure.py's); a corrupt or mismatched file is re-measured.
 
 Every method that chooses a size reads this one plain object (OPT-Tree's mu, `auto`)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from specui.engine.measure import cpu_model as cpu_model  # re-exported: callers read it from here
+from specui.engine.measure import cpu_signature, forward_ms, model_identity
 from specui.engine.session import ModelSession
-from specui.engine.timing import median_ms
-from specui.engine.tree import TokenTree
 
 TARGET_KS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
@@ -32,7 +31,6 @@ PROFILE_VERSION = 3  # 2: k counts every token fed (was k + 1); 3: 2048 context,
 # a forward of fewer tokens, or after a shorter context, never costs more than this times a larger
 # one's plus DISTURBED_MS: where it does, something else held the cores while it was timed
 DISTURBED_SLACK, DISTURBED_MS = 1.5, 2.0
-POINT_BUDGET_MS = 300.0  # a profile point's timed forwards stop once two took this long
 
 Progress = Callable[[float, str], None]
 
@@ -145,59 +143,6 @@ def _interp(row: dict[int, float], k: int) -> float:
 
 
 # -- keys and the disk cache ---------------------------------------------------------------
-# Vector instructions that change which kernels torch runs (bfloat16 is emulated without
-# avx512_bf16 / AMX): shown beside the CPU's name and part of every cache key.
-ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo; {} where there is none (macOS, Windows)."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def cpu_model() -> str:
-    """The CPU's name and what decides its kernels, e.g. "AMD EPYC (AVX2)" or "Intel Xeon
-    (AVX512, avx512_bf16, amx_bf16)": virtual machines name CPUs of different generations
-    alike, and bfloat16 is fast on one and emulated on the other."""
-    info = _cpuinfo()
-    name = info.get("model name") or platform.processor() or platform.machine()
-    flags = set(info.get("flags", "").split())
-    isa = [torch.backends.cpu.get_cpu_capability()] + [f for f in ISA_FLAGS if f in flags]
-    return f"{name} ({', '.join(isa)})"
-
-
-def cpu_signature() -> str:
-    """What the cost caches are keyed by: the name and instructions (cpu_model) and the CPU's
-    family, model and stepping, so a choice timed on one machine is never read on another
-    machine of the same name."""
-    info = _cpuinfo()
-    return "|".join([cpu_model()] + [info.get(k, "") for k in ("cpu family", "model", "stepping")])
-
-
-def model_identity(model: torch.nn.Module) -> str:
-    """Files (path, size, mtime) where the model came from a folder; else its config."""
-    path = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
-    parts = [str(path)]
-    if path and os.path.isdir(path):
-        for f in sorted(Path(path).iterdir()):
-            if f.is_file():
-                st = f.stat()
-                parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
-    elif path and os.path.isfile(path):
-        st = os.stat(path)
-        parts.append(f"{st.st_size}:{int(st.st_mtime)}")
-    cfg = getattr(model, "config", None)
-    parts.append(cfg.to_json_string(use_diff=False) if cfg is not None else type(model).__name__)
-    return "|".join(parts)
-
-
 def profile_key(target: ModelSession, draft: ModelSession | None, quantization: str = "none") -> tuple[str, dict]:
     """A hash of everything that changes the figures, and a readable summary of it."""
     describe = {
@@ -282,43 +227,6 @@ def get_profile(
 
 
 # -- measuring -------------------------------------------------------------------------------
-def _context_ids(session: ModelSession, context: int) -> list[int]:
-    """`context` made-up tokens; a shorter context's ids are a prefix of a longer one's, so
-    each prefill only feeds what the last one lacks."""
-    return [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
-
-
-def _forward_ms(session: ModelSession, context: int, width: int, repeats: int, room: int = 64,
-                quick: bool = False) -> float:
-    """ms to feed `width` tokens in one forward after `context` cached ones, as the engine
-    does: width 1 is a decode step (the last committed token alone); width k > 1 is that
-    token and a star of k - 1 children after it, as a verification or a tree layer is.
-    The cache is left as it was: the star's entries are dropped by commit_path.
-    A longer context than the session holds repeats the entries it holds (`stretch`:
-    attention's cost depends on how many keys it reads, not on their values), so only the
-    first context is prefilled for real; `room`: the widest forward to come after it.
-    `quick` (the profile): no separate warm-up, the first forward is one of those timed (the
-    median of 3 drops it if slow), and a point whose timed forwards took POINT_BUDGET_MS stops
-    after two, the first dropped, or after one that took twice that (a forward that long varies
-    little)."""
-    ids = _context_ids(session, context)
-    if not session.stretch(ids, room):
-        session.prefill(ids)
-    star = TokenTree(tokens=[ids[-1]] * (width - 1), parents=[-1] * (width - 1))
-
-    def run() -> None:
-        if width == 1:
-            session.advance(ids, need=1)
-            session.commit(ids[:-1])
-        else:
-            session.forward_tree(ids, star)
-            session.commit_path(star, [])
-
-    if quick:
-        return median_ms(run, session.device, repeats, warm_up=False, budget_ms=POINT_BUDGET_MS)
-    return median_ms(run, session.device, repeats)
-
-
 def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:
     """The contexts after which `widest` more tokens fit the session's model."""
     limit = getattr(session.model.config, "max_position_embeddings", None) or 2048
@@ -330,7 +238,7 @@ def measure_profile(
     contexts: tuple[int, ...] = CONTEXTS, ks: tuple[int, ...] = TARGET_KS,
     widths: tuple[int, ...] = DRAFT_WIDTHS, repeats: int = 3,
 ) -> CostProfile:
-    """Median of `repeats` timed forwards (`_forward_ms`, quick), for each (context, k) of the
+    """Median of `repeats` timed forwards (`forward_ms`, quick), for each (context, k) of the
     target, each width of the draft after the shortest context and one draft token after
     every context. Only the shortest context is prefilled; longer ones stretch it. A point
     that costs more than a larger forward (`disturbed`) is timed again, up to twice, keeping
@@ -351,7 +259,7 @@ def measure_profile(
             if progress is not None:
                 who = "target" if session is target else "draft"
                 progress(i / len(jobs), f"profiling {who}: {k} tokens after {c}")
-            ms = _forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths), quick=True)
+            ms = forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths), quick=True)
             if session is target:
                 target_ms[c][k] = ms
                 continue
@@ -364,7 +272,7 @@ def measure_profile(
             for who, c, k in sorted(disturbed(profile)):
                 if progress is not None:
                     progress(0.99, f"timing again: {who} {k} tokens after {c}")
-                ms = _forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
+                ms = forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
                 if who == "target":
                     target_ms[c][k] = min(target_ms[c][k], ms)
                 if who == "draft" and c == draft_contexts[0]:

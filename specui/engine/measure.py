@@ -1,0 +1,108 @@
+"""Measuring on this machine, for the cost caches (engine/profile.py's cost profile, and the
+dtype and quantization choices of specui.weights): what they are keyed by (cpu_model,
+cpu_signature: the CPU and the instructions that decide its kernels; model_identity: the
+model's files or config), and the time of one forward as the engine runs it (forward_ms)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from specui.engine.session import ModelSession
+from specui.engine.timing import median_ms
+from specui.engine.tree import TokenTree
+
+POINT_BUDGET_MS = 300.0  # a profile point's timed forwards stop once two took this long
+
+# Vector instructions that change which kernels torch runs (bfloat16 is emulated without
+# avx512_bf16 / AMX): shown beside the CPU's name and part of every cache key.
+ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo; {} where there is none (macOS, Windows)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's name and what decides its kernels, e.g. "AMD EPYC (AVX2)" or "Intel Xeon
+    (AVX512, avx512_bf16, amx_bf16)": virtual machines name CPUs of different generations
+    alike, and bfloat16 is fast on one and emulated on the other."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    isa = [torch.backends.cpu.get_cpu_capability()] + [f for f in ISA_FLAGS if f in flags]
+    return f"{name} ({', '.join(isa)})"
+
+
+def cpu_signature() -> str:
+    """What the cost caches are keyed by: the name and instructions (cpu_model) and the CPU's
+    family, model and stepping, so a choice timed on one machine is never read on another
+    machine of the same name."""
+    info = _cpuinfo()
+    return "|".join([cpu_model()] + [info.get(k, "") for k in ("cpu family", "model", "stepping")])
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """Files (path, size, mtime) where the model came from a folder; else its config."""
+    path = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+    parts = [str(path)]
+    if path and os.path.isdir(path):
+        for f in sorted(Path(path).iterdir()):
+            if f.is_file():
+                st = f.stat()
+                parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
+    elif path and os.path.isfile(path):
+        st = os.stat(path)
+        parts.append(f"{st.st_size}:{int(st.st_mtime)}")
+    cfg = getattr(model, "config", None)
+    parts.append(cfg.to_json_string(use_diff=False) if cfg is not None else type(model).__name__)
+    return "|".join(parts)
+
+
+def _context_ids(session: ModelSession, context: int) -> list[int]:
+    """`context` made-up tokens; a shorter context's ids are a prefix of a longer one's, so
+    each prefill only feeds what the last one lacks."""
+    return [(7 * i + 3) % max(2, session.vocab_size) for i in range(context)]
+
+
+def forward_ms(session: ModelSession, context: int, width: int, repeats: int, room: int = 64,
+               quick: bool = False) -> float:
+    """ms to feed `width` tokens in one forward after `context` cached ones, as the engine
+    does: width 1 is a decode step (the last committed token alone); width k > 1 is that
+    token and a star of k - 1 children after it, as a verification or a tree layer is.
+    The cache is left as it was: the star's entries are dropped by commit_path.
+    A longer context than the session holds repeats the entries it holds (`stretch`:
+    attention's cost depends on how many keys it reads, not on their values), so only the
+    first context is prefilled for real; `room`: the widest forward to come after it.
+    `quick` (the profile): no separate warm-up, the first forward is one of those timed (the
+    median of 3 drops it if slow), and a point whose timed forwards took POINT_BUDGET_MS stops
+    after two, the first dropped, or after one that took twice that (a forward that long varies
+    little)."""
+    ids = _context_ids(session, context)
+    if not session.stretch(ids, room):
+        session.prefill(ids)
+    star = TokenTree(tokens=[ids[-1]] * (width - 1), parents=[-1] * (width - 1))
+
+    def run() -> None:
+        if width == 1:
+            session.advance(ids, need=1)
+            session.commit(ids[:-1])
+        else:
+            session.forward_tree(ids, star)
+            session.commit_path(star, [])
+
+    if quick:
+        return median_ms(run, session.device, repeats, warm_up=False, budget_ms=POINT_BUDGET_MS)
+    return median_ms(run, session.device, repeats)
