@@ -24,135 +24,31 @@ output beam (lowest perplexity) as the next step's single input beam.
 
 Beams all have the same length, so the rows never need padding in their committed part;
 a beam's last token is cached at the next step (as the root of its tree).
+
+This module holds the method: drafting the forest, scoring it with the target, verifying it
+layer by layer and advancing the beams. The verification maths (acceptance counts, dynamic
+width, one layer's acceptance) is in dsbd_verify.py; the forest's data (nodes, layers,
+beams, outputs) and the trace drawn from it are in dsbd_forest.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.beam import Hypothesis, beam_search_done, select_beams
+from specui.engine.methods.dsbd_forest import Beam, Layer, Node, Output, forest_trace
+from specui.engine.methods.dsbd_verify import LayerVerdict, acceptance_count_probs, dynamic_width, verify_layer
 from specui.engine.rows import RowSession
-from specui.engine.sampling import residual, sample, uniform, warp
-from specui.engine.trace import ACCEPTED, BONUS, DROPPED, FILLED, REJECTED, RESAMPLED, TARGET, UNVERIFIED, NodeTrace
+from specui.engine.sampling import sample, warp
+from specui.engine.trace import ACCEPTED, BONUS, DROPPED, FILLED, REJECTED, RESAMPLED
 from specui.errors import SpecUIError
 
-
-# --- the verification maths (pure functions) ------------------------------------------------
-def acceptance_count_probs(alphas: list[float], m: int, k_max: int) -> list[float]:
-    """P(m, k), k = 0..k_max: the probability that exactly k of m candidates are accepted,
-    when the j-th candidate after the last acceptance is accepted with probability
-    alphas[j - 1] (an acceptance renews the sequence). P~(m, i) = alpha_i prod_{j<i} (1 -
-    alpha_j) is the first acceptance at i, and P(m, k) = sum_i P~(m, i) P(m - i, k - 1)."""
-    table = [[0.0] * (k_max + 1) for _ in range(m + 1)]
-    table[0][0] = 1.0
-    for mm in range(1, m + 1):
-        none = 1.0
-        for i in range(1, mm + 1):  # first acceptance at candidate i
-            first = alphas[i - 1] * none
-            none *= 1.0 - alphas[i - 1]
-            for k in range(1, k_max + 1):
-                table[mm][k] += first * table[mm - i][k - 1]
-        table[mm][0] = none
-    return table[m]
-
-
-def dynamic_width(p_beam: torch.Tensor, q_beam: torch.Tensor, m: int, w_max: int, w_min: int,
-                  threshold: float) -> int:
-    """W_L^(l) = max(W_min, max{K <= W_L : P(at least K of the m candidates accepted) >= t}),
-    with alpha_j = sum_x min(p_j(x), q_beam(x)), p_1 = p_beam, p_j = res(p_{j-1}, q_beam)."""
-    alphas, pj = [], p_beam
-    for _ in range(m):
-        alphas.append(float(torch.minimum(pj, q_beam).sum()))
-        pj = residual(pj, q_beam)
-    probs = acceptance_count_probs(alphas, m, w_max)
-    best, below = 0, 0.0
-    for k in range(1, w_max + 1):
-        below += probs[k - 1]
-        if 1.0 - below >= threshold:
-            best = k
-    return max(w_min, best)
-
-
-@dataclass
-class LayerVerdict:
-    accepted: list[int]  # positions (in the candidate list) accepted, in order
-    considered: int  # candidates looked at
-    drawn: list[int] = field(default_factory=list)  # flat (parent * V + token) beams drawn when short
-
-
-def verify_layer(p_beam: torch.Tensor, q_beam: torch.Tensor, candidates: list[int], width: int,
-                 generator: torch.Generator | None) -> LayerVerdict:
-    """Accept up to `width` of `candidates` (flat indices drawn i.i.d. from q_beam) so that
-    each accepted beam is an exact sample of p_beam; when fewer than `width` pass, draw one
-    beam from the residual p' and the rest from p_beam."""
-    verdict = LayerVerdict([], 0)
-    current = p_beam
-    for i, f in enumerate(candidates):
-        verdict.considered = i + 1
-        if uniform(generator) < min(1.0, float(current[f]) / float(q_beam[f])):
-            verdict.accepted.append(i)
-            current = p_beam
-            if len(verdict.accepted) == width:
-                return verdict
-        else:
-            current = residual(current, q_beam)
-    short = width - len(verdict.accepted)
-    verdict.drawn = [sample(current, generator)] + [sample(p_beam, generator) for _ in range(short - 1)]
-    return verdict
-
-
-# --- the forest -----------------------------------------------------------------------------
-@dataclass(eq=False)
-class Node:
-    """A beam prefix in this step: an input beam (root, parent None) or a forest node."""
-
-    row: int
-    token: int
-    parent: Node | None
-    layer: int
-    draft_score: float  # log of the draft's joint weight (input beams: their target score)
-    t_idx: int = -1  # pending index in the target's row
-    d_idx: int = -1  # pending index in the draft's row (-1: not fed to the draft)
-    q_logits: torch.Tensor | None = None
-    p_logits: torch.Tensor | None = None
-    score: float = 0.0  # target log-likelihood of the beam ending here (once verified)
-    status: str = UNVERIFIED
-    q: float | None = None  # q_beam of this candidate
-    p: float | None = None  # p_beam of this candidate
-
-    def path(self) -> list[Node]:
-        """Forest nodes from the input beam down to this node (the root excluded)."""
-        out, node = [], self
-        while node.parent is not None:
-            out.append(node)
-            node = node.parent
-        return out[::-1]
-
-
-@dataclass
-class Layer:
-    parents: list[Node]
-    q_beam: torch.Tensor  # (len(parents) * V) the draft's beam-sampling distribution
-    nodes: list[Node]
-
-
-@dataclass
-class Beam:
-    tokens: list[int]
-    score: float
-    t_fresh: list[int]  # committed tokens the target's row has not cached yet
-    d_fresh: list[int]  # ... the draft's row
-
-
-@dataclass
-class Output:
-    parent: Node
-    token: int
-    score: float
-    status: str
+# The verification maths (dsbd_verify) and the forest (dsbd_forest) stay importable from here.
+__all__ = [
+    "DSBD", "Beam", "Layer", "LayerVerdict", "Node", "Output", "acceptance_count_probs", "dynamic_width",
+    "forest_trace", "verify_layer",
+]
 
 
 class DSBD(Method):
@@ -208,7 +104,7 @@ class DSBD(Method):
         accepted = max(0, gained - 1)  # draft layers the beams advanced by beyond the target's own token
         stop = outputs[0].parent.layer + 1 if outputs else len(widths)
         return StepResult(
-            tokens=list(best.tokens), replace=True, finished=done, nodes=self._trace(roots, layers, outputs),
+            tokens=list(best.tokens), replace=True, finished=done, nodes=forest_trace(roots, layers, outputs),
             drafted=len(forest), accepted=accepted, gamma=gamma, beam_width=len(self.running) or None,
             tree_nodes=len(forest), tree_depth=len(layers), layer_widths=widths, stop_layer=stop,
             beams=[(b.tokens, b.score) for b in self.running] + [(h.tokens, h.score) for h in self.finished[-8:]
@@ -388,25 +284,6 @@ class DSBD(Method):
 
     def _done(self, ctx: DecodeContext) -> bool:
         return beam_search_done(self.running, self.finished, ctx.max_new_tokens)
-
-    def _trace(self, roots: list[Node], layers: list[Layer], outputs: list[Output]) -> list[NodeTrace]:
-        """The forest: one tree per input beam (its root is the beam's last token), then the
-        beams drawn from the target hanging under their parents."""
-        index: dict[int, int] = {}
-        nodes = []
-        for n in roots + [n for layer in layers for n in layer.nodes]:
-            index[id(n)] = len(nodes)
-            nodes.append(NodeTrace(
-                token_id=n.token, text="", parent=index[id(n.parent)] if n.parent is not None else -1,
-                depth=n.layer, status=TARGET if n.parent is None else n.status, q=n.q, p=n.p, beam=n.row,
-                score=n.score if n.parent is None or n.status in (ACCEPTED, REJECTED) else None,
-                draft_score=n.draft_score,
-            ))
-        for o in outputs:
-            if o.status != ACCEPTED:
-                nodes.append(NodeTrace(token_id=o.token, text="", parent=index[id(o.parent)], depth=o.parent.layer + 1,
-                                       status=o.status, beam=o.parent.row, score=o.score))
-        return nodes
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
