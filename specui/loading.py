@@ -4,7 +4,8 @@ import warnings
 
 from specui.weights import loading as _moved
 
-warnings.warn("specui.loading moved to specui.weights.loading; import it from there", DeprecationWarning, stacklevel=2)
+warnings.warn("specui.loading moved to specui.weights.loading; import it from there", DeprecationWarning,
+              stacklevel=2)
 
 
 def __getattr__(name: str):

@@ -4,7 +4,8 @@ import warnings
 
 from specui.weights import quantize as _moved
 
-warnings.warn("specui.quantize moved to specui.weights.quantize; import it from there", DeprecationWarning, stacklevel=2)
+warnings.warn("specui.quantize moved to specui.weights.quantize; import it from there", DeprecationWarning,
+              stacklevel=2)
 
 
 def __getattr__(name: str):

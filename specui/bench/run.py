@@ -15,207 +15,47 @@ row's tokens/s is the median over rounds (min-max beside it), and its speed-up i
 median of its per-round ratios to autoregressive in the same round. Each row says its
 dtype, how its steps split into draft / verify / other time, and how many greedy replies
 differ from autoregressive (in bfloat16/float16 a few may, at near-ties: DESIGN.md 4.3).
+
+Its rows and their runners are in rows.py; this module runs them (bench), loads the pair and
+the prompts, prints the tables and holds the command line shared by the other benches.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from specui.bench.energy import ReplyMeter
 from specui.bench.prompts import HELDOUT, load_prompts
+from specui.bench.rows import (
+    AR,
+    PARAM_OF,
+    Row,
+    Sample,
+    assistant_schedule,
+    make_rows,
+    ours,
+    parse_method,
+    target_dtype,
+    transformers_generate,
+)
 from specui.chat import build_prompt
-from specui.engine import GenerationRequest, make_method
 from specui.engine.profile import cpu_model
-from specui.engine.sampling import SamplingConfig
 from specui.service.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
 from specui.weights.loading import BUNDLED, ModelSpec
 
-AR = "autoregressive"
-
-
-@dataclass
-class Sample:
-    """One reply: what a row produced for one prompt in one round."""
-
-    output: list[int]
-    seconds: float
-    forwards: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    max_draft_len: int = 0  # the seed's (MCSD) denominator: the longest draft each step could have had accepted
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    step_ms: float = 0.0
-    expected: list[float] = field(default_factory=list)  # OPT-Tree E(A) per step
-    achieved: list[int] = field(default_factory=list)  # A per step
-    lengths: list[int] = field(default_factory=list)  # tokens each step committed (accepted length histograms)
-    prefill_s: float = 0.0  # of `seconds`, the prompt's prefill (our methods)
-    cache_mb: float = 0.0  # KV-cache buffers held at the end, target + draft (our methods)
-    joules: float | None = None  # GPU energy of the reply (NVML, CUDA only)
-    peak_mb: float | None = None  # peak device memory allocated during the reply (CUDA only)
-
-
-@dataclass
-class Row:
-    name: str
-    dtype: str
-    run: Callable[..., Sample] = field(repr=False)  # (prompt, max new tokens[, sampling]) -> Sample
-    rounds: list[list[Sample]] = field(default_factory=list, repr=False)  # rounds x prompts
-
-    def round_rate(self, r: int) -> float:
-        samples = self.rounds[r]
-        return sum(len(s.output) for s in samples) / sum(s.seconds for s in samples)
-
-    @property
-    def rates(self) -> list[float]:
-        return [self.round_rate(r) for r in range(len(self.rounds))]
-
-    @property
-    def all_samples(self) -> list[Sample]:
-        return [s for samples in self.rounds for s in samples]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s.output) for s in self.rounds[0])
-
-    @property
-    def per_forward(self) -> float | None:
-        forwards = sum(s.forwards for s in self.all_samples)
-        return sum(len(s.output) for s in self.all_samples) / forwards if forwards else None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """MCSD's (seed 001): accepted draft tokens / the longest drafts the steps could have had accepted."""
-        longest = sum(s.max_draft_len for s in self.all_samples)
-        return sum(s.accepted for s in self.all_samples) / longest if longest else None
-
-    def rates_dv(self) -> tuple[float, float] | None:
-        """SpecDec++'s discard rate D/N and verification rate V/N (our methods only)."""
-        samples = self.all_samples
-        n = sum(len(s.output) for s in samples)
-        if not n or not any(s.steps for s in samples):
-            return None
-        return (sum(s.drafted - s.accepted for s in samples) / n, sum(s.forwards for s in samples) / n)
-
-    def split_ms(self) -> tuple[float, float, float] | None:
-        """Mean draft / verify / other ms per step (our methods only)."""
-        steps = sum(s.steps for s in self.all_samples)
-        if not steps:
-            return None
-        draft = sum(s.draft_ms for s in self.all_samples) / steps
-        verify = sum(s.verify_ms for s in self.all_samples) / steps
-        return draft, verify, sum(s.step_ms for s in self.all_samples) / steps - draft - verify
-
-    @property
-    def joules_per_token(self) -> float | None:
-        samples = self.all_samples
-        if not samples or any(s.joules is None for s in samples):
-            return None
-        return sum(s.joules for s in samples) / max(1, sum(len(s.output) for s in samples))
-
-    @property
-    def peak_mb(self) -> float | None:
-        peaks = [s.peak_mb for s in self.all_samples if s.peak_mb is not None]
-        return max(peaks) if peaks else None
-
-    def divergent(self, base: Row) -> int:
-        """Prompts whose reply (first round) differs from the base row's."""
-        return sum(a.output != b.output for a, b in zip(self.rounds[0], base.rounds[0]))
-
-
-def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
-    engine = pair.engine()  # its own engine: auto's running estimates are not shared with other rows
-
-    def run(prompt: list[int], n: int, sampling: SamplingConfig | None = None) -> Sample:
-        engine.target.reset()  # no cross-prompt cache reuse: same work as the peers
-        if engine.draft is not None:
-            engine.draft.reset()
-        t0 = time.perf_counter()
-        request = GenerationRequest(prompt, n, sampling or SamplingConfig())
-        gen = engine.generate(request, make_method(method, **params)).run()
-        s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps),
-                   gen.stats.drafted, gen.stats.accepted, gen.stats.max_draft_len, prefill_s=gen.stats.prefill_s,
-                   cache_mb=sum(m.cache.nbytes() for m in (engine.target, engine.draft) if m is not None) / 2**20)
-        for step in gen.steps:
-            s.draft_ms += step.draft_ms
-            s.verify_ms += step.verify_ms
-            s.step_ms += step.step_ms
-            s.lengths.append(len(step.new_token_ids))
-            if step.expected_accept is not None:
-                s.expected.append(step.expected_accept)
-                s.achieved.append(step.accepted + 1)
-        return s
-
-    return run
-
-
-@contextlib.contextmanager
-def assistant_schedule(pair: ModelPair, constant_tokens: int | None) -> Iterator[None]:
-    """transformers' assisted generation with a constant number of draft tokens (no dynamic
-    schedule, no confidence threshold) for the duration; restored after. None: as configured."""
-    if constant_tokens is None or pair.draft is None:
-        yield
-        return
-    cfg = pair.draft.model.generation_config
-    saved = {k: getattr(cfg, k, None) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
-                                                "assistant_confidence_threshold")}
-    cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule, cfg.assistant_confidence_threshold = (
-        constant_tokens, "constant", 0.0)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(cfg, k, v)
-
-
-def transformers_generate(pair: ModelPair, constant_tokens: int | None = None, **generate_kw) -> Callable[..., Sample]:
-    """transformers' greedy `generate` on the pair's target with `generate_kw` (e.g.
-    assistant_model=..., prompt_lookup_num_tokens=...), the reply cut after its first EOS."""
-    model = pair.target.model
-    eos = sorted(pair.engine().eos_ids)
-
-    @torch.inference_mode()
-    def run(prompt: list[int], n: int) -> Sample:
-        ids = torch.tensor([prompt], device=model.device)
-        kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **generate_kw)
-        with assistant_schedule(pair, constant_tokens):
-            t0 = time.perf_counter()
-            out = model.generate(ids, **kw)
-            seconds = time.perf_counter() - t0
-        new = out[0, len(prompt):].tolist()
-        if eos and any(t in eos for t in new):
-            new = new[: next(i for i, t in enumerate(new) if t in eos) + 1]
-        return Sample(new, seconds)
-
-    return run
-
-
-PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("width", int), "tree": ("preset", str),
-            "opt-tree": ("nodes", int), "specdec++": ("threshold", float), "mcsd": ("width", int),
-            "lookup": ("lookup_tokens", int)}
-
-
-def parse_method(spec: str) -> tuple[str, dict]:
-    """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4;
-    'opt-tree:25@adaptive': a node budget chosen per step from the cost profile, at most 25."""
-    name, _, value = spec.partition(":")
-    value, _, extra = value.partition("@")
-    params: dict = {"adaptive_nodes": True} if extra == "adaptive" else {"confidence": float(extra)} if extra else {}
-    if value and name in PARAM_OF:
-        key, kind = PARAM_OF[name]
-        params[key] = kind(value)
-    return name, params
+__all__ = [
+    "AR", "PARAM_OF", "Row", "Sample", "assistant_schedule", "bench", "bench_prompts", "common_parser", "correlation",
+    "load_bench", "main", "make_rows", "ours", "other_draft_rows", "out_folder", "parse_method", "table",
+    "target_dtype", "to_json", "transformers_generate",
+]
 
 
 def correlation(xs: list[float], ys: list[float]) -> float:
@@ -227,31 +67,6 @@ def correlation(xs: list[float], ys: list[float]) -> float:
     sxx = sum((x - mx) ** 2 for x in xs)
     syy = sum((y - my) ** 2 for y in ys)
     return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
-
-
-def target_dtype(pair: ModelPair) -> str:
-    """The target's dtype as the tables show it, with its quantization (e.g. bfloat16+int4)."""
-    t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
-    return t_dtype if pair.target.spec.quantization == "none" else f"{t_dtype}+{pair.target.spec.quantization}"
-
-
-def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> list[Row]:
-    t_dtype = target_dtype(pair)
-    d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
-    pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
-    rows = []
-    for spec in specs:
-        method, params = parse_method(spec)
-        if method == "speculative" and not params:
-            params = {"gamma": gamma}
-        name = method + "".join(f" {k}={v}" for k, v in params.items())
-        rows.append(Row(name, t_dtype if method == AR else pair_dtype, ours(pair, method, params)))
-    if peers:
-        rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair)))
-        if pair.draft is not None:
-            rows.append(Row("transformers assisted", pair_dtype, transformers_generate(
-                pair, assistant_model=pair.draft.model, tokenizer=None)))
-    return rows
 
 
 def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,

@@ -1,0 +1,76 @@
+"""The method and model tabs' handlers, a part of the page (specui.ui.chat_ui.ChatPage): a
+method's description and settings shown, the cost profile and quantization options measured,
+presets, and loading a pair on the model thread with its progress relayed to the page.
+Never imports torch."""
+
+from __future__ import annotations
+
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import gradio as gr
+
+from specui.errors import SpecUIError
+from specui.settings import PairChoice
+from specui.ui.controls import DESCRIPTIONS, METHOD_EXTRA_FIELDS, SAMPLING_FIELDS, SETTING_FIELDS
+from specui.ui.figures import profile_figure
+
+
+class ModelTab:
+    """The settings and model handlers of ChatPage (which holds the service and where model
+    work runs)."""
+
+    def method_changed(self, method: str) -> tuple:
+        wanted = self.service.method_fields(method) | METHOD_EXTRA_FIELDS.get(method, set())
+        return (gr.update(info=DESCRIPTIONS.get(method, "")),
+                *(gr.update(visible=name in SAMPLING_FIELDS or name in wanted) for name in SETTING_FIELDS))
+
+    def measure_profile(self, progress=gr.Progress()) -> tuple:  # noqa: B008 (Gradio's idiom)
+        """Measure (or read the cached) cost profile of the loaded pair, with progress."""
+        profile, note = self.service.cost_profile(measure=True, progress=lambda f, m: progress(f, desc=m))
+        return profile_figure(profile), note
+
+    def measure_quantizations(self, progress=gr.Progress()) -> str:  # noqa: B008
+        """Load and time each quantization of the loaded target in turn: a table."""
+        try:
+            return self.service.quantization_options(progress=lambda f, m: progress(f, desc=m))
+        except SpecUIError as e:
+            return f"⚠️ could not measure the quantization options: {e}"
+
+    def preset_chosen(self, name: str) -> tuple:
+        preset = self.service.presets.get(name)
+        if preset is None:
+            return gr.skip(), gr.skip(), gr.skip(), ""
+        return preset["target"], preset["draft"], preset["quantization"], preset["description"]
+
+    def load_models(self, target: str, draft: str, quantization: str, device: str, dtype: str, method: str,
+                    progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
+        try:
+            message = self._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto"),
+                                 progress)
+            gr.Info(message)
+            status = f"✅ {message}"
+        except SpecUIError as e:
+            gr.Warning(f"Could not load: {e}")
+            status = f"⚠️ could not load: {e}. The previous pair stays loaded."
+        except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
+            gr.Warning(f"Could not load: {type(e).__name__}: {e}")
+            status = f"⚠️ could not load ({type(e).__name__}: {e}). The previous pair stays loaded."
+        methods = self.service.methods
+        return (status, self.service.memory_report(), self.header(),
+                gr.update(choices=methods, value=method if method in methods else methods[0]))
+
+    def _load(self, choice: PairChoice, progress) -> str:
+        """Load on the model thread; relay its progress to the page from this one."""
+        latest: list[tuple[float, str]] = [(0.0, "starting")]
+        future = self.submit(self.service.load, choice, lambda f, desc="": latest.append((f, desc)))
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except FutureTimeout:
+                if progress is not None:
+                    fraction, desc = latest[-1]
+                    progress(fraction, desc=desc)
+
+    def header(self) -> str:
+        s = self.service
+        return f"Target: `{s.target_label}` · draft: `{s.draft_label}` · device: `{s.device_label}`"
