@@ -38,7 +38,7 @@ def add_arguments(common: argparse.ArgumentParser) -> None:
                         help="precision the answers are generated in; auto: the fastest batched decoding measured")
     common.add_argument("--collect-rows", default="auto", type=rows_arg,
                         help="answers generated together when collecting; auto: from --batch-size, doubled (up to "
-                             f"{MOST_ROWS}) while the measured answer tokens/s grow by {ROWS_GAIN:.0%}%% or more")
+                             f"{MOST_ROWS}) while the measured answer tokens/s grow by {ROWS_GAIN * 100:.0f}%% or more")
 
 
 def rows_arg(text: str) -> int:
