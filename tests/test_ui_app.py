@@ -319,6 +319,17 @@ def test_measure_profile_draws_the_cost_profile(page, tmp_path):
     assert outs[-1][1][-1]["role"] == "assistant"
 
 
+def test_the_machine_report_is_the_doctors_block(page, monkeypatch):
+    from specui.weights import doctor
+    from specui.weights.doctor import PASSED, Check
+
+    monkeypatch.setattr(doctor, "run_checks", lambda checks=(): [Check("int4 stub", PASSED, "ok")])
+    text = page.machine_report()
+    assert text.startswith("```text\nSpecUI doctor") and "int4 stub: PASSED - ok" in text
+    monkeypatch.setattr(doctor, "run_checks", lambda checks=(): 1 / 0)
+    assert page.machine_report().startswith("⚠️ could not make the machine report (ZeroDivisionError")
+
+
 def test_specdec_without_a_head_falls_back_with_a_visible_note(page):
     """The tiny pair has no acceptance head: the page runs fixed gamma and says why (with the
     training command), and the other methods are untouched."""

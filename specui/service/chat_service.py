@@ -140,6 +140,15 @@ class ChatService:
         return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
                 f"forward, after {CONTEXT} cached tokens.\n\n" + options_table(costs))
 
+    def doctor_report(self) -> str:
+        """`--doctor`'s block (machine, packages, kernel self-checks, cached choices), run while
+        no generation does, as a fenced block to copy into a bug report."""
+        from specui.weights.doctor import report
+
+        with self.engine.lock:
+            text, _ = report()
+        return f"```text\n{text}\n```"
+
     def memory_report(self) -> str:
         """Weights of the loaded pair, process memory, GPU memory (if any)."""
         mb = 1 << 20

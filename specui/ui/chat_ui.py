@@ -126,6 +126,11 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     options = gr.Markdown(elem_id="quant-options")
                     measure_options = gr.Button("Measure quantization options (loads each; chat waits)",
                                                 elem_id="measure-quant")
+                    with gr.Accordion("machine report (for bug reports)", open=False):
+                        doctor = gr.Markdown("The same block as `python app.py --doctor`: this machine, the "
+                                             "packages, every kernel's self-check and the cached measured choices.",
+                                             elem_id="doctor")
+                        run_doctor = gr.Button("Run the checks", elem_id="run-doctor")
                 with gr.Tab("compare", elem_id="compare-tab"):
                     compare_tab(page, methods, [controls[name] for name in SETTING_FIELDS],
                                 [m for m in ("autoregressive", "speculative") if m in methods])
@@ -165,6 +170,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         measure.click(page.measure_profile, None, [profile_plot, load_status], **ENGINE, **hidden)
         measure_options.click(page.measure_quantizations, None, options, **ENGINE, **hidden)
+        run_doctor.click(page.machine_report, None, doctor, **ENGINE, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method],
                    [load_status, memory, header, method], **ENGINE, api_name="page_load_models",
                    **hidden)

@@ -1,6 +1,6 @@
 """The method and model tabs' handlers, a part of the page (specui.ui.chat_ui.ChatPage): a
 method's description and settings shown, the cost profile and quantization options measured,
-presets, and loading a pair on the model thread with its progress relayed to the page.
+the machine report (--doctor), presets, and loading a pair on the model thread with its progress relayed to the page.
 Never imports torch."""
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ class ModelTab:
             return self.service.quantization_options(progress=lambda f, m: progress(f, desc=m))
         except SpecUIError as e:
             return f"⚠️ could not measure the quantization options: {e}"
+
+    def machine_report(self) -> str:
+        """The doctor's report (python app.py --doctor), to paste into a bug report."""
+        try:
+            return self.service.doctor_report()
+        except Exception as e:  # noqa: BLE001 - a report that fails must not take the page down
+            return f"⚠️ could not make the machine report ({type(e).__name__}: {e}); try `python app.py --doctor`"
 
     def preset_chosen(self, name: str) -> tuple:
         preset = self.service.presets.get(name)
