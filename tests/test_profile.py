@@ -136,6 +136,10 @@ def test_key_changes_with_the_draft_and_dtype(tiny_target, tiny_draft):
 ZEN3 = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "stepping": "1", "flags": "fpu avx avx2 fma"}
 ZEN4 = {"model name": "AMD EPYC", "cpu family": "25", "model": "17", "stepping": "1",
         "flags": "fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni"}
+SPR = {"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "143", "stepping": "8",
+       "flags": "fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni avx512_fp16 amx_bf16 amx_int8 amx_tile"}
+# each class as recorded: its /proc/cpuinfo fields and torch.backends.cpu.get_cpu_capability()
+CPU_CLASSES = {"zen3": (ZEN3, "AVX2"), "zen4": (ZEN4, "AVX512"), "sapphire rapids": (SPR, "AVX512")}
 
 
 @pytest.mark.parametrize("module", ["specui.weights.dtypes", "specui.weights.quant_choice"])
@@ -147,16 +151,20 @@ def test_two_cpus_of_one_name_never_share_a_cached_choice(tiny_target, tiny_draf
     from specui.weights.loading import ModelSpec
 
     keys = {}
-    for name, info in (("zen3", ZEN3), ("zen4", ZEN4)):
+    for name, (info, capability) in CPU_CLASSES.items():
         monkeypatch.setattr("specui.engine.measure._cpuinfo", lambda info=info: dict(info))
+        monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda c=capability: c)
         engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft)
         choice_key = importlib.import_module(module).choice_key
         spec = ModelSpec("org/name")
         own = choice_key(tiny_draft) if module == "specui.weights.dtypes" else choice_key(spec, ("int4", "none"))
         keys[name] = (prof_module.cpu_model(), profile_key(engine.target, engine.draft)[0], own)
-    assert keys["zen3"][0].startswith("AMD EPYC (") and "avx512_bf16" in keys["zen4"][0]
-    assert "avx512_bf16" not in keys["zen3"][0]
-    assert keys["zen3"][1] != keys["zen4"][1] and keys["zen3"][2] != keys["zen4"][2]
+    assert keys["zen3"][0] == "AMD EPYC (AVX2)"
+    assert keys["zen4"][0] == "AMD EPYC (AVX512, avx512_bf16, avx512_vnni)"
+    assert keys["sapphire rapids"][0] == ("Intel(R) Xeon(R) Processor (AVX512, avx512_bf16, avx512_vnni, "
+                                          "avx512_fp16, amx_bf16, amx_int8)")
+    for i in (1, 2):  # profile keys, and the dtype / quantization choice keys: one per class
+        assert len({k[i] for k in keys.values()}) == 3
 
 
 def test_failed_profiling_leaves_the_engine_usable(tiny_target, tiny_draft, tmp_path, monkeypatch):

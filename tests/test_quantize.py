@@ -146,6 +146,28 @@ def test_load_model_int4_says_what_it_did(tmp_path):
         load_model(ModelSpec(str(folder), quantization="int4", device="cuda"), role="target")
 
 
+def test_a_torch_without_the_int4_kernel_loads_int4_on_int8_rows_and_says_why(tmp_path, monkeypatch):
+    """Bad input (issue 41): a build without the int4 op falls back to a path that works."""
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=1, hidden=64)
+
+    class NoInt4:
+        def __getattr__(self, name):
+            if "int4" in name:
+                raise AttributeError(name)
+            return getattr(torch.ops.aten, name)
+
+    aten = torch.ops.aten
+    monkeypatch.setattr(torch.ops, "aten", NoInt4())
+    try:
+        loaded = load_model(ModelSpec(str(folder), quantization="int4"), role="target")
+    finally:
+        monkeypatch.setattr(torch.ops, "aten", aten)
+    note = next(n for n in loaded.notes if n.startswith("target int4:"))
+    assert "int4 kernel" not in note.split(",")[0] and "matrices on the weight-only int8 kernel" in note
+    assert f"none on int4: torch {torch.__version__} has no int4 CPU kernel" in note
+    assert torch.isfinite(loaded.model(input_ids=torch.tensor([[3, 4, 5]])).logits).all()
+
+
 @pytest.mark.bundled
 def test_the_bundled_gguf_runs_on_its_own_4bit_blocks(bundled_pair):
     from specui.weights.loading import BUNDLED

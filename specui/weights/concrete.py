@@ -13,7 +13,7 @@ from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
-from specui.weights.quantize import quantize_model, use_long_path
+from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
     BUNDLED,
     BUNDLED_GGUF,
@@ -117,6 +117,8 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
         said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
     if counts["kept"]:
         said.append(f"{counts['kept']} left in {str(model.dtype).removeprefix('torch.')}")
+    if spec.quantization == "int4" and not counts["int4"]:
+        said.append(f"none on int4: {int4_unavailable()}, so every matrix went to int8 rows")
     return f"{role} {spec.quantization}: " + ", ".join(said) + unread
 
 

@@ -189,6 +189,15 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+def int4_unavailable() -> str:
+    """Why no matrix went to the int4 kernel here (for the load's note)."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+        return f"torch {torch.__version__} has no int4 CPU kernel"
+    return (f"torch's int4 kernel refused the matrices or failed its self-check on this CPU "
+            f"({torch.backends.cpu.get_cpu_capability()}); `python app.py --doctor` shows which")
+
+
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) int32 values 0..15 -> torch's int4 CPU packing of them (raises where refused)."""
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
