@@ -194,17 +194,6 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, params
 
 
-def correlation(xs: list[float], ys: list[float]) -> float:
-    n = len(xs)
-    if n < 3:
-        return float("nan")
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
-
-
 def target_dtype(pair: ModelPair) -> str:
     """The target's dtype as the tables show it, with its quantization (e.g. bfloat16+int4)."""
     t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
