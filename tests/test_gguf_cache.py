@@ -54,7 +54,7 @@ def test_an_unwritable_cache_leaves_the_file_to_be_loaded_directly(tmp_path, mon
 
 
 def test_a_large_gguf_is_loaded_directly_not_copied_to_float32(tmp_path, monkeypatch):
-    from specui import gguf_cache
+    from specui.weights import gguf_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(gguf_cache, "MAX_CONVERTED", 1024)  # this file's weights: 16 x 64 x 4 bytes

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from specui import quantize
+from specui.weights import quantize
 from specui.weights.loading import ModelSpec, load_model
 from specui.weights.quant_choice import choose_quantization, measure_options, options_table
 from specui.weights.quantize import Int4Linear, Int8Linear

@@ -100,7 +100,7 @@ def test_long_inputs_run_with_their_own_thread_count_and_restore_it(tiny_target)
 
 
 def test_the_app_measures_long_inputs_apart_where_it_leaves_a_core(tiny_target, monkeypatch):
-    from specui import threads
+    from specui.weights import threads
 
     monkeypatch.setattr(threads, "_forward_ms", lambda model, n: {2: 9.0, 1: 5.0}[n])  # one token: 1 thread
     monkeypatch.setattr(threads, "_long_forward_ms", lambda model, n: {2: 300.0, 1: 550.0}[n])
