@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mcsd: the early-stop decision models' folder ('default': the shipped ones for the shipped "
                         "draft; 'none')")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+    m.add_argument("--stand-in", default="", metavar="SIZE",
+                   help="measure at a bigger model's cost: the target zero-padded to 360m / 1.7b / 7b (its own "
+                        "function, that size's parameters and bytes per token; not a better model)")
 
     d = ChatSettings()  # the defaults live there (the UI starts from them too)
     g = ap.add_argument_group("generation")
@@ -138,7 +141,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | No
     draft_src = args.draft or (preset.draft if preset else "default")
     quant = args.quantization or (preset.quantization if preset else "auto")
     return pair_specs(PairChoice(target_src, draft_src, quant, args.device, args.dtype, args.draft_quantization,
-                                 args.trust_remote_code))
+                                 args.trust_remote_code, stand_in=args.stand_in))
 
 
 def settings_from_args(args: argparse.Namespace) -> ChatSettings:

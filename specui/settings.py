@@ -58,6 +58,7 @@ class PairChoice:
     trust_remote_code: bool = False
     head: str = "default"  # SpecDec++'s acceptance head: 'default', 'none' or a folder
     decision: str = "default"  # MCSD's early-stop decision models: 'default', 'none' or a folder
+    stand_in: str = ""  # '': the target itself; '360m' / '1.7b' / '7b': zero-padded to that size's cost
 
 
 PADDINGS = ("unpad", "unpad-kv", "vanilla")  # ems-sd's batch layouts (engine/ragged.py)

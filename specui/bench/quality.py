@@ -154,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=DEFAULT_GRID,
                     help="';'-separated method:key=value,... (default: the DSBD grid and its peers)")
     ap.add_argument("--out", default="bench-out/quality")
+    ap.add_argument("--stand-in", default="", metavar="SIZE", help="the target zero-padded to that size's cost")
     args = ap.parse_args(argv)
 
-    target = ModelSpec(args.target, args.dtype, args.device)
+    target = ModelSpec(args.target, args.dtype, args.device, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, target.with_source(draft_src))
     prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)

@@ -197,7 +197,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
 def target_dtype(pair: ModelPair) -> str:
     """The target's dtype as the tables show it, with its quantization (e.g. bfloat16+int4)."""
     t_dtype = str(pair.target.model.dtype).removeprefix("torch.")
-    return t_dtype if pair.target.spec.quantization == "none" else f"{t_dtype}+{pair.target.spec.quantization}"
+    t_dtype = t_dtype if pair.target.spec.quantization == "none" else f"{t_dtype}+{pair.target.spec.quantization}"
+    return f"{t_dtype} stand-in {pair.target.spec.stand_in}" if pair.target.spec.stand_in else t_dtype
 
 
 def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> list[Row]:

@@ -151,6 +151,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quantization", default="auto",
                     help="target: auto (the app's default), none, int8 / int4 (CPU kernels), 8bit, 4bit")
+    ap.add_argument("--stand-in", default="", metavar="SIZE",
+                    help="the target zero-padded to 360m / 1.7b / 7b: its own function at that size's cost")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -174,7 +176,7 @@ def bench_prompts(tokenizer, path, limit: int | None) -> list[list[int]]:
 
 def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     """Load the pair and the prompts, print the machine, the pair and its cost profile."""
-    target = ModelSpec(args.target, args.dtype, args.device, args.quantization)
+    target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
@@ -185,6 +187,9 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
         device += f" ({torch.cuda.get_device_name()})"
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device {device}")
     print(f"target {pair.target.label}; draft {pair.draft.label if pair.draft else 'none'}")
+    if pair.target.spec.stand_in:
+        print(f"STAND-IN TARGET ({pair.target.spec.stand_in}): every figure below is at that size's cost, with the "
+              "source model's replies and acceptance")
     for note in pair.notes:
         print(note)
     if pair.draft is not None and pair.head.head is None:

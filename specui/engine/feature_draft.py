@@ -77,7 +77,16 @@ class FeatureDraftSession(ModelSession):
         if bool(has.any()):
             feats[has] = source[(slots[has] - 1).to(source.device)]
         true_now = (has | (slots == 0)).tolist()
-        out = super()._forward(input_ids, features=feats[None], **kwargs)
+        out = super()._forward(input_ids, features=self._narrowed(feats)[None], **kwargs)
         if start == self.true_len:
             self.true_len += next((i for i, t in enumerate(true_now) if not t), n)
         return out
+
+    def _narrowed(self, feats: torch.Tensor) -> torch.Tensor:
+        """Each target state cut to the draft's width: a target wider than the model the draft was
+        made for (a stand-in, zero-padded) holds that model's state in its first entries."""
+        width = self.model.config.hidden_size
+        sources = max(1, len(self.target.feature_layers))
+        if feats.shape[-1] == width * sources:
+            return feats
+        return feats.unflatten(-1, (sources, -1))[..., :width].flatten(-2)

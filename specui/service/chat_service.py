@@ -185,6 +185,13 @@ class ChatService:
         return ("auto", *DTYPES)
 
     @property
+    def stand_in_sizes(self) -> tuple[str, ...]:
+        """'' (the target itself) and the stand-in sizes (weights/stand_in.py)."""
+        from specui.weights.stand_in import SIZES
+
+        return ("", *SIZES)
+
+    @property
     def device_label(self) -> str:
         return str(self.pair.target.device)
 

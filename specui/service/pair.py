@@ -27,6 +27,7 @@ from specui.weights.loading import (
     measures_dtype,
     resolve_dtype,
 )
+from specui.weights.stand_in import is_source_copy
 
 REPO = Path(__file__).resolve().parents[2]  # specui/service/pair.py -> the repository
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
@@ -78,7 +79,7 @@ def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
         if quantization not in QUANTIZATIONS:
             raise SpecUIError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization,
-                       choice.trust_remote_code)
+                       choice.trust_remote_code, (choice.stand_in or "").strip())
     draft = choice.draft.strip() or "none"
     if draft == "none":
         return target, None
@@ -182,6 +183,10 @@ def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "d
         else:
             loaded_draft = load_model(draft, role="draft")
             check_same_tokenizer(target.tokenizer, loaded_draft.tokenizer)
+            if is_source_copy(target.model, loaded_draft.model):
+                raise SpecUIError("this draft is the stand-in's own source model (or a copy of it): it would agree "
+                                  "with the stand-in by construction, which no real model of that size does; use "
+                                  "the shipped draft (default), prompt lookup, or another model")
     return ModelPair(target, loaded_draft, load_head_choice(head_folder(head, draft), loaded_draft),
                      load_decision_choice(head_folder(decision, draft, SHIPPED_DECISION), loaded_draft))
 

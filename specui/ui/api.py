@@ -122,13 +122,14 @@ class ChatAPI:
         yield answer()
 
     def load_models(self, target: str, draft: str = "default", quantization: str = "auto",
-                    device: str = "auto", dtype: str = "auto") -> dict:
+                    device: str = "auto", dtype: str = "auto", stand_in: str = "") -> dict:
         """Load a target (hub id, folder, .gguf or bundled:smollm2) and a draft ('default', 'none',
-        or a model) in dtype auto (measured on CPU), float32, bfloat16 or float16; on failure the
-        previous pair stays loaded and the error says why."""
+        or a model) in dtype auto (measured on CPU), float32, bfloat16 or float16; `stand_in`
+        ('360m', '1.7b', '7b'): the target zero-padded to that size's cost, for measuring; on
+        failure the previous pair stays loaded and the error says why."""
         try:
-            message = self.page._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto"),
-                                      None)
+            message = self.page._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto",
+                                                 stand_in=stand_in or ""), None)
         except SpecUIError as e:
             raise gr.Error(f"could not load: {e}; the previous pair stays loaded") from None
         except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
@@ -140,6 +141,7 @@ class ChatAPI:
         service = self.page.service
         return {
             "target": service.target_label, "draft": service.draft_label, "device": service.device_label,
+            "stand_in": service.pair.target.spec.stand_in or None,
             "dtypes": [str(m.model.dtype).replace("torch.", "") for m in service.loaded],
             "load_notes": list(service.pair.notes),
             "context_len": service.engine.context_len, "methods": service.methods,

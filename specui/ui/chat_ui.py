@@ -117,6 +117,10 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
                                         elem_id="dtype", info="auto: measured on CPU (float32 or bfloat16, "
                                         "each model its own); float32 keeps greedy replies exactly equal")
+                    stand_in = gr.Dropdown(list(service.stand_in_sizes), value=service.pair.target.spec.stand_in,
+                                           label="stand-in (for measuring speed)", elem_id="stand-in",
+                                           info="the target zero-padded to a bigger model's cost: the same "
+                                           "replies, that size's speed; not a better model")
                     load = gr.Button("Load models", elem_id="load")
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(service.memory_report(), elem_id="memory")
@@ -171,7 +175,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         measure.click(page.measure_profile, None, [profile_plot, load_status], **ENGINE, **hidden)
         measure_options.click(page.measure_quantizations, None, options, **ENGINE, **hidden)
         run_doctor.click(page.machine_report, None, doctor, **ENGINE, **hidden)
-        load.click(page.load_models, [target, draft, quant, device, dtype, method],
+        load.click(page.load_models, [target, draft, quant, device, dtype, method, stand_in],
                    [load_status, memory, header, method], **ENGINE, api_name="page_load_models",
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)

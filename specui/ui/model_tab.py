@@ -50,10 +50,10 @@ class ModelTab:
         return preset["target"], preset["draft"], preset["quantization"], preset["description"]
 
     def load_models(self, target: str, draft: str, quantization: str, device: str, dtype: str, method: str,
-                    progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
+                    stand_in: str = "", progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio's idiom
         try:
-            message = self._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto"),
-                                 progress)
+            message = self._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto",
+                                            stand_in=stand_in or ""), progress)
             gr.Info(message)
             status = f"✅ {message}"
         except SpecUIError as e:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
+from specui.weights import stand_in
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
@@ -66,8 +67,10 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         if spec.dtype == "auto":
             dtype = torch.bfloat16  # the kernels compute in bfloat16: the rest of the model follows them
     quant = _quantization_config(spec.quantization, dtype)
+    shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant) if spec.stand_in else None
     tokenizer = load_tokenizer(spec, (where, gguf, local))
-    kwargs = dict(gguf_file=gguf, dtype=dtype, trust_remote_code=spec.trust_remote_code, local_files_only=local)
+    kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else dtype, trust_remote_code=spec.trust_remote_code,
+                  local_files_only=local)
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device})
     try:
@@ -79,30 +82,58 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     except Exception as e:  # noqa: BLE001
         hint = " (no internet? use a local folder or the bundled model)" if not local else ""
         raise SpecUIError(f"could not load model '{spec.source}'{hint}: {short_error(e)}") from None
+    notes: tuple[str, ...] = given
+    blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else None
+    if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
+        padded = stand_in.build(model, shape, dtype)
+        model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
+        notes += (f"{role} {shape.label}",)
     if quant is None:
         model = model.to(device)
     model.eval()
-    notes: tuple[str, ...] = given
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
         notes += (choice.note(role),)
     if spec.quantization in CPU_KERNELS:
-        notes += (_quantize(model, spec, role, source, chosen=bool(given)),)
+        notes += (_quantize(model, spec, role, source, blocks, chosen=bool(given)),)
         long_inputs = use_long_path(model, role)
         notes += (long_inputs,) if long_inputs else ()
     attention = use_measured_attention(model)
     notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
+    label = f"stand-in {shape.size} ({shape.params / 1e9:.2f}B) of {label}" if shape is not None else label
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
 
 
+def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dtype: torch.dtype,
+                  device: torch.device, quant) -> stand_in.StandIn:
+    """The stand-in's shape from the source's config alone, refused (with the figures) before any
+    weight is loaded where it is unknown, not Llama-family, too small or would not fit."""
+    if quant is not None:
+        raise SpecUIError(f"stand-ins are built on the CPU path (none, int8, int4) so far, not with bitsandbytes "
+                          f"{spec.quantization}; use --quantization none or int4")
+    try:
+        config = AutoConfig.from_pretrained(where, gguf_file=gguf, trust_remote_code=spec.trust_remote_code,
+                                            local_files_only=local)
+    except Exception as e:  # noqa: BLE001
+        raise SpecUIError(f"could not read the config of '{spec.source}': {short_error(e)}") from None
+    shape = stand_in.plan(config, spec.stand_in)
+    per_param = torch.finfo(dtype).bits / 8
+    if measures_dtype(spec, device):  # --dtype auto times float32 against a bfloat16 copy
+        per_param, what = 6, "(float32 and a bfloat16 copy, for --dtype auto; --dtype bfloat16 needs a third)"
+    else:
+        what = f"in {str(dtype).removeprefix('torch.')}"
+    stand_in.check_memory(shape, per_param, device, what)
+    return shape
+
+
 def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
-              chosen: bool = False) -> str:
+              blocks: dict | None = None, chosen: bool = False) -> str:
     """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF `source`'s own 4-bit
     blocks where it has them); the note of what went where. Where the kernels serve no
     matrix, an explicit request is refused; a `chosen` one (quantization auto) keeps the
     model as loaded."""
-    blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else {}
+    blocks = blocks if blocks is not None else {}
     unread = ""
     if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
         unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"

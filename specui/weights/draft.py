@@ -30,6 +30,7 @@ from specui.weights.quantize import (
     unpack4,
     use_long_path,
 )
+from specui.weights.stand_in import draft_embeddings
 
 EMBED_KEY = "model.embed_tokens.weight"
 SCALE = ".int8_scale"
@@ -227,7 +228,7 @@ def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
     if tokenizer is not None and made_for and made_for != vocab_fingerprint(tokenizer):
         raise SpecUIError(f"the draft in {folder} was trained for a target with another tokenizer "
                           "(vocabulary fingerprints differ); pick the target it was made for")
-    emb = target.get_input_embeddings()
+    emb = draft_embeddings(target)  # a stand-in's source columns: the draft was made for the source
     if config.vocab_size != emb.num_embeddings or config.hidden_size != emb.embedding_dim:
         raise SpecUIError(
             f"the draft in {folder} was made for a target with vocabulary {config.vocab_size} and hidden size "

@@ -36,6 +36,7 @@ class ModelSpec:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     quantization: str = "none"  # auto | none | int8 | int4 | 8bit | 4bit
     trust_remote_code: bool = False
+    stand_in: str = ""  # "": the model itself; else a size of stand_in.SIZES: zero-padded to that model's cost
 
     def with_source(self, source: str) -> ModelSpec:
         return replace(self, source=source)

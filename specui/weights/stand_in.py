@@ -1,0 +1,230 @@
+"""Stand-in targets: a model's exact function at the cost of a bigger one (DESIGN.md 4.4).
+
+Speculation pays when a target forward is dear and nearly flat in k while the draft is cheap;
+the bundled 135M target is neither, and bigger weights cannot be fetched offline. A zero-padded
+copy of a Llama-family model computes the same function at a bigger model's cost: hidden size,
+intermediate size and head count widened (head_dim and the GQA group kept, so query head i still
+reads KV head i // group), the real weights in the top-left blocks and zeros elsewhere, every
+RMSNorm weight scaled by sqrt(H / H') and its eps by H / H' (the padded zeros change the mean of
+squares), all-zero layers appended where the real model is deeper (a zero layer is the identity
+on the residual stream). The residual stream's first H entries are then the source model's, the
+rest stay zero, so logits, acceptance and greedy replies are the source's; everything that
+depends on cost (gamma, tree budget, widths, dtype, quantization, which method `auto` picks) is
+the bigger model's. It is a measuring device, never a better model: every label says so.
+
+Sizes (`--stand-in`): `360m` (SmolLM2-360M), `1.7b` (SmolLM2-1.7B), `7b` (Llama-2-7B class); the
+intermediate size is chosen so the parameter count matches the real model's."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specui.errors import SpecUIError
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # same module names: q/k/v/o, gate/up/down, two RMSNorms
+MULTIPLE = 64  # intermediate sizes rounded to this (4-bit groups of 32 along every input)
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """The model a stand-in stands for: its name and shape as published."""
+
+    name: str
+    params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+SIZES = {
+    "360m": RealModel("SmolLM2-360M", 361_821_120, 960, 2560, 32, 15, 5),
+    "1.7b": RealModel("SmolLM2-1.7B", 1_711_376_384, 2048, 8192, 24, 32, 32),
+    "7b": RealModel("Llama-2-7B", 6_738_415_616, 4096, 11008, 32, 32, 32),
+}
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """What a stand-in was built from and to; `model.stand_in` on the padded model."""
+
+    size: str
+    real: RealModel
+    source_hidden: int
+    source_layers: int
+    source_params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    params: int
+
+    @property
+    def label(self) -> str:
+        return (f"stand-in {self.size}: {self.params / 1e9:.2f}B parameters at the cost of {self.real.name}, "
+                f"computing the {self.source_params / 1e6:.0f}M source model's function (for measuring speed "
+                "at that size, not a better model)")
+
+
+def _dims(config) -> tuple[int, int, int, int, int, int]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
+            kv, head_dim)
+
+
+def count_params(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv: int, head_dim: int,
+                 tied: bool) -> int:
+    attn = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2
+    per_layer = attn + 3 * hidden * intermediate + 2 * hidden
+    return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
+
+
+def plan(config, size: str) -> StandIn:
+    """The padded shape of `config`'s model for `size`; a clear SpecUIError for an unknown size,
+    a model that is not Llama-family, or one already as large."""
+    if size not in SIZES:
+        raise SpecUIError(f"unknown stand-in size '{size}'; choose one of {', '.join(SIZES)}")
+    if getattr(config, "model_type", None) not in FAMILY:
+        raise SpecUIError(f"stand-ins are built for Llama-family models ({', '.join(FAMILY)}); this target is "
+                          f"'{getattr(config, 'model_type', type(config).__name__)}'")
+    real = SIZES[size]
+    hidden, inter, layers, heads, kv, head_dim = _dims(config)
+    group = heads // kv
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    source_params = count_params(config.vocab_size, hidden, inter, layers, heads, kv, head_dim, tied)
+    if source_params >= 0.9 * real.params:
+        raise SpecUIError(f"this target has {source_params / 1e6:.0f}M parameters: a {size} stand-in "
+                          f"({real.name}, {real.params / 1e6:.0f}M) would not be larger; choose a bigger size")
+    unit = group * head_dim  # widths that keep head_dim and the GQA group
+    new_hidden = max(hidden, math.ceil(real.hidden / unit) * unit)
+    new_heads = new_hidden // head_dim
+    new_layers = max(layers, real.layers)
+    fixed = count_params(config.vocab_size, new_hidden, 0, new_layers, new_heads, new_heads // group, head_dim, tied)
+    new_inter = max(inter, round((real.params - fixed) / (3 * new_hidden * new_layers) / MULTIPLE) * MULTIPLE)
+    params = count_params(config.vocab_size, new_hidden, new_inter, new_layers, new_heads, new_heads // group,
+                          head_dim, tied)
+    return StandIn(size, real, hidden, layers, source_params, new_hidden, new_inter, new_layers, new_heads,
+                   new_heads // group, params)
+
+
+def available_bytes() -> int | None:
+    try:
+        for line in open("/proc/meminfo").read().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(shape: StandIn, bytes_per_param: float, device: torch.device, what: str) -> None:
+    """Refuse, before anything is allocated, a stand-in that will not fit (needed vs available)."""
+    need = shape.params * bytes_per_param
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        have, where = free, "GPU memory free"
+    else:
+        have, where = available_bytes(), "memory available"
+    if have is not None and need > 0.9 * have:
+        raise SpecUIError(f"the {shape.size} stand-in needs about {need / 2**30:.1f} GiB {what} and this machine has "
+                          f"{have / 2**30:.1f} GiB {where}; choose a smaller size, bfloat16 or int4")
+
+
+def _pad(src: torch.Tensor, shape: torch.Size, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=dtype)
+    block = tuple(slice(0, n) for n in src.shape)
+    out[block] = (src.float() * scale).to(dtype) if scale != 1.0 else src.to(dtype)
+    return out
+
+
+def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype, progress=None) -> PreTrainedModel:
+    """The zero-padded copy of `model` (on the CPU, in `dtype`) with `model.stand_in = shape`."""
+    config = copy.deepcopy(model.config)
+    norm_scale = math.sqrt(shape.source_hidden / shape.hidden)
+    config.hidden_size, config.intermediate_size = shape.hidden, shape.intermediate
+    config.num_attention_heads, config.num_key_value_heads = shape.heads, shape.kv_heads
+    config.head_dim = _dims(model.config)[5]
+    config.num_hidden_layers = shape.layers
+    config.rms_norm_eps = model.config.rms_norm_eps * shape.source_hidden / shape.hidden
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * (shape.layers - shape.source_layers)
+    with torch.device("meta"):
+        padded = type(model)(config)
+    source = model.state_dict()
+    state = {}
+    names = list(padded.state_dict().items())
+    for i, (name, meta) in enumerate(names):
+        if progress is not None and i % 16 == 0:
+            progress(i / len(names), f"building the {shape.size} stand-in")
+        src = source.get(name)
+        if src is None:  # an appended layer: all zeros, the identity on the residual stream
+            state[name] = torch.zeros(meta.shape, dtype=dtype)
+        elif "norm" in name.rsplit(".", 2)[-2] and src.dim() == 1 and src.shape[0] == shape.source_hidden:
+            state[name] = _pad(src, meta.shape, dtype, norm_scale)  # RMSNorm over the residual stream
+        else:
+            state[name] = _pad(src, meta.shape, dtype)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    padded.load_state_dict(state, assign=True, strict=True)
+    for name, buf in list(padded.named_buffers()):  # non-persistent buffers (rotary): head_dim-sized, copied
+        if buf.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            padded.get_submodule(owner)._buffers[leaf] = dict(model.named_buffers())[name].clone()
+    if getattr(config, "tie_word_embeddings", False):
+        padded.tie_weights()
+    padded.stand_in = shape
+    padded.name_or_path = getattr(model, "name_or_path", "")
+    return padded.eval()
+
+
+def pad_groups(groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               padded: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A GGUF's 4-bit groups (q, scale, low) for the source's matrices, padded to the stand-in's:
+    padded groups are exact zeros (q = 0, low = 0; scale 1)."""
+    out = {}
+    for name, (q, scale, low) in groups.items():
+        weight = padded.get_submodule(name).weight
+        n, k = weight.shape
+        q2 = torch.zeros((n, k), dtype=q.dtype)
+        q2[: q.shape[0], : q.shape[1]] = q
+        s2 = torch.ones((n, k // (q.shape[1] // scale.shape[1])), dtype=scale.dtype)
+        s2[: scale.shape[0], : scale.shape[1]] = scale
+        l2 = torch.zeros_like(s2, dtype=low.dtype)
+        l2[: low.shape[0], : low.shape[1]] = low
+        out[name] = (q2, s2, l2)
+    return out
+
+
+def draft_embeddings(target: PreTrainedModel) -> torch.nn.Embedding:
+    """The input embeddings a draft made for the source model shares: a stand-in's first H
+    columns (a view: no copy), or the target's own."""
+    emb = target.get_input_embeddings()
+    shape = getattr(target, "stand_in", None)
+    if shape is None:
+        return emb
+    return torch.nn.Embedding.from_pretrained(emb.weight[:, : shape.source_hidden], freeze=True)
+
+
+def is_source_copy(target: PreTrainedModel, draft: PreTrainedModel) -> bool:
+    """Whether `draft` is a stand-in `target`'s source model or a copy of it: the same depth and
+    width and the same input embeddings as the stand-in's real columns."""
+    shape = getattr(target, "stand_in", None)
+    if shape is None or getattr(draft, "stand_in", None) is not None:
+        return False
+    config = draft.config
+    if (config.hidden_size, config.num_hidden_layers) != (shape.source_hidden, shape.source_layers):
+        return False
+    mine, theirs = draft_embeddings(target).weight, draft.get_input_embeddings().weight
+    if mine.shape != theirs.shape:
+        return False
+    rows = torch.arange(0, mine.shape[0], max(1, mine.shape[0] // 256))
+    a, b = mine[rows].float().cpu(), theirs[rows].float().cpu()
+    return bool((a - b).abs().max() <= 1e-2 * a.abs().max())

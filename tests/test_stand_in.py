@@ -1,0 +1,176 @@
+"""Stand-in targets (issue 42, DESIGN.md 4.4): a zero-padded model computes its source's function
+at a bigger model's cost. Shown on tiny Llama models: logits equal, greedy replies of every
+lossless method equal the source's autoregressive ones, caches after commit equal a fresh
+prefill, int4's padded groups are exact zeros; bad sizes and a source-as-draft are refused
+before anything is built; on the bundled pair, float32, greedy text equals plain decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import EOS, TinyTokenizer, save_tiny_model, tiny_llama
+from test_cache import assert_cache_is_fresh_prefill
+from transformers import GPT2Config
+
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.errors import SpecUIError
+from specui.weights import stand_in
+from specui.weights.quantize import dequantize_groups, quantize_groups, quantize_model
+from specui.weights.stand_in import RealModel, build, pad_groups, plan
+
+# a "real model" a few times the tiny one's size: wider, deeper, more heads (the GQA group kept)
+TINY_BIG = RealModel("tiny-big", 1_500_000, 200, 400, 5, 10, 5)
+
+
+@pytest.fixture()
+def tiny_size(monkeypatch):
+    monkeypatch.setitem(stand_in.SIZES, "tiny", TINY_BIG)
+    return "tiny"
+
+
+def _padded(model, size="tiny", dtype=torch.float64):
+    return build(model, plan(model.config, size), dtype)
+
+
+def test_the_plan_matches_the_real_models_size_and_keeps_head_dim_and_group(tiny_size):
+    model = tiny_llama(0, layers=2, hidden=64)
+    shape = plan(model.config, tiny_size)
+    assert abs(shape.params - TINY_BIG.params) <= 0.1 * TINY_BIG.params
+    assert shape.hidden // shape.heads == 64 // 4 and shape.heads // shape.kv_heads == 4 // 2
+    assert shape.hidden >= TINY_BIG.hidden and shape.layers == TINY_BIG.layers and shape.intermediate % 64 == 0
+    padded = build(model, shape, torch.float64)
+    assert sum(p.numel() for p in padded.parameters()) == shape.params
+    assert "not a better model" in shape.label
+
+
+def test_the_shipped_sizes_are_within_ten_percent_of_the_real_models():
+    from transformers import LlamaConfig
+
+    smollm2_135m = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                               num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    for size, real in stand_in.SIZES.items():
+        shape = plan(smollm2_135m, size)
+        assert abs(shape.params - real.params) <= 0.1 * real.params, size
+        assert shape.hidden % 64 == 0 and shape.intermediate % 64 == 0 and shape.heads % 3 == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_padded_logits_equal_the_sources(tiny_size, tied):
+    model = tiny_llama(0, layers=2, hidden=64)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    padded = _padded(model)
+    assert len(padded.model.layers) == TINY_BIG.layers  # zero layers appended: the identity
+    ids = torch.tensor([[3, 9, 4, 22, 7, 15, 8]])
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, padded(input_ids=ids).logits
+    assert (want - got).abs().max() <= 1e-5 * want.abs().max()  # RMSNorm upcasts to float32
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "opt-tree", "dsbd"])
+def test_greedy_replies_on_a_stand_in_equal_the_sources(tiny_size, tiny_draft, method):
+    source = tiny_llama(0, layers=3)
+    padded = _padded(source)
+    params = {"speculative": dict(gamma=3), "opt-tree": dict(nodes=8), "dsbd": dict(width=1)}.get(method, {})
+    want = Engine(source, TinyTokenizer(), eos_ids=[EOS]).generate(
+        GenerationRequest([1, 9, 4, 22], 24), make_method("autoregressive")).run().output_ids
+    engine = Engine(padded, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    request = GenerationRequest([1, 9, 4, 22], 24)
+    gen = engine.generate(request, make_method(method, **params))
+    for _ in gen:
+        if method in ("autoregressive", "speculative"):  # single-sequence sessions: the cache is checked
+            assert_cache_is_fresh_prefill(engine.target, request.prompt_ids + gen.output_ids)
+    assert gen.output_ids == want
+
+
+def test_int4_padded_groups_are_exact_zeros_and_the_function_is_kept(tiny_size):
+    source = tiny_llama(0, layers=2, hidden=64, dtype=torch.float32)
+    groups = {name: quantize_groups(m.weight) for name, m in source.named_modules()
+              if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    padded = _padded(source, dtype=torch.bfloat16)
+    bigger = pad_groups(groups, padded)
+    for name, (q, scale, low) in bigger.items():
+        dense = dequantize_groups(q, scale, low)
+        n, k = groups[name][0].shape
+        assert torch.equal(dense[:n, :k], dequantize_groups(*groups[name]))
+        assert not dense[n:].any() and not dense[:, k:].any()
+    quantize_model(source.to(torch.bfloat16), "int4", groups)
+    counts = quantize_model(padded, "int4", bigger)
+    assert counts["from_file"] == len(groups)
+    ids = torch.tensor([[3, 9, 4, 22, 7, 15, 8]])
+    with torch.no_grad():
+        want, got = source(input_ids=ids).logits.float(), padded(input_ids=ids).logits.float()
+    assert (want - got).abs().max() <= 0.05 * want.abs().max()  # bfloat16 rounding of the scaled norms
+
+
+def test_bad_sizes_and_models_are_refused_before_anything_is_built(tiny_size, monkeypatch):
+    model = tiny_llama(0, layers=2, hidden=64)
+    with pytest.raises(SpecUIError, match="unknown stand-in size 'huge'; choose one of 360m, 1.7b, 7b"):
+        plan(model.config, "huge")
+    monkeypatch.setitem(stand_in.SIZES, "small", RealModel("small", 10_000, 32, 64, 1, 2, 1))
+    with pytest.raises(SpecUIError, match="would not be larger"):
+        plan(model.config, "small")
+    with pytest.raises(SpecUIError, match="Llama-family.*'gpt2'"):
+        plan(GPT2Config(), "1.7b")
+    monkeypatch.setattr(stand_in, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(SpecUIError, match=r"needs about .* GiB .* this machine has 0.0 GiB memory available"):
+        stand_in.check_memory(plan(model.config, tiny_size), 4, torch.device("cpu"), "in float32")
+
+
+def test_loading_a_stand_in_from_a_folder_and_refusing_its_source_as_draft(tiny_size, tmp_path):
+    from specui.service.pair import load_pair
+    from specui.weights.loading import ModelSpec, load_model
+
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=2, hidden=64)
+    copy = save_tiny_model(tmp_path / "copy", seed=0, layers=2, hidden=64)
+    other = save_tiny_model(tmp_path / "other", seed=3, layers=1, hidden=64)
+    spec = ModelSpec(str(folder), dtype="float32", quantization="none", stand_in=tiny_size)
+    loaded = load_model(spec, "target")
+    assert loaded.label.startswith("stand-in tiny") and loaded.model.stand_in.size == "tiny"
+    assert any("not a better model" in n for n in loaded.notes)
+    for draft in (folder, copy):
+        with pytest.raises(SpecUIError, match="stand-in's own source model"):
+            load_pair(spec, ModelSpec(str(draft), dtype="float32"))
+    pair = load_pair(spec, ModelSpec(str(other), dtype="float32"))
+    assert pair.draft is not None
+    with pytest.raises(SpecUIError, match="not with bitsandbytes"):
+        load_model(ModelSpec(str(folder), quantization="4bit", stand_in=tiny_size), "target")
+
+
+@pytest.mark.bundled
+def test_the_bundled_360m_stand_in_answers_like_plain_decoding(capsys):
+    import app
+
+    prompt = "Name three primary colors."
+    common = ["--cli", "--dtype", "float32", "--quantization", "none", "--max-new-tokens", "12", "--prompt", prompt,
+              "--json"]
+    replies = {}
+    for name, extra in (("plain", ["--method", "autoregressive"]),
+                        ("stand-in ar", ["--method", "autoregressive", "--stand-in", "360m"]),
+                        ("stand-in speculative", ["--method", "speculative", "--stand-in", "360m"])):
+        assert app.main(common + extra) == 0
+        out = capsys.readouterr().out
+        replies[name] = json.loads(out.strip().splitlines()[-1])["reply"]
+    assert replies["stand-in ar"] == replies["plain"] == replies["stand-in speculative"]
+
+
+@pytest.mark.parametrize("layers", [None, [0, 2]])
+def test_a_feature_draft_reads_a_stand_ins_states_as_its_sources(tiny_size, layers):
+    """The draft was made for the source: it reads the first H entries of each (padded) state,
+    which are the source's, so it drafts exactly as it does beside the source."""
+    from test_feature_draft import feature_draft
+
+    source = tiny_llama(0, layers=3)
+    draft = feature_draft(source, 3, layers=layers)
+    padded = _padded(source)
+    steps = {}
+    for name, target in (("source", source), ("stand-in", padded)):
+        engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+        gen = engine.generate(GenerationRequest([1, 5, 9, 13, 7], 20), make_method("speculative", gamma=3))
+        gen.run()
+        steps[name] = (gen.output_ids, [s.accepted for s in gen.steps])
+    assert steps["stand-in"] == steps["source"]
