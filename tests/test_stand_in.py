@@ -174,3 +174,14 @@ def test_a_feature_draft_reads_a_stand_ins_states_as_its_sources(tiny_size, laye
         gen.run()
         steps[name] = (gen.output_ids, [s.accepted for s in gen.steps])
     assert steps["stand-in"] == steps["source"]
+
+
+def test_a_stand_in_never_reads_its_sources_cached_quantization_choice(tiny_size, tmp_path):
+    from specui.weights.loading import ModelSpec
+    from specui.weights.quant_choice import choice_key
+
+    spec = ModelSpec(str(tmp_path), quantization="auto")
+    keys = {choice_key(spec, ("int4", "none")), choice_key(ModelSpec(str(tmp_path), quantization="auto",
+                                                                      stand_in="1.7b"), ("int4", "none")),
+            choice_key(ModelSpec(str(tmp_path), quantization="auto", stand_in="7b"), ("int4", "none"))}
+    assert len(keys) == 3

@@ -86,7 +86,7 @@ def _identity(spec: ModelSpec) -> str:
 
 def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
     raw = json.dumps([_identity(spec), spec.dtype, spec.device, list(candidates), cpu_signature(),
-                      torch.get_num_threads(), torch.__version__])
+                      torch.get_num_threads(), torch.__version__] + ([spec.stand_in] if spec.stand_in else []))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
