@@ -5,6 +5,7 @@ No torch here: the service is injected and steps are plain-data StepTraces."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from specui.service.batch_loop import DONE, Request, Started
 from specui.service.fair import MAX_TURNS
 from specui.settings import RANGES, SEED_MAX, SWITCHES, ChatSettings, coerce
 
+log = logging.getLogger("specui")
 STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short
 # requests the page and the API handle at once: ems-sd chats from every tab decode together
 # (one batch of up to this many); a request of another method waits for the model thread
@@ -212,27 +214,33 @@ def run_in_background(
     once). A shared app first makes it wait for its session's turn (Waiting items meanwhile).
     Leaving early cancels the generation."""
     updates: queue.Queue = queue.Queue()
-    release = _released((yield from take_turn(service, session, settings, cancel)))
+    turn = yield from take_turn(service, session, settings, cancel)
+    release, started = _released(turn), []
 
     def sink(item) -> None:
+        """Every item of the work, in order; its last one (DONE, an error) ends the turn."""
         updates.put(item)
-        if item is DONE or isinstance(item, BaseException):
+        if isinstance(item, Started):
+            started.append(item.generation)
+        elif item is DONE or isinstance(item, BaseException):
             release()
+            if turn is not None:  # a shared app: the owner's terminal says how each reply ended
+                how = started[0].stats.finish_reason if item is DONE and started else repr(item)
+                tokens = len(started[0].output_ids) if started else 0
+                log.info("reply ended (session %s): %s, %d new tokens", session[:8], how, tokens)
 
     def produce() -> None:
         try:
             generation, notes = service.start(messages, settings, cancel, truncate=True)
-            updates.put(Started(generation, notes))
+            sink(Started(generation, notes))
             for step in service.stream(generation):
                 updates.put(step)
-            updates.put(DONE)
+            sink(DONE)
         except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
-            updates.put(e)
+            sink(e)
         except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
-            updates.put(SpecUIError("the app is stopping"))
+            sink(SpecUIError("the app is stopping"))
             raise
-        finally:
-            release()
 
     if settings.method == "ems-sd":  # decoded in the one batch every tab's ems-sd chats share
         service.batch_loop(submit).join(Request(messages, settings, cancel, sink))
