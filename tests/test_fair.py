@@ -48,6 +48,24 @@ def test_turns_go_round_the_sessions():
     assert late.granted.is_set()
 
 
+def test_a_short_reply_goes_before_long_ones_and_nobody_waits_for_a_whole_flood():
+    gate = FairGate()
+    running = gate.enter("f0", exclusive=True, cost=600)
+    flood = [gate.enter(f"f{i}", exclusive=True, cost=600) for i in range(1, 8) for _ in range(2)]
+    short = gate.enter("visitor", exclusive=True, cost=16)
+    assert short.ahead() == 0  # queued after 14 long turns, it goes next
+    running.release()
+    assert short.granted.is_set()
+    short.release()
+    long = gate.enter("visitor", exclusive=True, cost=600)
+    assert long.ahead() == 6  # behind the other sessions' first turns only, not their second ones
+    left = gate.enter("quitter", exclusive=True, cost=600)
+    place = left.ahead()
+    assert place == 6 and long.ahead() == 7  # equal finish times: by arrival
+    left.release()  # stopped while it waited: its session is not charged for it
+    assert gate.enter("quitter", exclusive=True, cost=600).ahead() == place
+
+
 def test_rows_share_the_batch_and_an_exclusive_turn_lets_it_drain():
     gate = FairGate(rows=6)
     rows = [gate.enter(f"s{i}", exclusive=False, rows=2) for i in range(3)]

@@ -2,10 +2,13 @@
 
 Every reply of a shared app asks the gate for a turn before it touches the engine. A session
 (a browser tab, an API client) holds at most one running turn and a few waiting ones; more
-are refused at once, with the limit named. Turns go round: whenever the engine frees, the
-waiting turn whose session was served least recently goes first (a session never served
-goes before every session that was), so a flood from a few sessions is served one turn per
-session per round, and a newcomer waits at most one round.
+are refused at once, with the limit named. Turns are ordered by weighted fair queueing over
+sessions, a turn's cost being the tokens it asks for (max new tokens x rows): each session's
+turns are stamped with a virtual finish time (its previous turn's, or the engine's virtual
+time now if later, plus the cost), and the waiting turn with the earliest finish goes first.
+So sessions are served in rounds (a session's second turn goes after every other session's
+first), a short reply goes before long ones queued at the same time, and no session waits
+for another's whole queue: a flood of many requests only moves its own later turns back.
 
 Two kinds of turn share the engine as it runs them:
 - exclusive (every method but ems-sd): one at a time, on the engine alone;
@@ -42,6 +45,8 @@ class Turn:
     exclusive: bool
     rows: int
     arrival: int
+    start: float  # virtual times: when its service may start, and its finish (the order)
+    finish: float
     granted: threading.Event = field(default_factory=threading.Event)
     released: bool = False
 
@@ -64,14 +69,14 @@ class FairGate:
         self._lock = threading.Lock()
         self._waiting: list[Turn] = []
         self._running: list[Turn] = []
-        self._served: dict[str, int] = {}  # session -> when its last turn was granted (a turn counter)
+        self._finish: dict[str, float] = {}  # session -> virtual finish of its latest turn
+        self._virtual = 0.0  # the engine's virtual time: the latest start of a granted turn
         self._arrivals = itertools.count()
-        self._grants = itertools.count()
 
-    def enter(self, session: str, exclusive: bool, rows: int = 1) -> Turn:
-        """Queue a turn for `session` (granted at once when its time has come). Raises
-        SpecUIError when the session already has its running turn and the most waiting ones,
-        or the app holds the most turns it takes."""
+    def enter(self, session: str, exclusive: bool, rows: int = 1, cost: float = 1.0) -> Turn:
+        """Queue a turn for `session` costing `cost` per row (the tokens it asks for), granted
+        at once when its time has come. Raises SpecUIError when the session already has its
+        running turn and the most waiting ones, or the app holds the most turns it takes."""
         rows = 1 if exclusive else max(1, int(rows))
         with self._lock:
             mine = [t for t in self._running + self._waiting if t.session == session]
@@ -84,7 +89,9 @@ class FairGate:
                                   "moment")
             if rows > self.rows:
                 raise SpecUIError(f"at most {self.rows} replies decode together here, asked for {rows}")
-            turn = Turn(self, session, exclusive, rows, next(self._arrivals))
+            start = max(self._virtual, self._finish.get(session, 0.0))
+            turn = Turn(self, session, exclusive, rows, next(self._arrivals), start, start + max(cost, 1e-9) * rows)
+            self._finish[session] = turn.finish
             self._waiting.append(turn)
             self._grant()
         return turn
@@ -94,11 +101,14 @@ class FairGate:
             if turn.released:
                 return
             turn.released = True
+            if turn in self._waiting and self._finish.get(turn.session) == turn.finish:
+                self._finish[turn.session] = turn.start  # left before it ran: its session is not charged
             for queue in (self._running, self._waiting):
                 if turn in queue:
                     queue.remove(turn)
-            if not any(t.session == turn.session for t in self._running + self._waiting):
-                self._served.pop(turn.session, None)  # nothing left: forget it (the table stays small)
+            holding = {t.session for t in self._running + self._waiting}
+            for session in [s for s, f in self._finish.items() if s not in holding and f <= self._virtual]:
+                del self._finish[session]  # nothing left that the virtual time has not passed: forget it
             self._grant()
             waiting = len(self._waiting)
         if waiting:
@@ -117,8 +127,8 @@ class FairGate:
                     "waiting": [(t.session, t.exclusive, t.rows) for t in self._order()]}
 
     def _order(self) -> list[Turn]:
-        """Waiting turns, least recently served session first, then by arrival."""
-        return sorted(self._waiting, key=lambda t: (self._served.get(t.session, -1), t.arrival))
+        """Waiting turns, earliest virtual finish first, then by arrival."""
+        return sorted(self._waiting, key=lambda t: (t.finish, t.arrival))
 
     def _grant(self) -> None:
         """Grant every waiting turn whose time has come (under the lock)."""
@@ -132,7 +142,7 @@ class FairGate:
                 break  # its turn comes next: nothing behind it goes first
             self._waiting.remove(turn)
             self._running.append(turn)
-            self._served[turn.session] = next(self._grants)
+            self._virtual = max(self._virtual, turn.start)
             busy.add(turn.session)
             if turn.exclusive:
                 alone = True

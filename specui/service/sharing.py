@@ -100,6 +100,14 @@ def is_loopback(host: str | None) -> bool:
 _PATH = re.compile(r"(?<![\w.:/-])(?:~|[A-Za-z]:\\|/)[^\s'\"`,;()]*")
 
 
+def public_label(label: str) -> str:
+    """A model's label as a visitor sees it: a local model by its folder or file name only."""
+    text = str(label)
+    if _PATH.fullmatch(text) or Path(text).expanduser().exists():
+        return Path(text).name or text
+    return text
+
+
 def scrub_paths(text: str) -> str:
     """The text with every absolute or home path replaced (what a visitor may read of a note)."""
     return _PATH.sub("<path>", str(text))

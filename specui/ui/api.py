@@ -151,9 +151,9 @@ class ChatAPI:
         """The loaded pair, the methods it can run, the default settings and every setting's range;
         "access": this client's role (owner or visitor), what it can and cannot do, its limits."""
         page, service = self.page, self.page.service
-        role = page.role(request)
+        role, (target, draft) = page.role(request), page.labels(request)
         return {
-            "target": service.target_label, "draft": service.draft_label, "device": service.device_label,
+            "target": target, "draft": draft, "device": service.device_label,
             "dtypes": [str(m.model.dtype).replace("torch.", "") for m in service.loaded],
             "load_notes": page.visible_notes(service.pair.notes, request),
             "context_len": service.engine.context_len, "methods": service.methods,

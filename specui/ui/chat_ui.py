@@ -119,7 +119,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                          interactive=owner, info="fills the fields below; hub presets need internet")
                     preset_info = gr.Markdown()
                     target = gr.Textbox(label="target", elem_id="target", interactive=owner,
-                                        value=service.pair.target.spec.source if owner else service.target_label,
+                                        value=service.pair.target.spec.source if owner else page.labels()[0],
                                         info="hub id, local folder, .gguf file, or bundled:smollm2")
                     draft = gr.Textbox(label="draft", value="default", elem_id="draft", interactive=owner,
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")

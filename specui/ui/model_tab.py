@@ -78,7 +78,7 @@ class ModelTab:
             gr.Warning(f"Could not load: {type(e).__name__}: {e}")
             status = f"⚠️ could not load ({type(e).__name__}: {e}). The previous pair stays loaded."
         methods = self.service.methods
-        return (status, self.service.memory_report(), self.header(),
+        return (status, self.service.memory_report(), self.header(request),
                 gr.update(choices=methods, value=method if method in methods else methods[0]))
 
     def _load(self, choice: PairChoice, progress) -> str:
@@ -93,6 +93,6 @@ class ModelTab:
                     fraction, desc = latest[-1]
                     progress(fraction, desc=desc)
 
-    def header(self) -> str:
-        s = self.service
-        return f"Target: `{s.target_label}` · draft: `{s.draft_label}` · device: `{s.device_label}`"
+    def header(self, request=None) -> str:
+        target, draft = self.labels(request)
+        return f"Target: `{target}` · draft: `{draft}` · device: `{self.service.device_label}`"

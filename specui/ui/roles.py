@@ -10,7 +10,7 @@ import logging
 import gradio as gr
 
 from specui.errors import SpecUIError
-from specui.service.sharing import LOADING_OFF, MEASURING_OFF, OWNER, VISITOR, scrub_paths
+from specui.service.sharing import LOADING_OFF, MEASURING_OFF, OWNER, VISITOR, public_label, scrub_paths
 from specui.settings import RANGES, ChatSettings
 from specui.ui.streaming import settings_from_values, to_messages
 
@@ -62,6 +62,12 @@ class Roles:
 
     def visible_notes(self, notes, request) -> list[str]:
         return list(notes) if self.role(request) == OWNER else [scrub_paths(n) for n in notes]
+
+    def labels(self, request=None) -> tuple[str, str]:
+        """(target, draft) as this request's role may read them: a visitor sees a local model's
+        name, not where it lies."""
+        labels = (self.service.target_label, self.service.draft_label)
+        return labels if self.role(request) == OWNER else tuple(public_label(label) for label in labels)
 
     def memory_view(self, request=None) -> str:
         report = self.service.memory_report()

@@ -128,7 +128,7 @@ def take_turn(service, session: str, settings: ChatSettings, cancel: threading.E
     gate = getattr(service, "gate", None)
     if gate is None:
         return None
-    turn = gate.enter(session, exclusive=settings.method != "ems-sd", rows=rows)
+    turn = gate.enter(session, exclusive=settings.method != "ems-sd", rows=rows, cost=settings.max_new_tokens)
     try:
         while not turn.wait(0 if turn.granted.is_set() else WAIT_POLL_S):
             if cancel.is_set():
