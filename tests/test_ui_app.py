@@ -230,8 +230,9 @@ def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
                HF_HOME=str(tmp_path / "hf"))  # no cached tunnel binary
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "app.py", "--target", str(target), "--draft", str(draft),
-                                 "--share", "--public", "--port", str(port)], cwd=Path(__file__).resolve().parent.parent,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+                                 "--share", "--public", "--port", str(port)],
+                                cwd=Path(__file__).resolve().parent.parent, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 180
         while "could not open a public share link" not in log.read_text():

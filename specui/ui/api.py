@@ -70,7 +70,9 @@ class ChatAPI:
         method ems-sd and replies n > 1, also "alternatives": the other n - 1 replies decoded
         beside it. On a shared app a request waiting for its turn streams "waiting": the turns
         before it."""
-        if not isinstance(message, str) or not message.strip():
+        if not isinstance(message, str):
+            raise gr.Error(f"the message must be text, got {type(message).__name__}")
+        if not message.strip():
             raise gr.Error("the message is empty: send some text")
         if history is not None and not isinstance(history, list):
             raise gr.Error("history must be a list of {'role': ..., 'content': ...} messages")

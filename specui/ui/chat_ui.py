@@ -80,6 +80,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
     page = ChatPage(service, submit, defaults, access)
     shared, engine = page.access.shared, page.engine_events  # engine: Gradio's concurrency for model work
     owner = not shared  # controls as the owner's own app has them (a shared app's owners get them on load)
+    locked = dict(interactive=False) if shared else {}  # a visitor's model tab: read-only
     methods = service.methods
     default = defaults.method if defaults.method in methods else (
         "speculative" if "speculative" in methods else methods[0])
@@ -88,7 +89,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
     with gr.Blocks(title=title) as demo:
         gr.Markdown(f"# {title}")
         header = gr.Markdown(page.header(), elem_id="header")
-        role_note = gr.Markdown(page.access.visitor_note() if shared else "", visible=shared, elem_id="role-note")
+        role_note = gr.Markdown(page.access.visitor_note(), elem_id="role-note") if shared else None
         steps_state = gr.State([])
         with gr.Row():
             with gr.Column(scale=3):
@@ -114,22 +115,22 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                                  service.tree_presets, *page.slider_ends())
                 with gr.Tab("model", elem_id="model-tab"):
                     model_note = gr.Markdown("The loaded pair, read-only: loading models and measuring are for "
-                                             "the owner." if shared else "", visible=shared, elem_id="model-note")
+                                             "the owner.", elem_id="model-note") if shared else None
                     preset = gr.Dropdown(list(presets), value=None, label="preset", elem_id="preset",
-                                         interactive=owner, info="fills the fields below; hub presets need internet")
+                                         **locked, info="fills the fields below; hub presets need internet")
                     preset_info = gr.Markdown()
-                    target = gr.Textbox(label="target", elem_id="target", interactive=owner,
+                    target = gr.Textbox(label="target", elem_id="target", **locked,
                                         value=service.pair.target.spec.source if owner else page.labels()[0],
                                         info="hub id, local folder, .gguf file, or bundled:smollm2")
-                    draft = gr.Textbox(label="draft", value="default", elem_id="draft", interactive=owner,
+                    draft = gr.Textbox(label="draft", value="default", elem_id="draft", **locked,
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")
                     quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
-                                     label="quantization (target)", interactive=owner, info="auto: a GGUF's own "
+                                     label="quantization (target)", **locked, info="auto: a GGUF's own "
                                      "4-bit weights or its dequantized ones, measured here; int8/int4: CPU kernels; "
                                      "8bit/4bit: bitsandbytes")
-                    device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device", interactive=owner)
+                    device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device", **locked)
                     dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
-                                        elem_id="dtype", interactive=owner, info="auto: measured on CPU (float32 or "
+                                        elem_id="dtype", **locked, info="auto: measured on CPU (float32 or "
                                         "bfloat16, each model its own); float32 keeps greedy replies exactly equal")
                     load = gr.Button("Load models", elem_id="load", visible=owner)
                     load_status = gr.Markdown(elem_id="load-status")
