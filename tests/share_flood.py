@@ -2,8 +2,8 @@
 a ninth client's short reply is timed against its time on the idle app. Used by
 tests/test_share_app.py on tiny models; run alone for the bundled pair's figures:
 
-    .venv/bin/python tests/share_flood.py            # both methods, the bundled pair, --share --auth
-    .venv/bin/python tests/share_flood.py ems-sd     # one method
+    .venv/bin/python tests/share_flood.py                          # both methods, the bundled pair
+    .venv/bin/python tests/share_flood.py ems-sd --threads 1       # one method; app flags after it
 """
 
 from __future__ import annotations
@@ -96,21 +96,23 @@ def report(figures: dict) -> str:
             f"the flood took {figures['flood_wall_s']:.1f} s")
 
 
-def main(methods: list[str]) -> None:
+def main(argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from app_process import start_app, stop_app
 
+    methods = [a for a in argv if not a.startswith("-") and a in ("ems-sd", "speculative", "autoregressive")]
+    flags = [a for a in argv if a not in methods]
     log = Path(tempfile.mkdtemp()) / "app.log"
-    proc, url = start_app(log, "--share", "--auth", f"{AUTH[0]}:{AUTH[1]}")
+    proc, url = start_app(log, "--share", "--auth", f"{AUTH[0]}:{AUTH[1]}", *flags)
     try:
         prompts = ["Write a haiku about autumn.", "What is the capital of France?", "Explain recursion briefly.",
                    "Give me three tips for sleeping well.", "Tell me a short story about a cat.",
                    "Why is the sky blue?", "List five fruits.", "How do plants make food?"]
-        for method in methods:
+        for method in methods or ["ems-sd", "speculative"]:
             print(report(flood(url, method, prompts, "Say hello in French.", 64, 16)), flush=True)
     finally:
         stop_app(proc)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["ems-sd", "speculative"])
+    main(sys.argv[1:])
