@@ -75,7 +75,10 @@ def test_credentials_pairs_files_admins_and_bad_files(tmp_path):
         parse_credentials(str(file))
 
 
-def test_the_launch_refuses_before_loading_anything(tmp_path, capsys):
+def test_the_launch_refuses_before_loading_anything(tmp_path, capsys, monkeypatch):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("specui"), "handlers", [])  # launch adds one on this test's stderr
     bad = tmp_path / "users.txt"
     bad.write_text("ann:one\nthis line has no password\n")
     cases = ((["--share"], "--share without --auth would let anyone with the link use your machine"),
@@ -154,3 +157,50 @@ def test_the_owners_own_app_is_as_before(service):
     assert not page.access.shared and page.role(None) == OWNER and page.engine_events["concurrency_limit"] == 16
     assert service.gate is None
     assert page.settings_for(None, "speculative", {"max_new_tokens": 5000}).max_new_tokens == 5000
+
+
+# --- the fair gate behind the page and the API ------------------------------------------------
+
+@pytest.fixture
+def gated(page, monkeypatch):
+    from specui.service.fair import FairGate
+
+    monkeypatch.setattr("specui.ui.streaming.WAIT_POLL_S", 0.02)
+    page.service.gate = FairGate()
+    yield page
+    assert page.service.gate.snapshot() == {"running": [], "waiting": []}  # every turn was given back
+    page.service.gate = None
+
+
+def test_a_visitor_waits_for_the_turn_the_page_says_so_and_stop_ends_it(gated):
+    import threading
+
+    gate = gated.service.gate
+    holder = gate.enter("someone-else", exclusive=True)
+    replies = gated.respond(req("ann", "tab-1"), "w1 w2", [], "autoregressive", *form_values(max_new_tokens=8))
+    next(replies)  # the message shows in the chat
+    outs = [next(replies), next(replies)]
+    assert any("waiting for your turn" in str(o[6]) for o in outs)
+    threading.Timer(0.1, holder.release).start()
+    last = list(replies)[-1]
+    assert last[1][-1]["content"] and not last[1][-1]["content"].startswith("⚠️")
+    holder = gate.enter("someone-else", exclusive=True)
+    replies = gated.respond(req("ann", "tab-1"), "w3", [], "autoregressive", *form_values(max_new_tokens=8))
+    next(replies), next(replies)
+    gated.stop(req("ann", "tab-1"))  # Stop while it waits for its turn: it never runs
+    assert list(replies)[-1][1][-1]["content"] == "⏹"
+    holder.release()
+
+
+def test_alternatives_and_compare_take_turns_too(gated):
+    from specui.ui.api import ChatAPI
+    from specui.ui.compare import Comparison
+
+    out = list(ChatAPI(gated).chat("w1 w2", method="ems-sd", replies=3, temperature=0.9, seed=3, max_new_tokens=6,
+                                   request=req("ann", "api-1")))[-1]
+    assert len(out["alternatives"]) == 2 and out["reply"]
+    with pytest.raises(Exception, match="alternative replies: at most 4"):
+        list(ChatAPI(gated).chat("w1", method="ems-sd", replies=6, request=req("ann", "api-1")))
+    summary, _, replies = list(Comparison(gated).run(req("ann", "tab-2"), "w1 w2", ["autoregressive", "speculative"],
+                                                     *form_values(max_new_tokens=6)))[-1]
+    assert "same as autoregressive" in summary and "⚠️" not in replies

@@ -173,11 +173,11 @@ def run_alternatives(
     release, ended = _released(turn), []
 
     def sink(k: int, item) -> None:
-        updates.put((k, item))
         if item is DONE or isinstance(item, BaseException):
             ended.append(k)
             if len(ended) == n:
                 release()
+        updates.put((k, item))
 
     seeds = [None if settings.seed is None else (settings.seed + k) % (SEED_MAX + 1) for k in range(n)]
     service.batch_loop(submit).join(*(
@@ -218,8 +218,7 @@ def run_in_background(
     release, started = _released(turn), []
 
     def sink(item) -> None:
-        """Every item of the work, in order; its last one (DONE, an error) ends the turn."""
-        updates.put(item)
+        """Every item of the work, in order; its last one (DONE, an error) ends the turn first."""
         if isinstance(item, Started):
             started.append(item.generation)
         elif item is DONE or isinstance(item, BaseException):
@@ -228,6 +227,7 @@ def run_in_background(
                 how = started[0].stats.finish_reason if item is DONE and started else repr(item)
                 tokens = len(started[0].output_ids) if started else 0
                 log.info("reply ended (session %s): %s, %d new tokens", session[:8], how, tokens)
+        updates.put(item)
 
     def produce() -> None:
         try:
