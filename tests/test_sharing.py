@@ -204,3 +204,14 @@ def test_alternatives_and_compare_take_turns_too(gated):
     summary, _, replies = list(Comparison(gated).run(req("ann", "tab-2"), "w1 w2", ["autoregressive", "speculative"],
                                                      *form_values(max_new_tokens=6)))[-1]
     assert "same as autoregressive" in summary and "⚠️" not in replies
+
+
+def test_a_fallback_note_naming_a_model_folder_reaches_a_visitor_without_it(page, tiny_dirs):
+    import json
+
+    root = str(tiny_dirs[0].parent)
+    visitor = list(page.respond(req("ann"), "w1 w2", [], "specdec++", *form_values(max_new_tokens=6)))[-1]
+    owner = list(page.respond(req("boss"), "w1 w2", [], "specdec++", *form_values(max_new_tokens=6)))[-1]
+    assert root in json.dumps(owner[6]) + json.dumps(owner[8])  # the owner reads which draft has no head
+    shown = json.dumps(visitor[6]) + json.dumps(visitor[8]) + open(visitor[10]).read()  # stats, steps, export
+    assert "no acceptance head" in shown and root not in shown

@@ -61,6 +61,7 @@ def reply_alternatives(page, history: list, settings: ChatSettings, messages: li
         now = time.perf_counter()
         if k == n - 1 and live and now >= next_draw:
             next_draw = now + figure_interval_s
+            page.scrub_steps(generations[k], request)
             yield page._live(shown(), generations[k], item, notes)
         else:
             yield page._outputs(shown())
@@ -68,4 +69,5 @@ def reply_alternatives(page, history: list, settings: ChatSettings, messages: li
         if k < n - 1:
             stopped = generation.stats.finish_reason == "cancelled"
             alternatives[k]["content"] = generation.text + (STOPPED_MARK if stopped else "")
+    page.scrub_steps(generations[n - 1], request)
     yield page._final(shown(), generations[n - 1], notes)

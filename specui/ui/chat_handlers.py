@@ -143,12 +143,14 @@ class ChatHandlers:
                 shown[-1]["content"] = item.text
                 now = time.perf_counter()
                 if now >= next_draw and session not in self._paused:
+                    self.scrub_steps(generation, request)
                     out = self._live(shown, generation, item, notes)
                     cost = time.perf_counter() - now  # panels take <= 1/PANEL_SHARE of the time
                     next_draw = now + max(FIGURE_INTERVAL_S, cost * PANEL_SHARE)
                     yield out
                 else:
                     yield Outputs(shown)
+            self.scrub_steps(generation, request)
             yield self._final(shown, generation, notes)
         except SpecUIError as e:
             shown[-1]["content"] = f"⚠️ {self.shown_error(e, request)}"

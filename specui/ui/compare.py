@@ -158,11 +158,13 @@ class Comparison:
                 if isinstance(item, Started):
                     generation, run.start_notes = item.generation, list(item.notes)
                     continue
+                self.page.scrub_steps(generation, request)
                 run.text, run.steps = item.text, list(generation.steps)
                 yield self._outputs(runs, greedy)
         except SpecUIError as e:
             run.error = self.page.shown_error(e, request)
         if generation is not None:
+            self.page.scrub_steps(generation, request)
             run.text, run.steps = generation.text, list(generation.steps)
             run.output_ids, run.stats = list(generation.output_ids), generation.stats.to_dict()
         run.done = not run.error

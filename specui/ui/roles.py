@@ -69,6 +69,15 @@ class Roles:
         labels = (self.service.target_label, self.service.draft_label)
         return labels if self.role(request) == OWNER else tuple(public_label(label) for label in labels)
 
+    def scrub_steps(self, generation, request) -> None:
+        """For a visitor, the paths out of the notes of a generation's steps (a fallback's note
+        may name a model folder): what the page shows, inspects and exports. The owner's stay."""
+        if generation is None or self.role(request) == OWNER:
+            return
+        for step in list(generation.steps):
+            if any("/" in n or "~" in n or "\\" in n for n in step.notes):
+                step.notes = [scrub_paths(n) for n in step.notes]
+
     def memory_view(self, request=None) -> str:
         report = self.service.memory_report()
         return report if self.role(request) == OWNER else scrub_paths(report)
