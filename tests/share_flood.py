@@ -84,7 +84,8 @@ def flood(url: str, method: str, prompts: list[str], probe: str, flood_tokens: i
         end = time.monotonic()
         replies = [(jobs[k][0], w.result()) for k, w in enumerate(waits)]
     return {"method": method, "idle_s": min(idle), "flood_s": end - t0, "ratio": (end - t0) / min(idle),
-            "flood_done_before": sum(1 for t in done_at.values() if t < end), "flood_requests": len(jobs),
+            "flood_pending": sum(1 for t in done_at.values() if t >= t0),  # still running or queued when it was sent
+            "flood_done_during": sum(1 for t in done_at.values() if t0 <= t < end), "flood_requests": len(jobs),
             "flood_wall_s": max(done_at.values()) - started, "probe_reply_same": out["reply"] == probe_reply,
             "probe_batch": out["stats"].get("mean_batch_size"), "replies": replies}
 
@@ -92,7 +93,8 @@ def flood(url: str, method: str, prompts: list[str], probe: str, flood_tokens: i
 def report(figures: dict) -> str:
     return (f"{figures['method']}: ninth client's reply {figures['idle_s']:.2f} s idle, {figures['flood_s']:.2f} s "
             f"under the flood ({figures['ratio']:.2f}x; mean batch {figures['probe_batch']}); "
-            f"{figures['flood_done_before']} of {figures['flood_requests']} flood requests finished before it; "
+            f"of the {figures['flood_pending']} flood requests pending when it was sent, "
+            f"{figures['flood_done_during']} finished before it; "
             f"the flood took {figures['flood_wall_s']:.1f} s")
 
 

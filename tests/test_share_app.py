@@ -148,10 +148,11 @@ def test_a_flood_of_16_requests_does_not_starve_a_ninth_client(shared, method):
     print(f"\n{report(figures)}")
     assert all(out["reply"] == reference[p] for p, out in figures["replies"])  # each its own reply
     assert figures["probe_reply_same"]
+    assert figures["flood_pending"] >= 8  # it came while the flood was still mostly running or queued
     if method == "ems-sd":  # it joined the running batch at once and decoded beside the flood
-        assert figures["flood_done_before"] < 8 and figures["probe_batch"] > 1
+        assert figures["flood_done_during"] < 8 and figures["probe_batch"] > 1
     else:  # it went after the reply running when it came, not after the flood's queue
-        assert figures["flood_done_before"] <= 3
+        assert figures["flood_done_during"] <= 2
     assert figures["flood_s"] < 10 * figures["idle_s"] + 5  # generous: 2-core machines of every speed
 
 

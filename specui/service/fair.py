@@ -81,9 +81,9 @@ class FairGate:
         with self._lock:
             mine = [t for t in self._running + self._waiting if t.session == session]
             if len(mine) > self.waiting_per_session:
-                raise SpecUIError(f"you already have {len(mine)} requests running or waiting (a shared link takes "
-                                  f"1 running and {self.waiting_per_session} waiting per visitor): wait for a reply "
-                                  "to finish, or stop one")
+                raise SpecUIError(f"you already have {len(mine)} requests running or waiting (a shared app takes "
+                                  f"1 running and {self.waiting_per_session} waiting per tab or API client): wait "
+                                  "for a reply to finish, or stop one")
             if len(self._running) + len(self._waiting) >= self.max_turns:
                 raise SpecUIError(f"the app is busy ({self.max_turns} requests running or waiting); try again in a "
                                   "moment")
