@@ -19,7 +19,7 @@ from pathlib import Path
 import gradio as gr
 
 from specui.service.runner import run_in_new_thread
-from specui.service.sharing import VISITOR, Access
+from specui.service.sharing import OWNER, VISITOR, Access
 from specui.settings import ChatSettings
 from specui.ui.api import ChatAPI
 from specui.ui.chat_handlers import ChatHandlers
@@ -111,7 +111,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                 with gr.Tab("method"):
                     method = gr.Dropdown(methods, value=default, label="decoding method",
                                          info=DESCRIPTIONS.get(default, ""), elem_id="method")
-                    controls = settings_controls(page.access.defaults_for(VISITOR if shared else "owner", defaults),
+                    controls = settings_controls(page.access.defaults_for(VISITOR if shared else OWNER, defaults),
                                                  service.tree_presets, *page.slider_ends())
                 with gr.Tab("model", elem_id="model-tab"):
                     model_note = gr.Markdown("The loaded pair, read-only: loading models and measuring are for "
@@ -184,18 +184,18 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         carrier.change(None, carrier, None, js=DRAW_JS, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
         measure.click(page.measure_profile, None, [profile_plot, load_status], **engine, **hidden)
-        if shared:  # the page above is a visitor's; an owner's gets the model controls back
-            parts = dict(preset=preset, target=target, draft=draft, quant=quant, device=device, dtype=dtype, load=load,
-                         measure=measure, measure_options=measure_options, run_doctor=run_doctor)
-            demo.load(page.role_view, None, [role_note, model_note, *(parts[n] for n in MODEL_CONTROLS + MODEL_BUTTONS),
-                                             memory, controls["max_new_tokens"], controls["replies"]],
-                      queue=False, **hidden)
         measure_options.click(page.measure_quantizations, None, options, **engine, **hidden)
         run_doctor.click(page.machine_report, None, doctor, **engine, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method],
                    [load_status, memory, header, method], **engine, api_name="page_load_models",
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
+        if shared:  # the page above is a visitor's; an owner's gets the model controls back
+            parts = dict(preset=preset, target=target, draft=draft, quant=quant, device=device, dtype=dtype, load=load,
+                         measure=measure, measure_options=measure_options, run_doctor=run_doctor)
+            demo.load(page.role_view, None, [role_note, model_note, *(parts[n] for n in MODEL_CONTROLS + MODEL_BUTTONS),
+                                             memory, controls["max_new_tokens"], controls["replies"]],
+                      queue=False, **hidden)
         api = ChatAPI(page)
         gr.api(api.chat, api_name="chat", **engine)
         gr.api(api.load_models, api_name="load_models", **engine)
