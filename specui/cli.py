@@ -18,6 +18,7 @@ from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
 from specui.service.chat_service import ChatService, method_params, validate_settings
 from specui.service.pair import DEFAULT_TARGET, ModelPair, get_preset, load_pair, pair_specs
+from specui.service.sharing import add_web_flags
 from specui.settings import ChatSettings, PairChoice
 from specui.weights.loading import DTYPES, QUANTIZATIONS, ModelSpec
 
@@ -122,15 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print each step's notes (what auto chose and why, budget changes) as they come, on their "
                         "own lines (--cli); by default they are summed up after the reply")
 
-    u = ap.add_argument_group("web app")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=7860)
-    u.add_argument("--share", action="store_true", help="public Gradio link (use with --auth)")
-    u.add_argument("--auth", help="user:pass, or a file holding user:pass lines")
-    u.add_argument("--queue", type=int, default=16, help="max queued requests")
-    u.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0: measured at start when the app serves a browser on this machine, "
-                        "torch's default otherwise)")
+    add_web_flags(ap)
     return ap
 
 

@@ -1,29 +1,53 @@
-"""Load the pair from flags, build the page, launch it (local, or shared with auth)."""
+"""Load the pair from flags, build the page, launch it: the owner's own app on loopback, or
+shared (--share, another --host) where its users are visitors (specui.service.sharing) and
+take fair turns at the engine (specui.service.fair)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
 from specui.service.chat_service import ChatService
+from specui.service.fair import FairGate
 from specui.service.runner import MainThreadRunner
+from specui.service.sharing import Access, Credentials, parse_credentials
+from specui.settings import RANGES
 from specui.weights.threads import choose_threads
+
+SHARED_THREADS = 100  # Gradio's worker threads on a shared app: every waiting turn holds one
 
 
 def parse_auth(value: str | None) -> list[tuple[str, str]] | None:
-    """'user:pass', or a file with one user:pass per line."""
-    if not value:
-        return None
-    path = Path(value)
-    lines = path.read_text().splitlines() if path.is_file() else [value]
-    pairs = [tuple(line.split(":", 1)) for line in lines if line.strip() and not line.startswith("#")]
-    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
-        raise SpecUIError("--auth needs user:pass (or a file of user:pass lines)")
-    return [(u.strip(), p.strip()) for u, p in pairs]
+    """'user:pass', or a file with one user:pass per line ('admin user:pass' too): the pairs."""
+    credentials = parse_credentials(value)
+    return None if credentials is None else credentials.pairs
+
+
+def access_from_args(args: argparse.Namespace, credentials: Credentials | None) -> Access:
+    """Who may do what, from how the app is launched; refuses a public link nobody asked for."""
+    if args.share and credentials is None and not args.public:
+        raise SpecUIError("--share without --auth would let anyone with the link use your machine; add --auth "
+                          "user:pass (or a file of user:pass lines), or --public to share it openly on purpose")
+    cap = RANGES["max_new_tokens"]
+    if not cap.lo <= args.visitor_max_new_tokens <= cap.hi:
+        raise SpecUIError(f"--visitor-max-new-tokens must be {cap.describe()}, got {args.visitor_max_new_tokens}")
+    access = Access.for_launch(args.host, args.share, credentials.admins if credentials else (),
+                               args.allow_remote_admin, args.visitor_max_new_tokens)
+    if not access.shared:
+        return access
+    who = "anyone with the link" if args.share else f"anyone who can reach {args.host}"
+    print(f"shared app: {'its --auth users' if credentials else who} chat as visitors (no model loading, no "
+          f"measuring, replies up to {args.visitor_max_new_tokens:,} new tokens, fair turns)", file=sys.stderr)
+    if args.allow_remote_admin:
+        print("warning: --allow-remote-admin: every user can load models and measure, as the owner", file=sys.stderr)
+    elif access.admins:
+        print(f"owners (admin users of --auth): {', '.join(sorted(access.admins))}", file=sys.stderr)
+    if credentials is None:
+        print(f"warning: no --auth: {who} can use this app", file=sys.stderr)
+    return access
 
 
 def _log_to_stderr() -> None:
@@ -41,11 +65,13 @@ def launch(args: argparse.Namespace) -> int:
     from specui.ui.live_panels import PAGE_CSS
 
     _log_to_stderr()
-    auth = parse_auth(args.auth)
-    if args.share and not auth:
-        print("warning: --share without --auth makes your model public to anyone with the link", file=sys.stderr)
+    credentials = parse_credentials(args.auth)
+    auth = credentials.pairs if credentials else None
+    access = access_from_args(args, credentials)  # before loading anything: a refusal is at once
     print("loading models…", file=sys.stderr)
     service = ChatService(load_from_args(args))
+    if access.shared:
+        service.gate = FairGate()
     if args.threads < 0:
         raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
     threads = choose_threads(service.pair.target.model, local_browser=not args.share, requested=args.threads)
@@ -53,9 +79,11 @@ def launch(args: argparse.Namespace) -> int:
     service.use_long_threads(threads.long_threads)
     print(service.threads_note, file=sys.stderr)
     runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/service/runner.py
-    demo = build_ui(service, settings_from_args(args), submit=runner.submit).queue(
+    demo = build_ui(service, settings_from_args(args), submit=runner.submit, access=access).queue(
         max_size=args.queue, default_concurrency_limit=1)
     kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True, css=PAGE_CSS)
+    if access.shared:
+        kwargs["max_threads"] = SHARED_THREADS
     if not args.share:
         demo.launch(**kwargs)
     else:

@@ -216,7 +216,7 @@ def _free_port() -> int:
 
 def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
     """Offline, --share cannot open Gradio's tunnel: the user is told why (and warned about
-    sharing without --auth), and the local app answers."""
+    sharing without --auth, which --public asked for on purpose), and the local app answers."""
     import os
     import subprocess
     import sys
@@ -230,8 +230,9 @@ def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
                HF_HOME=str(tmp_path / "hf"))  # no cached tunnel binary
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "app.py", "--target", str(target), "--draft", str(draft),
-                                 "--share", "--port", str(port)], cwd=Path(__file__).resolve().parent.parent,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+                                 "--share", "--public", "--port", str(port)],
+                                cwd=Path(__file__).resolve().parent.parent, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 180
         while "could not open a public share link" not in log.read_text():
@@ -239,7 +240,7 @@ def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
             assert time.monotonic() < end, log.read_text()
             time.sleep(0.5)
         text = log.read_text()
-        assert "--share without --auth" in text and f"127.0.0.1:{port}" in text
+        assert "no --auth: anyone with the link" in text and f"127.0.0.1:{port}" in text
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
             assert r.status == 200
         assert proc.poll() is None

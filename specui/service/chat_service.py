@@ -75,6 +75,7 @@ class ChatService:
         self.threads_note = ""  # how many threads torch uses here, and why (set by the app)
         self.long_threads: int | None = None  # threads for long inputs where the app measured them faster
         self._batch_loop: BatchLoop | None = None
+        self.gate = None  # a shared app's FairGate (specui.service.fair): whose turn it is; None: arrival order
 
     def use_long_threads(self, threads: int | None) -> None:
         """Long inputs (prefills) of this pair, and of every pair loaded later, run with `threads`."""

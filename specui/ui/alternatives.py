@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 from specui.settings import ChatSettings
-from specui.ui.streaming import STOPPED_MARK, Started, run_alternatives
+from specui.ui.streaming import STOPPED_MARK, Started, Waiting, run_alternatives, session_key
 
 ALTERNATIVE = "alternative"
 
@@ -23,7 +23,7 @@ def is_alternative(message: dict) -> bool:
 
 
 def reply_alternatives(page, history: list, settings: ChatSettings, messages: list, cancel,
-                       live: bool, interval_s: float, figure_interval_s: float) -> Iterator:
+                       live: bool, interval_s: float, figure_interval_s: float, request=None) -> Iterator:
     """Stream the replies (page Outputs); the k-th (k < n - 1) goes to "alternative k + 1 of
     n", the last to the chat's own reply. `live`: draw the panels while it runs."""
     n = settings.replies
@@ -38,16 +38,22 @@ def reply_alternatives(page, history: list, settings: ChatSettings, messages: li
         return history + [{"role": "assistant", "content": note, "metadata": {"title": "ℹ️ note"}}
                           for note in notes] + alternatives + [main]
 
-    for k, item in run_alternatives(page.service, page.submit, messages, settings, cancel, interval_s):
+    for k, item in run_alternatives(page.service, page.submit, messages, settings, cancel, interval_s,
+                                    session_key(request)):
+        if isinstance(item, Waiting):
+            out = page._outputs(shown())
+            out.stats = f"… waiting for your turn ({item.ahead} ahead)"
+            yield out
+            continue
         target = main if k == n - 1 else alternatives[k]
         if isinstance(item, Started):
             generations[k] = item.generation
-            notes += [note for note in item.notes if note not in notes]
+            notes += [note for note in page.visible_notes(item.notes, request) if note not in notes]
             continue
         if isinstance(item, BaseException):
             if k == n - 1:
                 raise item
-            target["content"] = f"⚠️ {item}"
+            target["content"] = f"⚠️ {page.shown_error(item, request)}"
             continue
         if cancel.is_set():
             continue
@@ -55,6 +61,7 @@ def reply_alternatives(page, history: list, settings: ChatSettings, messages: li
         now = time.perf_counter()
         if k == n - 1 and live and now >= next_draw:
             next_draw = now + figure_interval_s
+            page.scrub_steps(generations[k], request)
             yield page._live(shown(), generations[k], item, notes)
         else:
             yield page._outputs(shown())
@@ -62,4 +69,5 @@ def reply_alternatives(page, history: list, settings: ChatSettings, messages: li
         if k < n - 1:
             stopped = generation.stats.finish_reason == "cancelled"
             alternatives[k]["content"] = generation.text + (STOPPED_MARK if stopped else "")
+    page.scrub_steps(generations[n - 1], request)
     yield page._final(shown(), generations[n - 1], notes)

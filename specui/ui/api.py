@@ -20,7 +20,7 @@ import gradio as gr
 
 from specui.errors import SpecUIError
 from specui.settings import RANGES, PairChoice
-from specui.ui.streaming import Started, run_alternatives, run_in_background, settings_from_values, to_messages
+from specui.ui.streaming import Started, Waiting, run_alternatives, run_in_background, session_key
 
 API_INTERVAL_S = 0.25  # streamed partial replies at most 4 times a second
 
@@ -62,13 +62,17 @@ class ChatAPI:
         adaptive_gamma: bool | None = None,
         adaptive_nodes: bool | None = None,
         replies: int | None = None,
+        request: gr.Request = None,
     ) -> Iterator[dict]:
         """Answer `message` after the earlier turns in `history` ([{"role": "user" | "assistant",
         "content": "..."}]). Every setting left empty takes the app's default (its command-line
         flags). Streams {"reply", "finish_reason" ("" while running), "stats", "notes"}; with
         method ems-sd and replies n > 1, also "alternatives": the other n - 1 replies decoded
-        beside it."""
-        if not isinstance(message, str) or not message.strip():
+        beside it. On a shared app a request waiting for its turn streams "waiting": the turns
+        before it."""
+        if not isinstance(message, str):
+            raise gr.Error(f"the message must be text, got {type(message).__name__}")
+        if not message.strip():
             raise gr.Error("the message is empty: send some text")
         if history is not None and not isinstance(history, list):
             raise gr.Error("history must be a list of {'role': ..., 'content': ...} messages")
@@ -79,27 +83,30 @@ class ChatAPI:
                      k_config=k_config, root_selection=root_selection, decision=decision,
                      stop_threshold=stop_threshold, lookup_tokens=lookup_tokens, padding=padding,
                      adaptive_gamma=adaptive_gamma, adaptive_nodes=adaptive_nodes, replies=replies)
-        defaults = self.page.defaults
+        page = self.page
         try:
-            settings = settings_from_values(method or defaults.method,
-                                            {k: v for k, v in given.items() if v is not None}, defaults)
-            messages = to_messages(list(history or []) + [{"role": "user", "content": message}], settings.system)
+            settings = page.settings_for(request, method or page.defaults.method,
+                                         {k: v for k, v in given.items() if v is not None})
+            messages = page.messages_for(request, list(history or []) + [{"role": "user", "content": message}],
+                                         settings.system)
             cancel = threading.Event()
             if settings.method == "ems-sd" and settings.replies > 1:
-                yield from self._alternatives(messages, settings, cancel)
+                yield from self._alternatives(messages, settings, cancel, request)
                 return
             generation, notes = None, []
-            for item in run_in_background(self.page.service, self.page.submit, messages, settings, cancel,
-                                          API_INTERVAL_S):
-                if isinstance(item, Started):
-                    generation, notes = item.generation, item.notes
+            for item in run_in_background(page.service, page.submit, messages, settings, cancel, API_INTERVAL_S,
+                                          session_key(request)):
+                if isinstance(item, Waiting):
+                    yield {**_answer(None, notes), "waiting": item.ahead}
+                elif isinstance(item, Started):
+                    generation, notes = item.generation, page.visible_notes(item.notes, request)
                 else:
                     yield _answer(generation, notes)
             yield _answer(generation, notes)
         except SpecUIError as e:
-            raise gr.Error(str(e)) from None
+            raise gr.Error(page.shown_error(e, request)) from None
 
-    def _alternatives(self, messages: list, settings, cancel: threading.Event) -> Iterator[dict]:
+    def _alternatives(self, messages: list, settings, cancel: threading.Event, request=None) -> Iterator[dict]:
         n = settings.replies
         generations, notes, errors = {}, [], {}
 
@@ -110,23 +117,31 @@ class ChatAPI:
             return out
 
         for k, item in run_alternatives(self.page.service, self.page.submit, messages, settings, cancel,
-                                        API_INTERVAL_S):
+                                        API_INTERVAL_S, session_key(request)):
+            if isinstance(item, Waiting):
+                yield {**answer(), "waiting": item.ahead}
+                continue
             if isinstance(item, Started):
                 generations[k] = item.generation
-                notes += item.notes if k == n - 1 else []
+                notes += self.page.visible_notes(item.notes, request) if k == n - 1 else []
             elif isinstance(item, BaseException):
                 if k == n - 1:
                     raise item
-                errors[k] = item
+                errors[k] = self.page.shown_error(item, request)
             yield answer()
         yield answer()
 
     def load_models(self, target: str, draft: str = "default", quantization: str = "auto",
-                    device: str = "auto", dtype: str = "auto", stand_in: str = "") -> dict:
+                    device: str = "auto", dtype: str = "auto", stand_in: str = "",
+                    request: gr.Request = None) -> dict:
         """Load a target (hub id, folder, .gguf or bundled:smollm2) and a draft ('default', 'none',
         or a model) in dtype auto (measured on CPU), float32, bfloat16 or float16; `stand_in`
         ('360m', '1.7b', '7b'): the target zero-padded to that size's cost, for measuring; on
-        failure the previous pair stays loaded and the error says why."""
+        failure the previous pair stays loaded and the error says why. The owner's only: a
+        visitor of a shared link is refused before anything is read."""
+        refusal = self.page.refuse_visitor(request, loading=True)
+        if refusal:
+            raise gr.Error(refusal)
         try:
             message = self.page._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto",
                                                  stand_in=stand_in or ""), None)
@@ -134,19 +149,23 @@ class ChatAPI:
             raise gr.Error(f"could not load: {e}; the previous pair stays loaded") from None
         except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
             raise gr.Error(f"could not load ({type(e).__name__}: {e}); the previous pair stays loaded") from None
-        return {"message": message, **self.info()}
+        return {"message": message, **self.info(request)}
 
-    def info(self) -> dict:
-        """The loaded pair, the methods it can run, the default settings and every setting's range."""
-        service = self.page.service
+    def info(self, request: gr.Request = None) -> dict:
+        """The loaded pair, the methods it can run, the default settings and every setting's range;
+        "access": this client's role (owner or visitor), what it can and cannot do, its limits."""
+        page, service = self.page, self.page.service
+        role, (target, draft) = page.role(request), page.labels(request)
         return {
-            "target": service.target_label, "draft": service.draft_label, "device": service.device_label,
+            "target": target, "draft": draft, "device": service.device_label,
             "stand_in": service.pair.target.spec.stand_in or None,
             "dtypes": [str(m.model.dtype).replace("torch.", "") for m in service.loaded],
-            "load_notes": list(service.pair.notes),
+            "load_notes": page.visible_notes(service.pair.notes, request),
             "context_len": service.engine.context_len, "methods": service.methods,
-            "tree_presets": service.tree_presets, "defaults": _plain(asdict(self.page.defaults)),
+            "tree_presets": service.tree_presets,
+            "defaults": _plain(asdict(page.access.defaults_for(role, page.defaults))),
             "ranges": {name: r.describe() for name, r in RANGES.items()},
+            "role": role, "access": page.access.describe(role),
         }
 
 

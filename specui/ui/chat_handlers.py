@@ -21,10 +21,10 @@ from specui.ui.outputs import Outputs
 from specui.ui.streaming import (
     STOPPED_MARK,
     Started,
+    Waiting,
     is_note,
     run_in_background,
-    settings_from_values,
-    to_messages,
+    session_key,
 )
 
 log = logging.getLogger("specui.ui")
@@ -121,16 +121,20 @@ class ChatHandlers:
             return
         yield Outputs(shown, stats="…")  # the previous reply's figures stay until this one's first step
         try:
-            settings = settings_from_values(method, dict(zip(SETTING_FIELDS, values)), self.defaults)
-            messages = to_messages(history, settings.system)
+            settings = self.settings_for(request, method, dict(zip(SETTING_FIELDS, values)))
+            messages = self.messages_for(request, history, settings.system)
             if settings.method == "ems-sd" and settings.replies > 1:
                 yield from reply_alternatives(self, history, settings, messages, cancel, session not in self._paused,
-                                              TEXT_INTERVAL_S, FIGURE_INTERVAL_S)
+                                              TEXT_INTERVAL_S, FIGURE_INTERVAL_S, request)
                 return
             generation, notes, next_draw = None, [], 0.0
-            for item in run_in_background(self.service, self.submit, messages, settings, cancel, TEXT_INTERVAL_S):
+            for item in run_in_background(self.service, self.submit, messages, settings, cancel, TEXT_INTERVAL_S,
+                                          session):
+                if isinstance(item, Waiting):
+                    yield Outputs(shown, stats=waiting_line(item))
+                    continue
                 if isinstance(item, Started):
-                    generation, notes = item.generation, item.notes
+                    generation, notes = item.generation, self.visible_notes(item.notes, request)
                     shown = history + [{"role": "assistant", "content": n, "metadata": {"title": "ℹ️ note"}}
                                        for n in notes] + [shown[-1]]
                     continue
@@ -139,19 +143,21 @@ class ChatHandlers:
                 shown[-1]["content"] = item.text
                 now = time.perf_counter()
                 if now >= next_draw and session not in self._paused:
+                    self.scrub_steps(generation, request)
                     out = self._live(shown, generation, item, notes)
                     cost = time.perf_counter() - now  # panels take <= 1/PANEL_SHARE of the time
                     next_draw = now + max(FIGURE_INTERVAL_S, cost * PANEL_SHARE)
                     yield out
                 else:
                     yield Outputs(shown)
+            self.scrub_steps(generation, request)
             yield self._final(shown, generation, notes)
         except SpecUIError as e:
-            shown[-1]["content"] = f"⚠️ {e}"
-            yield Outputs(shown, stats=f"⚠️ {e}")
+            shown[-1]["content"] = f"⚠️ {self.shown_error(e, request)}"
+            yield Outputs(shown, stats=shown[-1]["content"])
         except Exception as e:  # noqa: BLE001 - an engine bug must not take the page down with it
             log.exception("generation failed")
-            message = f"generation failed ({type(e).__name__}: {e}); try again"
+            message = self.shown_error(e, request)
             shown[-1]["content"] = f"⚠️ {message}"
             yield Outputs(shown, stats=f"⚠️ {message}")
 
@@ -173,5 +179,8 @@ def _split_sent_at(values: tuple) -> tuple[tuple, float | None]:
     return values[: len(SETTING_FIELDS)], None
 
 
-def _session(request) -> str:
-    return getattr(request, "session_hash", None) or "local"
+_session = session_key
+
+
+def waiting_line(item: Waiting) -> str:
+    return f"… waiting for your turn ({item.ahead} ahead)" if item.ahead else "… waiting for your turn (next)"

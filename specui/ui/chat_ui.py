@@ -19,6 +19,7 @@ from pathlib import Path
 import gradio as gr
 
 from specui.service.runner import run_in_new_thread
+from specui.service.sharing import OWNER, VISITOR, Access
 from specui.settings import ChatSettings
 from specui.ui.api import ChatAPI
 from specui.ui.chat_handlers import ChatHandlers
@@ -36,7 +37,8 @@ from specui.ui.figures import (
 from specui.ui.live_panels import CARRIER_ID, DRAW_JS
 from specui.ui.model_tab import ModelTab
 from specui.ui.reply_panels import ReplyPanels
-from specui.ui.streaming import ENGINE
+from specui.ui.roles import MODEL_BUTTONS, MODEL_CONTROLS, Roles
+from specui.ui.streaming import ENGINE, SHARED_ENGINE
 
 
 def stamp_js(n_inputs: int) -> str:
@@ -47,15 +49,18 @@ def stamp_js(n_inputs: int) -> str:
     return f"(...args) => {{ const a = args.slice(0, {n_inputs}); a[{n_inputs - 1}] = Date.now(); return a; }}"
 
 
-class ChatPage(ChatHandlers, ReplyPanels, ModelTab):
+class ChatPage(ChatHandlers, ReplyPanels, ModelTab, Roles):
     """Handlers of the page. Per-browser-session state (history, traces) lives in Gradio
     components; the only shared state, keyed by session, is the cancel flag of the running
-    reply and how often Clear was pressed."""
+    reply and how often Clear was pressed. `access` says who may do what (default: the
+    owner's own app, where everyone may do everything)."""
 
     def __init__(self, service, submit: Callable[..., Future] = run_in_new_thread,
-                 defaults: ChatSettings | None = None) -> None:
+                 defaults: ChatSettings | None = None, access: Access | None = None) -> None:
         self.service = service
         self.defaults = defaults or ChatSettings()
+        self.access = access or Access()
+        self.engine_events = SHARED_ENGINE if self.access.shared else ENGINE  # Gradio's concurrency for model work
         self.submit = submit  # where model work runs (the app passes its main-thread runner)
         self._cancels: dict[str, threading.Event] = {}
         self._cleared: dict[str, int] = {}  # per session: how many times Clear was pressed
@@ -66,11 +71,16 @@ class ChatPage(ChatHandlers, ReplyPanels, ModelTab):
 
 
 def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI",
-             submit: Callable[..., Future] = run_in_new_thread) -> gr.Blocks:
+             submit: Callable[..., Future] = run_in_new_thread, access: Access | None = None) -> gr.Blocks:
     """The page; `defaults` (from the command-line flags) fill the method and settings;
-    `submit` runs model work (generations, loads) where it should run."""
+    `submit` runs model work (generations, loads) where it should run; `access` (a shared
+    app's roles): the page is built as a visitor sees it, and an owner's controls come back
+    when their page loads."""
     defaults = defaults or ChatSettings()
-    page = ChatPage(service, submit, defaults)
+    page = ChatPage(service, submit, defaults, access)
+    shared, engine = page.access.shared, page.engine_events  # engine: Gradio's concurrency for model work
+    owner = not shared  # controls as the owner's own app has them (a shared app's owners get them on load)
+    locked = dict(interactive=False) if shared else {}  # a visitor's model tab: read-only
     methods = service.methods
     default = defaults.method if defaults.method in methods else (
         "speculative" if "speculative" in methods else methods[0])
@@ -79,6 +89,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
     with gr.Blocks(title=title) as demo:
         gr.Markdown(f"# {title}")
         header = gr.Markdown(page.header(), elem_id="header")
+        role_note = gr.Markdown(page.access.visitor_note(), elem_id="role-note") if shared else None
         steps_state = gr.State([])
         with gr.Row():
             with gr.Column(scale=3):
@@ -100,41 +111,45 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                 with gr.Tab("method"):
                     method = gr.Dropdown(methods, value=default, label="decoding method",
                                          info=DESCRIPTIONS.get(default, ""), elem_id="method")
-                    controls = settings_controls(defaults, service.tree_presets)
+                    controls = settings_controls(page.access.defaults_for(VISITOR if shared else OWNER, defaults),
+                                                 service.tree_presets, *page.slider_ends())
                 with gr.Tab("model", elem_id="model-tab"):
+                    model_note = gr.Markdown("The loaded pair, read-only: loading models and measuring are for "
+                                             "the owner.", elem_id="model-note") if shared else None
                     preset = gr.Dropdown(list(presets), value=None, label="preset", elem_id="preset",
-                                         info="fills the fields below; hub presets need internet")
+                                         **locked, info="fills the fields below; hub presets need internet")
                     preset_info = gr.Markdown()
-                    target = gr.Textbox(label="target", value=service.pair.target.spec.source, elem_id="target",
+                    target = gr.Textbox(label="target", elem_id="target", **locked,
+                                        value=service.pair.target.spec.source if owner else page.labels()[0],
                                         info="hub id, local folder, .gguf file, or bundled:smollm2")
-                    draft = gr.Textbox(label="draft", value="default", elem_id="draft",
+                    draft = gr.Textbox(label="draft", value="default", elem_id="draft", **locked,
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")
                     quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
-                                     label="quantization (target)", info="auto: a GGUF's own 4-bit weights or "
-                                     "its dequantized ones, measured here; int8/int4: CPU kernels; 8bit/4bit: "
-                                     "bitsandbytes")
-                    device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device")
+                                     label="quantization (target)", **locked, info="auto: a GGUF's own "
+                                     "4-bit weights or its dequantized ones, measured here; int8/int4: CPU kernels; "
+                                     "8bit/4bit: bitsandbytes")
+                    device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device", **locked)
                     dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
-                                        elem_id="dtype", info="auto: measured on CPU (float32 or bfloat16, "
-                                        "each model its own); float32 keeps greedy replies exactly equal")
+                                        elem_id="dtype", **locked, info="auto: measured on CPU (float32 or "
+                                        "bfloat16, each model its own); float32 keeps greedy replies exactly equal")
                     stand_in = gr.Dropdown(list(service.stand_in_sizes), value=service.pair.target.spec.stand_in,
-                                           label="stand-in (for measuring speed)", elem_id="stand-in",
+                                           label="stand-in (for measuring speed)", elem_id="stand-in", **locked,
                                            info="the target zero-padded to a bigger model's cost: the same "
                                            "replies, that size's speed; not a better model")
-                    load = gr.Button("Load models", elem_id="load")
+                    load = gr.Button("Load models", elem_id="load", visible=owner)
                     load_status = gr.Markdown(elem_id="load-status")
-                    memory = gr.Markdown(service.memory_report(), elem_id="memory")
+                    memory = gr.Markdown(page.memory_view(), elem_id="memory")
                     profile_plot = gr.Plot(profile_figure(service.cost_profile()[0]), label="cost profile",
                                            elem_id="profile")
-                    measure = gr.Button("Measure cost profile", elem_id="measure-profile")
+                    measure = gr.Button("Measure cost profile", elem_id="measure-profile", visible=owner)
                     options = gr.Markdown(elem_id="quant-options")
                     measure_options = gr.Button("Measure quantization options (loads each; chat waits)",
-                                                elem_id="measure-quant")
+                                                elem_id="measure-quant", visible=owner)
                     with gr.Accordion("machine report (for bug reports)", open=False):
                         doctor = gr.Markdown("The same block as `python app.py --doctor`: this machine, the "
                                              "packages, every kernel's self-check and the cached measured choices.",
                                              elem_id="doctor")
-                        run_doctor = gr.Button("Run the checks", elem_id="run-doctor")
+                        run_doctor = gr.Button("Run the checks", elem_id="run-doctor", visible=owner)
                 with gr.Tab("compare", elem_id="compare-tab"):
                     compare_tab(page, methods, [controls[name] for name in SETTING_FIELDS],
                                 [m for m in ("autoregressive", "speculative") if m in methods])
@@ -159,9 +174,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         send_inputs, retry_inputs = [box, chatbot, method, *settings_inputs, clock], [chatbot, method,
                                                                                      *settings_inputs, clock]
         gr.on([box.submit, send.click], page.respond, send_inputs, [box, *outputs], trigger_mode="once",
-              **ENGINE, js=stamp_js(len(send_inputs)), api_name="respond",
+              **engine, js=stamp_js(len(send_inputs)), api_name="respond",
               api_visibility="undocumented")
-        retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", **ENGINE,
+        retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", **engine,
                     js=stamp_js(len(retry_inputs)), **hidden)
         stop.click(page.stop, clock, None, queue=False, js=stamp_js(1), **hidden)
         clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden)
@@ -172,15 +187,21 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         live.change(page.set_live, live, None, queue=False, **hidden)
         carrier.change(None, carrier, None, js=DRAW_JS, queue=False, **hidden)
         preset.change(page.preset_chosen, preset, [target, draft, quant, preset_info], queue=False, **hidden)
-        measure.click(page.measure_profile, None, [profile_plot, load_status], **ENGINE, **hidden)
-        measure_options.click(page.measure_quantizations, None, options, **ENGINE, **hidden)
-        run_doctor.click(page.machine_report, None, doctor, **ENGINE, **hidden)
+        measure.click(page.measure_profile, None, [profile_plot, load_status], **engine, **hidden)
+        measure_options.click(page.measure_quantizations, None, options, **engine, **hidden)
+        run_doctor.click(page.machine_report, None, doctor, **engine, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method, stand_in],
-                   [load_status, memory, header, method], **ENGINE, api_name="page_load_models",
+                   [load_status, memory, header, method], **engine, api_name="page_load_models",
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
+        if shared:  # the page above is a visitor's; an owner's gets the model controls back
+            parts = dict(preset=preset, target=target, draft=draft, quant=quant, device=device, dtype=dtype, load=load,
+                         measure=measure, measure_options=measure_options, run_doctor=run_doctor)
+            demo.load(page.role_view, None, [role_note, model_note, *(parts[n] for n in MODEL_CONTROLS + MODEL_BUTTONS),
+                                             memory, controls["max_new_tokens"], controls["replies"]],
+                      queue=False, **hidden)
         api = ChatAPI(page)
-        gr.api(api.chat, api_name="chat", **ENGINE)
-        gr.api(api.load_models, api_name="load_models", **ENGINE)
+        gr.api(api.chat, api_name="chat", **engine)
+        gr.api(api.load_models, api_name="load_models", **engine)
         gr.api(api.info, api_name="info", queue=False)
     return demo

@@ -17,7 +17,7 @@ from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.ui.controls import SETTING_FIELDS
 from specui.ui.figures import STATUS_COLORS, _figure
-from specui.ui.streaming import ENGINE, Started, run_in_background, settings_from_values, to_messages
+from specui.ui.streaming import ENGINE, Started, Waiting, run_in_background, session_key
 
 MIN_METHODS, MAX_METHODS = 2, 4
 UPDATE_INTERVAL_S = 1.0
@@ -129,8 +129,7 @@ class Comparison:
             gr.Warning(f"Pick {MIN_METHODS} to {MAX_METHODS} methods to compare (picked {len(methods)}).")
             return
         try:
-            base = settings_from_values(methods[0], dict(zip(SETTING_FIELDS, values[: len(SETTING_FIELDS)])),
-                                        self.page.defaults)
+            base = self.page.settings_for(request, methods[0], dict(zip(SETTING_FIELDS, values[: len(SETTING_FIELDS)])))
         except SpecUIError as e:
             gr.Warning(str(e))
             return
@@ -141,25 +140,31 @@ class Comparison:
                 run.error = "stopped"
                 continue
             cancel = self.page.new_cancel(request)  # Stop (either button) ends this run and skips the rest
-            yield from self._one(run, replace(base, method=run.method), prompt, runs, cancel)
+            yield from self._one(run, replace(base, method=run.method), prompt, runs, cancel, request)
             stopped = bool(run.stats and run.stats["finish_reason"] == "cancelled")
         yield self._outputs(runs, base.temperature == 0)
 
-    def _one(self, run: Run, settings, prompt: str, runs: list[Run], cancel: threading.Event) -> Iterator[tuple]:
-        messages = to_messages([{"role": "user", "content": prompt}], settings.system)
+    def _one(self, run: Run, settings, prompt: str, runs: list[Run], cancel: threading.Event,
+             request=None) -> Iterator[tuple]:
         greedy = settings.temperature == 0
         generation = None
         try:
+            messages = self.page.messages_for(request, [{"role": "user", "content": prompt}], settings.system)
             for item in run_in_background(self.page.service, self.page.submit, messages, settings, cancel,
-                                          UPDATE_INTERVAL_S):
+                                          UPDATE_INTERVAL_S, session_key(request)):
+                if isinstance(item, Waiting):
+                    yield self._outputs(runs, greedy)
+                    continue
                 if isinstance(item, Started):
                     generation, run.start_notes = item.generation, list(item.notes)
                     continue
+                self.page.scrub_steps(generation, request)
                 run.text, run.steps = item.text, list(generation.steps)
                 yield self._outputs(runs, greedy)
         except SpecUIError as e:
-            run.error = str(e)
+            run.error = self.page.shown_error(e, request)
         if generation is not None:
+            self.page.scrub_steps(generation, request)
             run.text, run.steps = generation.text, list(generation.steps)
             run.output_ids, run.stats = list(generation.output_ids), generation.stats.to_dict()
         run.done = not run.error
@@ -184,5 +189,5 @@ def compare_tab(page, methods: list[str], settings_inputs: list, default_methods
     timeline = gr.Plot(timeline_figure([]), label="step timelines", elem_id="compare-timeline")
     replies = gr.HTML(replies_html([]), elem_id="compare-replies-box")
     go.click(comparison.run, [prompt, picked, *settings_inputs], [summary, timeline, replies],
-             **ENGINE, trigger_mode="once", api_visibility="private")
+             **getattr(page, "engine_events", ENGINE), trigger_mode="once", api_visibility="private")
     stop.click(page.stop, None, None, queue=False, api_visibility="private")

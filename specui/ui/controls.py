@@ -41,9 +41,12 @@ SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ga
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "system"}  # shown for every method
 
 
-def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[str, gr.components.Component]:
+def settings_controls(defaults: ChatSettings, tree_presets: list[str], max_new_tokens: int = 2048,
+                      max_replies: int = 8) -> dict[str, gr.components.Component]:
+    """The controls, starting from `defaults`; the sliders of reply length and alternative
+    replies end at `max_new_tokens` and `max_replies` (a shared app's visitor limits)."""
     controls = {
-        "max_new_tokens": gr.Slider(1, 2048, value=defaults.max_new_tokens, step=1, label="max new tokens",
+        "max_new_tokens": gr.Slider(1, max_new_tokens, value=defaults.max_new_tokens, step=1, label="max new tokens",
                                     info="longest reply; the context window caps it too"),
         "temperature": gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="temperature",
                                  info="0 = greedy (lossless methods then reproduce plain greedy decoding)"),
@@ -93,7 +96,7 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str]) -> dict[s
         "adaptive_gamma": gr.Checkbox(value=defaults.adaptive_gamma, label="adaptive draft length",
                                       info="ems-sd: choose the batch's draft length (0..gamma) per step from the "
                                            "measured costs; off = always gamma"),
-        "replies": gr.Slider(1, 8, value=defaults.replies, step=1, label="alternative replies",
+        "replies": gr.Slider(1, max_replies, value=defaults.replies, step=1, label="alternative replies",
                              info="ems-sd: answer with n replies decoded together (they differ when temperature "
                                   "> 0); the last is the one the chat continues from"),
         "preset": gr.Dropdown(tree_presets, value=defaults.preset, label="tree preset",

@@ -24,20 +24,31 @@ class ModelTab:
         return (gr.update(info=DESCRIPTIONS.get(method, "")),
                 *(gr.update(visible=name in SAMPLING_FIELDS or name in wanted) for name in SETTING_FIELDS))
 
-    def measure_profile(self, progress=gr.Progress()) -> tuple:  # noqa: B008 (Gradio's idiom)
-        """Measure (or read the cached) cost profile of the loaded pair, with progress."""
+    def measure_profile(self, request: gr.Request = None, progress=gr.Progress()) -> tuple:  # noqa: B008
+        """Measure (or read the cached) cost profile of the loaded pair, with progress (Gradio's
+        idiom: it finds `progress` by its default). The owner's only."""
+        refusal = self.refuse_visitor(request)
+        if refusal:
+            return gr.skip(), f"⚠️ {refusal}"
         profile, note = self.service.cost_profile(measure=True, progress=lambda f, m: progress(f, desc=m))
         return profile_figure(profile), note
 
-    def measure_quantizations(self, progress=gr.Progress()) -> str:  # noqa: B008
-        """Load and time each quantization of the loaded target in turn: a table."""
+    def measure_quantizations(self, request: gr.Request = None, progress=gr.Progress()) -> str:  # noqa: B008
+        """Load and time each quantization of the loaded target in turn: a table. The owner's only."""
+        refusal = self.refuse_visitor(request)
+        if refusal:
+            return f"⚠️ {refusal}"
         try:
             return self.service.quantization_options(progress=lambda f, m: progress(f, desc=m))
         except SpecUIError as e:
             return f"⚠️ could not measure the quantization options: {e}"
 
-    def machine_report(self) -> str:
-        """The doctor's report (python app.py --doctor), to paste into a bug report."""
+    def machine_report(self, request: gr.Request = None) -> str:
+        """The doctor's report (python app.py --doctor), to paste into a bug report. The owner's
+        only (it runs every kernel's self-check and names the machine)."""
+        refusal = self.refuse_visitor(request)
+        if refusal:
+            return f"⚠️ {refusal}"
         try:
             return self.service.doctor_report()
         except Exception as e:  # noqa: BLE001 - a report that fails must not take the page down
@@ -50,7 +61,12 @@ class ModelTab:
         return preset["target"], preset["draft"], preset["quantization"], preset["description"]
 
     def load_models(self, target: str, draft: str, quantization: str, device: str, dtype: str, method: str,
-                    stand_in: str = "", progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio's idiom
+                    stand_in: str = "", request: gr.Request = None,
+                    progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
+        """Load a new pair (the owner's only), optionally as a stand-in of a bigger model's cost."""
+        refusal = self.refuse_visitor(request, loading=True)
+        if refusal:
+            return f"⚠️ {refusal}", gr.skip(), gr.skip(), gr.skip()
         try:
             message = self._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto",
                                             stand_in=stand_in or ""), progress)
@@ -63,7 +79,7 @@ class ModelTab:
             gr.Warning(f"Could not load: {type(e).__name__}: {e}")
             status = f"⚠️ could not load ({type(e).__name__}: {e}). The previous pair stays loaded."
         methods = self.service.methods
-        return (status, self.service.memory_report(), self.header(),
+        return (status, self.service.memory_report(), self.header(request),
                 gr.update(choices=methods, value=method if method in methods else methods[0]))
 
     def _load(self, choice: PairChoice, progress) -> str:
@@ -78,6 +94,6 @@ class ModelTab:
                     fraction, desc = latest[-1]
                     progress(fraction, desc=desc)
 
-    def header(self) -> str:
-        s = self.service
-        return f"Target: `{s.target_label}` · draft: `{s.draft_label}` · device: `{s.device_label}`"
+    def header(self, request=None) -> str:
+        target, draft = self.labels(request)
+        return f"Target: `{target}` · draft: `{draft}` · device: `{self.service.device_label}`"

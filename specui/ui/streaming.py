@@ -5,24 +5,42 @@ No torch here: the service is injected and steps are plain-data StepTraces."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Request, Started
+from specui.service.fair import MAX_TURNS
 from specui.settings import RANGES, SEED_MAX, SWITCHES, ChatSettings, coerce
 
+log = logging.getLogger("specui")
 STOPPED_MARK = " ⏹"  # ends a reply that Stop cut short
 # requests the page and the API handle at once: ems-sd chats from every tab decode together
 # (one batch of up to this many); a request of another method waits for the model thread
 ENGINE_CONCURRENCY = 16
 ENGINE = dict(concurrency_id="engine", concurrency_limit=ENGINE_CONCURRENCY)  # every event that runs the model
+# a shared app's fair gate (specui.service.fair) decides who runs: Gradio only has to let its turns in
+SHARED_ENGINE = dict(concurrency_id="engine", concurrency_limit=MAX_TURNS + 8)
+WAIT_POLL_S = 0.5  # a request waiting for its turn says so (and can be stopped or dropped) this often
+
+
+@dataclass
+class Waiting:
+    """The request waits for its turn on a shared app's engine; `ahead`: turns that go first."""
+
+    ahead: int
+
+
+def session_key(request) -> str:
+    """A request's session (a browser tab, an API client); "local" without one (tests, scripts)."""
+    return getattr(request, "session_hash", None) or "local"
 
 
 def content_text(content: Any) -> str:
@@ -102,19 +120,68 @@ def _arrivals(updates: queue.Queue, interval_s: float, final: Callable[[Any], bo
         yield items
 
 
+def take_turn(service, session: str, settings: ChatSettings, cancel: threading.Event, rows: int = 1):
+    """On a shared app, wait for this session's turn at the engine (yielding Waiting meanwhile);
+    returns the Turn to release when the work ends, or None (no gate here, or stopped while
+    waiting: the request then ends at once, as one stopped in the queue). Raises SpecUIError
+    when the session already has its most requests running or waiting."""
+    gate = getattr(service, "gate", None)
+    if gate is None:
+        return None
+    turn = gate.enter(session, exclusive=settings.method != "ems-sd", rows=rows, cost=settings.max_new_tokens)
+    try:
+        while not turn.wait(0 if turn.granted.is_set() else WAIT_POLL_S):
+            if cancel.is_set():
+                turn.release()
+                return None
+            yield Waiting(turn.ahead())
+    except BaseException:
+        turn.release()
+        raise
+    return turn
+
+
+def _keyed(key, gen):
+    """`gen`'s items as (key, item); returns what `gen` returns."""
+    try:
+        while True:
+            try:
+                item = next(gen)
+            except StopIteration as done:
+                return done.value
+            yield key, item
+    finally:
+        gen.close()
+
+
+def _released(turn) -> Callable[[], None]:
+    return turn.release if turn is not None else (lambda: None)
+
+
 def run_alternatives(
     service, submit: Callable[..., Future], messages: list, settings: ChatSettings, cancel: threading.Event,
-    interval_s: float,
+    interval_s: float, session: str = "local",
 ) -> Iterator[tuple[int, Any]]:
     """ems-sd's alternative replies: `settings.replies` generations of the same messages
     (seeds seed, seed + 1, ...) join the shared batch together. Yields (k, Started),
     (k, newest StepTrace) as `run_in_background` does for one, and (k, error) for an
-    alternative that failed (the others go on). Leaving early stops them all."""
+    alternative that failed (the others go on); (None, Waiting) while a shared app makes it
+    wait for its turn. Leaving early stops them all."""
     updates: queue.Queue = queue.Queue()
     n = settings.replies
+    turn = yield from _keyed(None, take_turn(service, session, settings, cancel, rows=n))
+    release, ended = _released(turn), []
+
+    def sink(k: int, item) -> None:
+        if item is DONE or isinstance(item, BaseException):
+            ended.append(k)
+            if len(ended) == n:
+                release()
+        updates.put((k, item))
+
     seeds = [None if settings.seed is None else (settings.seed + k) % (SEED_MAX + 1) for k in range(n)]
     service.batch_loop(submit).join(*(
-        Request(messages, replace(settings, seed=seed, replies=1), cancel, lambda item, k=k: updates.put((k, item)))
+        Request(messages, replace(settings, seed=seed, replies=1), cancel, lambda item, k=k: sink(k, item))
         for k, seed in enumerate(seeds)))
     running = set(range(n))
     try:
@@ -132,38 +199,54 @@ def run_alternatives(
                 return
     finally:
         cancel.set()
+        release()
 
 
 def run_in_background(
     service, submit: Callable[..., Future], messages: list, settings: ChatSettings, cancel: threading.Event,
-    interval_s: float,
-) -> Iterator[Started | StepTrace]:
+    interval_s: float, session: str = "local",
+) -> Iterator[Started | StepTrace | Waiting]:
     """Start and run the generation on the model thread (so a model swap cannot fall between
     the two; ems-sd generations join the service's shared batch loop there); yield a Started,
     then the newest step whenever the reader is ready for an update:
     decoding never waits for the reader (steps that arrive while an update is being sent are
     folded into the next one; updates are at least `interval_s` apart, the end is sent at
-    once). Leaving early cancels the generation."""
+    once). A shared app first makes it wait for its session's turn (Waiting items meanwhile).
+    Leaving early cancels the generation."""
     updates: queue.Queue = queue.Queue()
+    turn = yield from take_turn(service, session, settings, cancel)
+    release, started = _released(turn), []
+
+    def sink(item) -> None:
+        """Every item of the work, in order; its last one (DONE, an error) ends the turn first."""
+        if isinstance(item, Started):
+            started.append(item.generation)
+        elif item is DONE or isinstance(item, BaseException):
+            release()
+            if turn is not None:  # a shared app: the owner's terminal says how each reply ended
+                how = started[0].stats.finish_reason if item is DONE and started else repr(item)
+                tokens = len(started[0].output_ids) if started else 0
+                log.info("reply ended (session %s): %s, %d new tokens", session[:8], how, tokens)
+        updates.put(item)
 
     def produce() -> None:
         try:
             generation, notes = service.start(messages, settings, cancel, truncate=True)
-            updates.put(Started(generation, notes))
+            sink(Started(generation, notes))
             for step in service.stream(generation):
                 updates.put(step)
-            updates.put(DONE)
+            sink(DONE)
         except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
-            updates.put(e)
+            sink(e)
         except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
-            updates.put(SpecUIError("the app is stopping"))
+            sink(SpecUIError("the app is stopping"))
             raise
 
     if settings.method == "ems-sd":  # decoded in the one batch every tab's ems-sd chats share
-        service.batch_loop(submit).join(Request(messages, settings, cancel, updates.put))
+        service.batch_loop(submit).join(Request(messages, settings, cancel, sink))
     else:
         job = submit(produce)
-        job.add_done_callback(lambda f: f.exception() and updates.put(f.exception()))  # never ran
+        job.add_done_callback(lambda f: f.exception() and sink(f.exception()))  # never ran
     try:
         for items in _arrivals(updates, interval_s, lambda item: item is DONE or isinstance(item, BaseException)):
             for item in items:
@@ -178,3 +261,4 @@ def run_in_background(
                 return
     finally:
         cancel.set()  # no-op when finished; stops the generation if the reader went away
+        release()
