@@ -110,8 +110,8 @@ def page(service):
 def test_a_visitor_cannot_load_or_measure_and_learns_nothing_of_the_disk(page, tiny_dirs):
     before = page.service.engine
     for target in ("/etc/passwd", str(tiny_dirs[0]), "/no/such/model"):
-        status, *rest = page.load_models(target, "none", "auto", "cpu", "float32", "speculative", req("ann"),
-                                         progress=None)
+        status, *rest = page.load_models(target, "none", "auto", "cpu", "float32", "speculative",
+                                         request=req("ann"), progress=None)
         assert status == f"⚠️ {LOADING_OFF}" and all(r.get("__type__") == "update" for r in rest)  # left as is
     assert page.service.engine is before
     assert page.measure_profile(req("ann"), progress=None)[1] == f"⚠️ {MEASURING_OFF}"
@@ -125,9 +125,9 @@ def test_an_owner_of_a_shared_app_gets_the_controls_back(page, tiny_dirs):
     view = page.role_view(req("boss"))
     assert view[0]["visible"] is False  # the visitor note goes
     assert view[3]["value"] == str(tiny_dirs[0]) and view[3]["interactive"] is True  # the target's real source
-    assert all(v["visible"] for v in view[8:12])  # load, measure, quantization options, machine report
-    status = page.load_models("/no/such/model", "none", "auto", "cpu", "float32", "speculative", req("boss"),
-                              progress=None)[0]
+    assert all(v["visible"] for v in view[9:13])  # load, measure, quantization options, machine report
+    status = page.load_models("/no/such/model", "none", "auto", "cpu", "float32", "speculative",
+                              request=req("boss"), progress=None)[0]
     assert status.startswith("⚠️ could not load") and "/no/such/model" in status  # the owner gets the detail
 
 

@@ -180,6 +180,7 @@ def test_a_stand_in_never_reads_its_sources_cached_quantization_choice(tiny_size
     from specui.weights.loading import ModelSpec
     from specui.weights.quant_choice import choice_key
 
+    save_tiny_model(tmp_path, seed=0, layers=1)
     spec = ModelSpec(str(tmp_path), quantization="auto")
     keys = {choice_key(spec, ("int4", "none")), choice_key(ModelSpec(str(tmp_path), quantization="auto",
                                                                       stand_in="1.7b"), ("int4", "none")),

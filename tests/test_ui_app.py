@@ -341,3 +341,18 @@ def test_specdec_without_a_head_falls_back_with_a_visible_note(page):
     assert updates["threshold"]["visible"] and updates["gamma_max"]["visible"] and not updates["nodes"]["visible"]
     updates = dict(zip(SETTING_FIELDS, page.method_changed("mcsd")[1:]))
     assert updates["k_config"]["visible"] and not updates["threshold"]["visible"]
+
+
+def test_the_model_tab_loads_a_stand_in_and_keeps_the_pair_on_a_bad_size(page, tiny_dirs, monkeypatch):
+    from specui.weights import stand_in
+    from specui.weights.stand_in import RealModel
+
+    monkeypatch.setitem(stand_in.SIZES, "tiny", RealModel("tiny-big", 400_000, 64, 128, 4, 8, 4))
+    target = str(tiny_dirs[0])
+    before = page.service.engine
+    status, *_ = page.load_models(target, "none", "none", "cpu", "float32", "speculative", "huge", progress=None)
+    assert status.startswith("⚠️ could not load: unknown stand-in size 'huge'") and page.service.engine is before
+    status, _, header, _ = page.load_models(target, "none", "none", "cpu", "float32", "speculative", "tiny",
+                                            progress=None)
+    assert status.startswith("✅") and "stand-in tiny" in header
+    assert page.service.pair.target.model.stand_in.size == "tiny"

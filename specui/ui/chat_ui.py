@@ -195,7 +195,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         if shared:  # the page above is a visitor's; an owner's gets the model controls back
-            parts = dict(preset=preset, target=target, draft=draft, quant=quant, device=device, dtype=dtype, load=load,
+            parts = dict(preset=preset, target=target, draft=draft, quant=quant, device=device, dtype=dtype,
+                         stand_in=stand_in, load=load,
                          measure=measure, measure_options=measure_options, run_doctor=run_doctor)
             demo.load(page.role_view, None, [role_note, model_note, *(parts[n] for n in MODEL_CONTROLS + MODEL_BUTTONS),
                                              memory, controls["max_new_tokens"], controls["replies"]],
