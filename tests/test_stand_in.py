@@ -116,7 +116,7 @@ def test_bad_sizes_and_models_are_refused_before_anything_is_built(tiny_size, mo
         plan(model.config, "small")
     with pytest.raises(SpecUIError, match="Llama-family.*'gpt2'"):
         plan(GPT2Config(), "1.7b")
-    monkeypatch.setattr(stand_in, "available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(stand_in, "free_memory", lambda device: 1 << 20)
     with pytest.raises(SpecUIError, match=r"needs about .* GiB .* this machine has 0.0 GiB memory available"):
         stand_in.check_memory(plan(model.config, tiny_size), 4, torch.device("cpu"), "in float32")
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine.ragged import free_memory
 from specui.errors import SpecUIError
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # same module names: q/k/v/o, gate/up/down, two RMSNorms
@@ -115,24 +116,10 @@ def plan(config, size: str) -> StandIn:
                    new_heads // group, params)
 
 
-def available_bytes() -> int | None:
-    try:
-        for line in open("/proc/meminfo").read().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def check_memory(shape: StandIn, bytes_per_param: float, device: torch.device, what: str) -> None:
     """Refuse, before anything is allocated, a stand-in that will not fit (needed vs available)."""
     need = shape.params * bytes_per_param
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        have, where = free, "GPU memory free"
-    else:
-        have, where = available_bytes(), "memory available"
+    have, where = free_memory(device), "GPU memory free" if device.type == "cuda" else "memory available"
     if have is not None and need > 0.9 * have:
         raise SpecUIError(f"the {shape.size} stand-in needs about {need / 2**30:.1f} GiB {what} and this machine has "
                           f"{have / 2**30:.1f} GiB {where}; choose a smaller size, bfloat16 or int4")
@@ -174,10 +161,11 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype, progress=N
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     padded.load_state_dict(state, assign=True, strict=True)
+    buffers = dict(model.named_buffers())
     for name, buf in list(padded.named_buffers()):  # non-persistent buffers (rotary): head_dim-sized, copied
         if buf.is_meta:
             owner, _, leaf = name.rpartition(".")
-            padded.get_submodule(owner)._buffers[leaf] = dict(model.named_buffers())[name].clone()
+            padded.get_submodule(owner)._buffers[leaf] = buffers[name].clone()
     if getattr(config, "tie_word_embeddings", False):
         padded.tie_weights()
     padded.stand_in = shape
