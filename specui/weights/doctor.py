@@ -22,7 +22,15 @@ from pathlib import Path
 import torch
 
 from specui.engine.measure import cpu_model, cpu_signature
-from specui.weights.quantize import Int4Linear, Int8Linear, agrees, dequantize_groups, quantize_groups, quantize_rows
+from specui.weights.quantize import (
+    Int4Linear,
+    Int8Linear,
+    agrees,
+    dequantize_groups,
+    has_int4_kernel,
+    quantize_groups,
+    quantize_rows,
+)
 
 PACKAGES = ("torch", "transformers", "accelerate", "gradio", "plotly", "bitsandbytes", "gguf", "safetensors")
 PASSED, FAILED, UNAVAILABLE = "passed", "failed", "not available"
@@ -98,8 +106,7 @@ def _matrix(n: int, k: int, seed: int) -> torch.Tensor:
 
 def check_int4() -> Check:
     name = "int4 weight-only (aten._weight_int4pack_mm_for_cpu)"
-    aten = torch.ops.aten
-    if not (hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+    if not has_int4_kernel():
         return Check(name, UNAVAILABLE,
                      f"torch {torch.__version__} has no int4 CPU kernel; int4 loads fall back to int8")
     shapes = ((192, 256), (96, 64), (48, 64))  # full blocks, a partial one, a partial one alone

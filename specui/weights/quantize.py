@@ -154,9 +154,7 @@ class Int4Linear(_Quantized):
         None where the kernel cannot serve them: not CPU, K not a multiple of GROUP, a shape
         the kernel refuses, or a product that fails the self-check against q * scale + low.
         `learned`: packing orders learned by shape (int4_layout.py), shared between matrices."""
-        aten = torch.ops.aten
-        if (device.type != "cpu" or q.shape[1] % GROUP or not hasattr(aten, "_weight_int4pack_mm_for_cpu")
-                or not hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+        if device.type != "cpu" or q.shape[1] % GROUP or not has_int4_kernel():
             return None
         try:
             packed = _pack_int4(q.to(torch.int32))
@@ -189,10 +187,15 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
+def has_int4_kernel() -> bool:
+    """Whether this torch build has the int4 CPU kernel and its packer."""
+    aten = torch.ops.aten
+    return hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")
+
+
 def int4_unavailable() -> str:
     """Why no matrix went to the int4 kernel here (for the load's note)."""
-    aten = torch.ops.aten
-    if not (hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")):
+    if not has_int4_kernel():
         return f"torch {torch.__version__} has no int4 CPU kernel"
     return (f"torch's int4 kernel refused the matrices or failed its self-check on this CPU "
             f"({torch.backends.cpu.get_cpu_capability()}); `python app.py --doctor` shows which")
