@@ -23,6 +23,12 @@ POINT_BUDGET_MS = 300.0  # a profile point's timed forwards stop once two took t
 ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
+def cache_root() -> Path:
+    """Where SpecUI caches what it measured and converted: $XDG_CACHE_HOME/specui, else
+    ~/.cache/specui; read when called."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specui"
+
+
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo; {} where there is none (macOS, Windows)."""
     fields: dict[str, str] = {}

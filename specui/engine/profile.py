@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from specui.engine.measure import cache_root, cpu_signature, forward_ms, model_identity
 from specui.engine.measure import cpu_model as cpu_model  # re-exported: callers read it from here
-from specui.engine.measure import cpu_signature, forward_ms, model_identity
 from specui.engine.session import ModelSession
 
 TARGET_KS = (1, 2, 4, 8, 16, 32, 64)
@@ -185,8 +184,7 @@ def disturbed(profile: CostProfile) -> list[tuple[str, int, int]]:
 
 def default_cache_dir() -> Path:
     """~/.cache/specui/profiles (or $XDG_CACHE_HOME/specui/profiles); read when called."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specui" / "profiles"
+    return cache_root() / "profiles"
 
 
 def load_cached(path: Path, key: str) -> CostProfile | None:

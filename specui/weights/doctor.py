@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cpu_model, cpu_signature
+from specui.engine.measure import cache_root, cpu_model, cpu_signature
 from specui.weights.quantize import (
     Int4Linear,
     Int8Linear,
@@ -41,10 +41,6 @@ class Check:
     name: str
     status: str  # passed | failed | not available
     detail: str
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specui"
 
 
 # -- the machine ------------------------------------------------------------------------

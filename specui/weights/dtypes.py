@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cpu_signature, forward_ms, model_identity
+from specui.engine.measure import cache_root, cpu_signature, forward_ms, model_identity
 from specui.engine.session import ModelSession
 
 CANDIDATES = (torch.float32, torch.bfloat16)
@@ -56,8 +55,7 @@ def token_ms(model: torch.nn.Module) -> float:
 
 
 def default_cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specui" / "dtype_choices.json"
+    return cache_root() / "dtype_choices.json"
 
 
 def choice_key(model: torch.nn.Module, extra: str = "") -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from specui.engine.measure import cache_root as specui_cache_root
 from specui.weights.gguf_blocks import Groups, block_types, matched, open_gguf, read_four_bit
 
 FORMAT = 1  # bump when what the folder holds changes
@@ -36,8 +37,7 @@ MAX_CONVERTED = 4 << 30
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specui" / "gguf"
+    return specui_cache_root() / "gguf"
 
 
 def folder_for(path: Path) -> Path:

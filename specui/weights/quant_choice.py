@@ -13,14 +13,13 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cpu_signature, forward_ms
+from specui.engine.measure import cache_root, cpu_signature, forward_ms
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.weights.concrete import load_concrete
@@ -70,8 +69,7 @@ def time_model(model: torch.nn.Module) -> tuple[float, float]:
 
 
 def default_cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specui" / "quantization_choices.json"
+    return cache_root() / "quantization_choices.json"
 
 
 def _identity(spec: ModelSpec) -> str:
