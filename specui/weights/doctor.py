@@ -109,18 +109,13 @@ def check_int4() -> Check:
     layouts = []
     for i, (n, k) in enumerate(shapes):
         q, scale, low = quantize_groups(_matrix(n, k, i))
-        try:
-            module = Int4Linear.from_groups(q, scale, low, torch.device("cpu"))
-        except (RuntimeError, NotImplementedError) as e:
-            return Check(name, FAILED, f"{n}x{k}: {type(e).__name__}: {e}")
+        module = Int4Linear.from_groups(q, scale, low, torch.device("cpu"))  # None where refused or wrong
         if module is None:
             return Check(name, FAILED, f"{n}x{k}: the kernel refused it or its product differs from the dequantized "
                                        "weights; int4 loads fall back to int8 here")
         if module.layout is None:
             return Check(name, FAILED, f"{n}x{k}: products right, but the packing was not read back: long inputs "
                                        "stay on the kernel")
-        if not torch.equal(module.layout.unpack(module.packed, (n, k)), q):
-            return Check(name, FAILED, f"{n}x{k}: packing read back wrong")
         layouts.append(module.layout.name)
         want = dequantize_groups(q, scale, low)
         if not agrees(module.dense(), want):

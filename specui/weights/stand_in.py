@@ -132,7 +132,7 @@ def _pad(src: torch.Tensor, shape: torch.Size, dtype: torch.dtype, scale: float 
     return out
 
 
-def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype, progress=None) -> PreTrainedModel:
+def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype) -> PreTrainedModel:
     """The zero-padded copy of `model` (on the CPU, in `dtype`) with `model.stand_in = shape`."""
     config = copy.deepcopy(model.config)
     norm_scale = math.sqrt(shape.source_hidden / shape.hidden)
@@ -147,10 +147,7 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype, progress=N
         padded = type(model)(config)
     source = model.state_dict()
     state = {}
-    names = list(padded.state_dict().items())
-    for i, (name, meta) in enumerate(names):
-        if progress is not None and i % 16 == 0:
-            progress(i / len(names), f"building the {shape.size} stand-in")
+    for name, meta in padded.state_dict().items():
         src = source.get(name)
         if src is None:  # an appended layer: all zeros, the identity on the residual stream
             state[name] = torch.zeros(meta.shape, dtype=dtype)
