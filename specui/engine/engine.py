@@ -40,10 +40,12 @@ class Engine:
         head_config: dict | None = None,
         head_problem: str = "",
         decision: DecisionModels | None = None,
+        capture: str = "off",
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
-        self.target = ModelSession(target, vocab)
-        self.draft = _draft_session(draft, vocab, self.target) if draft is not None else None
+        self.capture = capture  # auto / on / off: static caches and captured forwards (engine/capture.py)
+        self.target = ModelSession(target, vocab, capture)
+        self.draft = _draft_session(draft, vocab, self.target, capture) if draft is not None else None
         if self.draft is not None:  # SpecDec++ reads its head from the draft's session
             self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
             if acceptance_head is not None:
@@ -116,11 +118,12 @@ class Engine:
                                     self.target.vocab_size, self.costs))
 
 
-def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession) -> ModelSession:
-    """A draft that reads the target's features gets a session that passes them on."""
+def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession, capture: str) -> ModelSession:
+    """A draft that reads the target's features gets a session that passes them on (its
+    forwards take the target's states as an input, so they stay eager)."""
     if reads_features(draft.config):
         return FeatureDraftSession(draft, vocab, target)
-    return ModelSession(draft, vocab)
+    return ModelSession(draft, vocab, capture)
 
 
 def _context_len(model: PreTrainedModel) -> int:

@@ -13,7 +13,9 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine.capture import StaticForward, capture_mode, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.engine.static_cache import StaticKVCache
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
 
@@ -72,12 +74,28 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+STATIC_SLOTS = 2048  # a static cache's first capacity (it grows when a reply needs more)
+
+
 class ModelSession:
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+    """`capture` (auto / on / off, see specui.engine.capture.capture_mode): off keeps the
+    growing cache and eager forwards; otherwise the cache is static and forwards run at a few
+    padded shapes, replayed as CUDA graphs on a GPU."""
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, capture: str = "off") -> None:
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
-        self.cache = GrowingCache(config=model.config)
+        mode = capture_mode(capture, self.device)
+        self.runner: StaticForward | None = None
+        if mode is None:
+            self.cache = GrowingCache(config=model.config)
+        else:
+            context = int(getattr(model.config, "max_position_embeddings", 0) or STATIC_SLOTS)
+            self.cache = StaticKVCache(model.config, round_up(min(context, STATIC_SLOTS) + 64), self.device,
+                                       model.get_input_embeddings().weight.dtype)
+            self.runner = StaticForward(model, self.cache, mode)
+        self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache
         self._tree_pending = False  # tree entries in the cache that commit_path has not settled
@@ -107,7 +125,10 @@ class ModelSession:
         return len(self.cached_ids)
 
     def reset(self) -> None:
-        self.cache = GrowingCache(config=self.model.config)
+        if self.runner is None:
+            self.cache = GrowingCache(config=self.model.config)
+        else:  # the store stays: captured forwards read it
+            self.cache.set_length(0)
         self.cached_ids = []
         if self.features is not None:
             self.features = self.features[:0]
@@ -150,8 +171,8 @@ class ModelSession:
         cache layer that is not a GrowingLayer, a pending tree, or states kept for a feature draft."""
         length = len(ids) - 1
         layers = self.cache.layers
-        if (self.length == 0 or length <= self.length or self._tree_pending or self.features is not None
-                or common_prefix(self.cached_ids, ids) < self.length
+        if (self.runner is not None or self.length == 0 or length <= self.length or self._tree_pending
+                or self.features is not None or common_prefix(self.cached_ids, ids) < self.length
                 or not all(isinstance(layer, GrowingLayer) and layer.is_initialized for layer in layers)):
             return False
         for layer in layers:
@@ -167,16 +188,20 @@ class ModelSession:
         need = max(1, min(need, len(ids)))
         keep = self._sync(ids, need)
         new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
-        out = self._forward(new, logits_to_keep=need)
+        logits = self._forward(new, keep=need)
         self.cached_ids.extend(ids[keep:])
-        return out.logits[0, -need:, : self.vocab_size]
+        return logits[-need:, : self.vocab_size]
 
     def with_hidden(self, forward, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(*args)` (one of this session's forwards: advance, forward_tree, extend_tree)
         and the hidden states (rows, H) its output layer read for the logit rows it returned
         (after the final norm: what SpecDec++'s head and MCSD's decision models take)."""
-        with output_layer_inputs(self.model) as seen:
-            rows = forward(*args)
+        self._hooked += 1
+        try:
+            with output_layer_inputs(self.model) as seen:
+                rows = forward(*args)
+        finally:
+            self._hooked -= 1
         return rows, seen[-1][0, -rows.shape[0]:]
 
     def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,31 +246,41 @@ class ModelSession:
         attend[:m, base - m:base] = torch.ones(m, m, dtype=torch.bool).tril()
         attend[m:, base - m:base] = True
         attend[m:, base:] = (tree.ancestor_mask() if ancestors is None else ancestors)[start:n, :n]
-        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
-        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         positions = list(range(base - m, base)) + [base - 1 + d for d in tree.depths[start:]]
-        out = self._forward(
-            torch.tensor([fresh + new], device=self.device),
-            attention_mask=mask[None, None].to(self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-        )
+        logits = self._forward(torch.tensor([fresh + new], device=self.device), positions=positions, attend=attend)
         self.cached_ids.extend(fresh + new)  # tree entries: provisional until commit_path
         self._tree_pending = True
-        return out.logits[0, max(m - 1, 0):, : self.vocab_size]
+        return logits[max(m - 1, 0):, : self.vocab_size]
 
-    def _forward(self, input_ids: torch.Tensor, **kwargs):
-        """The one place the model runs on this cache; a failure mid-forward (out of
-        memory, cancel) leaves no half-written cache behind."""
+    def _forward(self, input_ids: torch.Tensor, positions: list[int] | None = None,
+                 attend: torch.Tensor | None = None, keep: int = 0, **extra) -> torch.Tensor:
+        """The one place the model runs on this cache: feed input_ids (1, m) after the cached
+        entries at `positions` (None: the next m), row i seeing what `attend` (bool (m, length +
+        m)) allows (None: causal); returns the logits (rows, V) of the last `keep` rows (0: all).
+        A failure mid-forward (out of memory, cancel) leaves no half-written cache behind."""
         try:
             if self.features is None:
-                return self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+                return self._logits(input_ids, positions, attend, keep, extra)
             with capture_features(self.model, self.feature_layers) as captured:
-                out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+                logits = self._logits(input_ids, positions, attend, keep, extra)
             self.features = torch.cat([self.features[: self.length], captured()[0].to(self.features.dtype)])
-            return out
+            return logits
         except BaseException:
             self.reset()
             raise
+
+    def _logits(self, input_ids: torch.Tensor, positions: list[int] | None, attend: torch.Tensor | None,
+                keep: int, extra: dict) -> torch.Tensor:
+        if self.runner is not None:  # hooks read hidden states: those forwards run eagerly
+            exact = self._hooked > 0 or self.features is not None
+            return self.runner.run(input_ids[0], positions, attend, keep, exact=exact, **extra)
+        if attend is not None:
+            dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+            mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+            extra = dict(extra, attention_mask=mask[None, None].to(self.device),
+                         position_ids=torch.tensor([positions], device=self.device))
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep, **extra)
+        return out.logits[0]
 
     @torch.inference_mode()
     def commit_path(self, tree: TokenTree, path: list[int]) -> None:
@@ -257,7 +292,9 @@ class ModelSession:
         path = [i for i in path if i < scored]
         if path:
             src = torch.tensor([base + i for i in path], dtype=torch.long, device=self.device)
-            for layer in self.cache.layers:
+            if self.runner is not None:
+                self.cache.move(src, base)
+            for layer in self.cache.layers if self.runner is None else ():
                 layer.keys[..., base:base + len(path), :] = layer.keys.index_select(-2, src)
                 layer.values[..., base:base + len(path), :] = layer.values.index_select(-2, src)
             if self.features is not None:

@@ -145,19 +145,22 @@ class ModelPair:
     draft: LoadedModel | None
     head: HeadChoice = field(default_factory=HeadChoice)
     decision: DecisionModels = field(default_factory=DecisionModels)
+    capture: str = "auto"  # the engines' forwards: auto / on / off (specui.engine.capture)
 
     @property
     def notes(self) -> tuple[str, ...]:
         """What loading chose and why (dtype auto's measurements)."""
         return self.target.notes + (self.draft.notes if self.draft else ())
 
-    def engine(self) -> Engine:
+    def engine(self, capture: str | None = None) -> Engine:
+        """A fresh engine on this pair; `capture` (auto / on / off) defaults to the pair's."""
         t = self.target
         return Engine(
             t.model, t.tokenizer, draft=self.draft.model if self.draft else None,
             eos_ids=stop_token_ids(t.tokenizer, t.model.generation_config),
             quantization=t.spec.quantization, acceptance_head=self.head.head, head_config=self.head.config,
             head_problem=self.head.problem, decision=self.decision,
+            capture=self.capture if capture is None else capture,
         )
 
 

@@ -1,0 +1,191 @@
+"""Forwards over a static cache at a few shapes, and their captured forms (DESIGN.md 4.5).
+
+A method's forward here is: pick the bucket (the fewest of BUCKETS tokens that hold the new
+ones) and the window (the cache slots attention reads, a multiple of WINDOW), fill the bucket's
+inputs (tokens, positions, the tree mask; padded rows are a causal continuation whose entries
+land past the valid length and are never read), run, read the real rows' logits.
+
+How it runs is the mode:
+- "exact": eager at the real shapes (no padding): a feature draft, a forward whose hidden
+  states are read through hooks, anything longer than the biggest bucket.
+- "buckets": eager at the padded shapes, exactly as a captured forward runs them; on a CPU
+  this is what `--capture on` runs today, and it is how the padding and masks are tested
+  without a GPU.
+- "graphs": one CUDA graph per (bucket, window), captured on first use, replayed after. A
+  capture that fails leaves that shape eager, with a note; never a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from specui.engine.static_cache import StaticKVCache
+from specui.errors import SpecUIError
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WINDOW = 256  # attention windows are multiples of this many slots
+CAPTURES = ("auto", "on", "off")
+MODES = ("exact", "buckets", "graphs")
+
+
+def bucket_for(m: int) -> int | None:
+    """The smallest bucket that holds m tokens (None: more than the biggest)."""
+    return next((b for b in BUCKETS if b >= m), None)
+
+
+def round_up(n: int, step: int | None = None) -> int:
+    """n rounded up to a multiple of `step` (default WINDOW)."""
+    step = step or WINDOW
+    return -(-n // step) * step
+
+
+def capture_mode(capture: str, device: torch.device) -> str | None:
+    """The forward mode for a `--capture` value on a device (None: today's eager cache).
+    `auto`: CUDA graphs on a GPU; on a CPU the eager path, since no captured CPU forward
+    measures faster yet (the static buckets alone add the padded rows' work)."""
+    if capture not in CAPTURES:
+        raise SpecUIError(f"capture must be one of {', '.join(CAPTURES)}, not '{capture}'")
+    if capture == "off" or (capture == "auto" and device.type != "cuda"):
+        return None
+    return "graphs" if device.type == "cuda" else "buckets"
+
+
+class _Graph:
+    """One captured shape: its static inputs, the replay and its output."""
+
+    def __init__(self, bucket: int, window: int, device: torch.device, mask_dtype: torch.dtype) -> None:
+        self.ids = torch.zeros((1, bucket), dtype=torch.long, device=device)
+        self.positions = torch.zeros((1, bucket), dtype=torch.long, device=device)
+        self.mask = torch.zeros((1, 1, bucket, window), dtype=mask_dtype, device=device)
+        self.replay: Callable[[], None] | None = None
+        self.logits: torch.Tensor | None = None
+
+
+class CudaGraphs:
+    """Captures a forward as a CUDA graph; every graph of one model shares a memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Warm up on a side stream (the forward writes this step's own slots, which the replay
+        writes again), capture; returns (replay, the output it refreshes)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        self.pool = graph.pool()
+        return graph.replay, out
+
+
+class StaticForward:
+    """Runs one model over its StaticKVCache; `notes` says what happened to captures."""
+
+    def __init__(self, model: PreTrainedModel, cache: StaticKVCache, mode: str, graphs=None) -> None:
+        """`graphs`: what captures a forward (CudaGraphs on a GPU; a test passes a stand-in
+        whose replay re-runs the forward on the same static inputs)."""
+        if mode not in MODES:
+            raise SpecUIError(f"forward mode must be one of {', '.join(MODES)}")
+        if mode == "graphs" and graphs is None:
+            if cache.device.type != "cuda":
+                raise SpecUIError("CUDA graphs need a model on a CUDA device")
+            graphs = CudaGraphs()
+        self.model, self.cache, self.mode, self.backend = model, cache, mode, graphs
+        self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.failed: dict[tuple[int, int], str] = {}
+        self._generation = cache.generation
+        self.replays = 0  # forwards that ran as a replayed graph
+        self.eager = 0  # forwards that ran eagerly
+
+    @property
+    def notes(self) -> list[str]:
+        return [f"{b} tokens over {w} slots: eager ({why})" for (b, w), why in sorted(self.failed.items())]
+
+    def captured(self) -> list[tuple[int, int]]:
+        """The (bucket, window) shapes held as graphs."""
+        return sorted(k for k, g in self.graphs.items() if g.replay is not None)
+
+    # -- one forward -------------------------------------------------------------------
+    def run(self, ids: torch.Tensor, positions: list[int] | None, attend: torch.Tensor | None, keep: int = 0,
+            exact: bool = False, **extra) -> torch.Tensor:
+        """Feed `ids` (m,) after the cache's valid length at `positions` (None: the next m),
+        row i attending to what `attend` (bool (m, length + m)) allows (None: causal). Returns
+        the logits (keep or m, V) of the last `keep` rows (0: all); the valid length grows by m."""
+        cache = self.cache
+        start, m = cache.length, ids.numel()
+        bucket = None if exact or extra or self.mode == "exact" else bucket_for(m)
+        width = m if bucket is None else bucket
+        window = start + m if bucket is None else round_up(start + bucket)
+        cache.grow(round_up(max(window, start + width)))
+        positions = list(range(start, start + m)) if positions is None else list(positions)
+        mask = self._mask(start, m, width, window, attend)
+        padded = torch.full((width,), positions[-1], dtype=torch.long)
+        padded[:m] = torch.tensor(positions)
+        positions_t = padded.to(cache.device, non_blocking=True)
+        if width > m:
+            ids = torch.cat([ids, ids.new_zeros(width - m)])
+        cache.prepare(start, window)
+        if bucket is not None and self.mode == "graphs" and (bucket, window) not in self.failed:
+            logits = self._replay(bucket, window, ids, positions_t, mask)
+        else:
+            self.eager += 1
+            out = self.model(input_ids=ids[None], position_ids=positions_t[None], attention_mask=mask[None, None],
+                             past_key_values=cache, use_cache=True,
+                             logits_to_keep=keep if bucket is None and keep else 0, **extra)
+            logits = out.logits[0]
+        cache.set_length(start + m)
+        rows = logits[:m]
+        return rows[-keep:] if keep else rows
+
+    def _mask(self, start: int, m: int, width: int, window: int, attend: torch.Tensor | None) -> torch.Tensor:
+        """Additive mask (width, window): causal rows (the padded ones too), the real rows'
+        own pattern where `attend` gives one; slots past a row's reach are hidden."""
+        device = self.cache.device
+        cols = self.cache.offsets[:window]
+        reach = start + torch.arange(width, device=device)
+        allowed = cols[None, :] <= reach[:, None]
+        if attend is not None:
+            allowed[:m, : start + m] = attend.to(device, non_blocking=True)
+        lowest = torch.finfo(self.mask_dtype).min
+        return torch.zeros((width, window), dtype=self.mask_dtype, device=device).masked_fill_(~allowed, lowest)
+
+    # -- CUDA graphs -------------------------------------------------------------------
+    def _replay(self, bucket: int, window: int, ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        if self._generation != self.cache.generation:  # the store moved: every graph read the old one
+            self.graphs.clear()
+            self._generation = self.cache.generation
+        key = (bucket, window)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _Graph(bucket, window, self.cache.device, self.mask_dtype)
+        graph.ids.copy_(ids[None])
+        graph.positions.copy_(positions[None])
+        graph.mask.copy_(mask[None, None])
+        if graph.replay is None:
+            try:
+                graph.replay, graph.logits = self.backend.capture(lambda: self._call(graph))
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                del self.graphs[key]
+                self.failed[key] = f"capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # what the failed capture took
+                self.eager += 1
+                return self._call(graph)[0]
+        graph.replay()
+        self.replays += 1
+        return graph.logits[0].clone()  # the next replay (any graph: they share a pool) overwrites it
+
+    def _call(self, graph: _Graph) -> torch.Tensor:
+        out = self.model(input_ids=graph.ids, position_ids=graph.positions, attention_mask=graph.mask,
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits

@@ -1,0 +1,157 @@
+"""A static, position-indexed KV cache (DESIGN.md 4.5): one preallocated store for every layer,
+written at explicit slots, so a forward neither allocates nor concatenates and can be captured
+(a CUDA graph, a compiled CPU forward) once per shape and replayed.
+
+The store is one tensor (layers, 2, batch, kv heads, capacity, head dim); each layer's keys and
+values are views of it. A forward writes its k new entries at slots `start .. start + k - 1`,
+`start` being a one-element device tensor the caller fills before the forward (so a captured
+forward reads it at replay time, as transformers' own StaticLayer reads `cumulative_length`),
+and attention reads the first `window` slots (a Python number fixed per captured shape; the
+caller's mask hides the slots past the valid length). The valid length is the caller's
+bookkeeping (`set_length`), never the forward's: a replayed graph runs no Python.
+
+Moving accepted tree entries into place after a step is one gather and one scatter over the
+whole store (`move`), not two copies per layer. Growing (a reply longer than the capacity)
+reallocates the store; whoever captured forwards over the old one must capture again
+(`generation` changes).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specui.engine.attention import cache_dtype
+from specui.engine.kvcache import GrowingLayer
+from specui.errors import SpecUIError
+
+
+class SlotLayer(GrowingLayer):
+    """One layer of a StaticKVCache: views of the cache's store; `keys` / `values` are the
+    valid entries (the first `length` slots), as in GrowingLayer."""
+
+    def __init__(self, owner: StaticKVCache, index: int) -> None:
+        self.owner, self.index = owner, index
+        super().__init__()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.owner.allocate(key_states)
+
+    def attach(self, store: torch.Tensor, length: int) -> None:
+        """Point this layer at its part of a (new) store."""
+        self._kbuf, self._vbuf = store[self.index, 0], store[self.index, 1]
+        self._len = length
+        self.dtype, self.device = store.dtype, store.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self.owner.slots(key_states.shape[-2])
+        self._kbuf.index_copy_(2, slots, key_states.to(self._kbuf.dtype))
+        self._vbuf.index_copy_(2, slots, value_states.to(self._vbuf.dtype))
+        window = self.owner.window
+        return self._kbuf[..., :window, :], self._vbuf[..., :window, :]
+
+    def keep_rows(self, rows, prefix, tail) -> None:
+        raise NotImplementedError("a static cache holds one row")
+
+    def tile_to(self, length: int, capacity: int) -> None:
+        raise NotImplementedError("a static cache is not stretched for timing")
+
+
+class StaticKVCache(DynamicCache):
+    """Full-attention layers only (a sliding-window or linear-attention layer refuses: its cache
+    is not a slot array). `capacity` slots are allocated at the first forward; `room` more
+    than the context are kept for a padded shape's extra slots."""
+
+    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(config=config)
+        if not all(type(layer) is DynamicLayer for layer in self.layers):
+            kinds = sorted({type(layer).__name__ for layer in self.layers})
+            raise SpecUIError(f"captured forwards need full-attention layers only; this model has {', '.join(kinds)}")
+        self.store_dtype = cache_dtype(config) or dtype  # the measured cache dtype, else the activations'
+        self.config = config.get_text_config(decoder=True)
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.layers = [SlotLayer(self, i) for i in range(len(self.layers))]
+        self.store: torch.Tensor | None = None
+        self.start = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
+        self.window = 0
+        self.generation = 0  # bumped whenever the store is reallocated
+
+    # -- the store ---------------------------------------------------------------------
+    def allocate(self, like: torch.Tensor | None = None) -> None:
+        """Allocate the store (before the first forward: never inside a capture) for one row of
+        the config's key/value heads, or for keys shaped like `like` (B, kv heads, k, D); zeros,
+        so slots never written hold finite values (a masked score must not be NaN)."""
+        if like is not None:
+            b, h, _, d = like.shape
+        else:
+            c = self.config
+            heads = c.num_attention_heads
+            b, h = 1, getattr(c, "num_key_value_heads", None) or heads
+            d = getattr(c, "head_dim", None) or c.hidden_size // heads
+        shape = (len(self.layers), 2, b, h, self.capacity, d)
+        self._adopt(torch.zeros(shape, dtype=self.store_dtype, device=self.device), 0)
+
+    def _adopt(self, store: torch.Tensor, length: int) -> None:
+        self.store = store
+        for layer in self.layers:
+            layer.attach(store, length)
+        self.generation += 1
+
+    def grow(self, needed: int) -> None:
+        """Make room for `needed` slots (at least double), keeping the valid entries."""
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity)
+        if self.store is not None:
+            length = self.length
+            new = torch.zeros((*self.store.shape[:4], capacity, self.store.shape[-1]), dtype=self.store.dtype,
+                              device=self.store.device)
+            new[..., :length, :] = self.store[..., :length, :]
+            self.capacity = capacity
+            self._adopt(new, length)
+        self.capacity = capacity
+        self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
+
+    # -- what a forward reads ----------------------------------------------------------
+    def prepare(self, start: int, window: int) -> None:
+        """Before a forward: its entries go to slots from `start`; attention reads `window` slots."""
+        if self.store is None:
+            self.allocate()
+        self.start.fill_(start)
+        self.window = window
+
+    def slots(self, k: int) -> torch.Tensor:
+        return self.offsets[:k] + self.start
+
+    # -- bookkeeping (the caller's) ----------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.layers[0]._len if self.layers else 0
+
+    def set_length(self, length: int) -> None:
+        for layer in self.layers:
+            layer._len = length
+
+    def crop(self, max_length: int) -> None:
+        """transformers-5 semantics: a negative value is the number of tokens to drop."""
+        self.set_length(max(0, self.length + max_length) if max_length < 0 else min(self.length, max_length))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def move(self, src: torch.Tensor, dst: int) -> None:
+        """Copy the entries at slots `src` to slots dst, dst + 1, ... in every layer at once."""
+        if self.store is None or not len(src):
+            return
+        picked = self.store.index_select(-2, src)
+        self.store[..., dst:dst + len(src), :] = picked
+
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.numel() * self.store.element_size()

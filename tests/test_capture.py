@@ -1,0 +1,169 @@
+"""Static caches and captured forwards (engine/static_cache.py, engine/capture.py): every
+lossless method equals autoregressive decoding token for token with `capture` on, the cache
+after each commit equals a fresh prefill, the padded shapes and masks are right, and the logic
+around CUDA graphs (capture once per shape, replay on the same static inputs, fall back on a
+failed capture, recapture after the store grows) runs on a CPU through a stand-in graph."""
+
+import pytest
+import torch
+from conftest import EOS, TinyTokenizer, tiny_llama
+from test_cache import assert_cache_is_fresh_prefill
+from test_greedy_equivalence import PROMPTS, near_copy
+
+from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
+from specui.engine import capture as capture_module
+from specui.engine import session as session_module
+from specui.engine.capture import StaticForward, bucket_for, capture_mode, round_up
+from specui.engine.session import ModelSession
+from specui.engine.static_cache import StaticKVCache
+from specui.errors import SpecUIError
+
+LOSSLESS = [("autoregressive", {}), ("speculative", {"gamma": 3}), ("speculative", {"gamma": 6}), ("auto", {}),
+            ("opt-tree", {}), ("tree", {}), ("mcsd", {}), ("specdec++", {}), ("lookup", {})]
+
+
+class EagerGraphs:
+    """A CUDA graph's contract on a CPU: capture runs the forward once and keeps its output;
+    replay runs it again on whatever the static inputs hold then, writing into that output."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.captures, self.fail = 0, fail
+
+    def capture(self, forward):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captures += 1
+        out = forward()
+        return (lambda: out.copy_(forward())), out
+
+
+def graphed(engine: Engine, fail: bool = False) -> list[EagerGraphs]:
+    """Give the engine's sessions graph-mode forwards over a stand-in graph."""
+    backends = []
+    for session in (engine.target, engine.draft):
+        if session is not None and session.runner is not None:
+            backends.append(EagerGraphs(fail))
+            session.runner = StaticForward(session.model, session.cache, "graphs", graphs=backends[-1])
+    return backends
+
+
+def run(engine, prompt, n, name, **params):
+    return engine.generate(GenerationRequest(list(prompt), n), make_method(name, **params)).run()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(0, layers=3)
+    return target, near_copy(target, 0.01, 7)
+
+
+def test_capture_mode_by_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert capture_mode("off", cuda) is None and capture_mode("auto", cpu) is None
+    assert capture_mode("auto", cuda) == "graphs" and capture_mode("on", cuda) == "graphs"
+    assert capture_mode("on", cpu) == "buckets"
+    with pytest.raises(SpecUIError, match="auto, on, off"):
+        capture_mode("yes", cpu)
+    assert [bucket_for(m) for m in (1, 3, 5, 16, 17, 64, 65)] == [1, 4, 8, 16, 32, 64, None]
+    assert round_up(1) == 256 and round_up(256) == 256 and round_up(257) == 512
+
+
+@pytest.mark.parametrize("mode", ["buckets", "graphs"])
+@pytest.mark.parametrize("name,params", LOSSLESS)
+def test_lossless_methods_equal_autoregressive_with_capture_on(pair, mode, name, params):
+    target, draft = pair
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    backends = graphed(on) if mode == "graphs" else []
+    for prompt in PROMPTS:
+        reference = run(off, prompt, 40, "autoregressive").output_ids
+        assert run(on, prompt, 40, name, **params).output_ids == reference
+    assert isinstance(on.target.cache, StaticKVCache)
+    if mode == "graphs":  # replayed, and captured once per shape only
+        assert on.target.runner.replays > 0 and not on.target.runner.failed
+        assert sum(b.captures for b in backends) == sum(len(s.runner.captured()) for s in (on.target, on.draft))
+
+
+@pytest.mark.parametrize("name,params", [("speculative", {"gamma": 4}), ("opt-tree", {})])
+def test_static_caches_equal_fresh_prefill_after_each_step(pair, name, params):
+    target, draft = pair
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    graphed(engine)
+    request = GenerationRequest([1, 9, 4, 22], 30, SamplingConfig(temperature=1.0, seed=3))
+    gen = engine.generate(request, make_method(name, **params))
+    for _ in gen:
+        committed = request.prompt_ids + gen.output_ids
+        assert_cache_is_fresh_prefill(engine.target, committed)
+        assert_cache_is_fresh_prefill(engine.draft, committed)
+
+
+def test_padded_rows_never_reach_real_ones():
+    """A bucket's padded rows write past the valid length; the slots hold whatever they wrote
+    (finite), and the real rows' logits equal an unpadded forward's."""
+    model = tiny_llama(3, layers=2)
+    exact, padded = ModelSession(model, capture="on"), ModelSession(model, capture="on")
+    exact.runner.mode = "exact"
+    ids = [1, 4, 9, 16, 25, 36]
+    a, b = exact.advance(ids, need=1), padded.advance(ids, need=1)  # 5 cached + bucket 8
+    assert torch.allclose(a, b, atol=1e-10)
+    for step in ([7, 8, 9], [3]):
+        ids = ids + step
+        assert torch.allclose(exact.advance(ids, need=len(step)), padded.advance(ids, need=len(step)), atol=1e-10)
+    assert torch.isfinite(padded.cache.store).all()
+    assert padded.length == len(ids) and padded.cache.length == len(ids)
+
+
+def test_store_grows_and_graphs_are_captured_again(pair, monkeypatch):
+    monkeypatch.setattr(session_module, "STATIC_SLOTS", 8)  # 8 + 64 slots: a 120-token reply must grow
+    monkeypatch.setattr(capture_module, "WINDOW", 16)
+    target, draft = pair
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[], capture="on")
+    graphed(on)
+    first = on.target.cache.capacity
+    reference = run(off, PROMPTS[0], 120, "autoregressive").output_ids
+    assert run(on, PROMPTS[0], 120, "speculative", gamma=4).output_ids == reference
+    assert on.target.cache.capacity > first and on.target.cache.generation > 1
+    assert all(w <= on.target.cache.capacity for _, w in on.target.runner.captured())
+
+
+def test_a_failed_capture_runs_eagerly_with_a_note(pair):
+    target, draft = pair
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    graphed(on, fail=True)
+    assert run(on, PROMPTS[1], 30, "speculative", gamma=3).output_ids == run(off, PROMPTS[1], 30,
+                                                                             "autoregressive").output_ids
+    runner = on.target.runner
+    assert runner.replays == 0 and runner.eager > 0 and not runner.captured()
+    assert runner.notes and "capture failed: RuntimeError" in runner.notes[0]
+
+
+def test_hidden_states_read_through_hooks_come_from_an_exact_forward():
+    model = tiny_llama(4, layers=2)
+    on, off = ModelSession(model, capture="on"), ModelSession(model)
+    ids = [1, 5, 7, 9]
+    (lo, ho), (lf, hf) = on.advance_with_hidden(ids, 2), off.advance_with_hidden(ids, 2)
+    assert ho.shape == hf.shape == (2, model.config.hidden_size)
+    assert torch.allclose(ho, hf, atol=1e-10) and torch.allclose(lo, lf, atol=1e-10)
+
+
+def test_a_model_with_sliding_window_layers_refuses_capture():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    cfg.layer_types, cfg.sliding_window = ["full_attention", "sliding_attention"], 8
+    with pytest.raises(SpecUIError, match="full-attention layers only"):
+        StaticKVCache(cfg, 64, torch.device("cpu"))
+
+
+@pytest.mark.bundled
+def test_bundled_pair_float32_capture_on_equals_autoregressive(bundled_pair):
+    from specui.chat import build_prompt
+
+    tok = bundled_pair.target.tokenizer
+    prompt, _ = build_prompt(tok, [{"role": "user", "content": "Name three colours of the rainbow."}], 4096)
+    reference = run(bundled_pair.engine(), prompt, 24, "autoregressive").output_ids
+    engine = bundled_pair.engine(capture="on")
+    for name, params in [("autoregressive", {}), ("speculative", {"gamma": 3}), ("opt-tree", {})]:
+        assert run(engine, prompt, 24, name, **params).output_ids == reference, name
