@@ -13,6 +13,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
+from specui.engine.capture import CAPTURES
 from specui.engine.methods import METHODS, make_method
 from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mcsd: the early-stop decision models' folder ('default': the shipped ones for the shipped "
                         "draft; 'none')")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+    m.add_argument("--capture", default="auto", choices=CAPTURES,
+                   help="static caches and captured forwards: auto (CUDA graphs on a GPU; eager on a CPU, where "
+                        "nothing captured measures faster yet), on (a CPU runs the static padded shapes), off "
+                        "(the growing cache, eager)")
     m.add_argument("--stand-in", default="", metavar="SIZE",
                    help="measure at a bigger model's cost: the target zero-padded to 360m / 1.7b / 7b (its own "
                         "function, that size's parameters and bytes per token; not a better model)")
@@ -134,7 +139,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | No
     draft_src = args.draft or (preset.draft if preset else "default")
     quant = args.quantization or (preset.quantization if preset else "auto")
     return pair_specs(PairChoice(target_src, draft_src, quant, args.device, args.dtype, args.draft_quantization,
-                                 args.trust_remote_code, stand_in=args.stand_in))
+                                 args.trust_remote_code, stand_in=args.stand_in, capture=args.capture))
 
 
 def settings_from_args(args: argparse.Namespace) -> ChatSettings:
@@ -160,6 +165,7 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision)
+    pair.capture = args.capture
     if settings.method == "specdec++" and pair.head.head is None:
         raise SpecUIError(f"specdec++ needs an acceptance head: {pair.head.problem}")
     for note in pair.notes:

@@ -59,6 +59,7 @@ class PairChoice:
     head: str = "default"  # SpecDec++'s acceptance head: 'default', 'none' or a folder
     decision: str = "default"  # MCSD's early-stop decision models: 'default', 'none' or a folder
     stand_in: str = ""  # '': the target itself; '360m' / '1.7b' / '7b': zero-padded to that size's cost
+    capture: str = "auto"  # static caches and captured forwards: auto / on / off (specui.engine.capture)
 
 
 PADDINGS = ("unpad", "unpad-kv", "vanilla")  # ems-sd's batch layouts (engine/ragged.py)

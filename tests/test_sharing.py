@@ -125,7 +125,7 @@ def test_an_owner_of_a_shared_app_gets_the_controls_back(page, tiny_dirs):
     view = page.role_view(req("boss"))
     assert view[0]["visible"] is False  # the visitor note goes
     assert view[3]["value"] == str(tiny_dirs[0]) and view[3]["interactive"] is True  # the target's real source
-    assert all(v["visible"] for v in view[9:13])  # load, measure, quantization options, machine report
+    assert all(v["visible"] for v in view[10:14])  # load, measure, quantization options, machine report
     status = page.load_models("/no/such/model", "none", "auto", "cpu", "float32", "speculative",
                               request=req("boss"), progress=None)[0]
     assert status.startswith("⚠️ could not load") and "/no/such/model" in status  # the owner gets the detail

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specui.engine import GenerationRequest, make_method
+from specui.engine.capture import capture_mode
 from specui.engine.sampling import SamplingConfig
 from specui.service.pair import ModelPair
 
@@ -47,6 +48,8 @@ class Row:
     name: str
     dtype: str
     run: Callable[..., Sample] = field(repr=False)  # (prompt, max new tokens[, sampling]) -> Sample
+    capture: str = "off"  # "on": static caches and captured forwards (CUDA graphs on a GPU)
+    stand_in: str | None = None  # the stand-in size its target was padded to (None: the model itself)
     rounds: list[list[Sample]] = field(default_factory=list, repr=False)  # rounds x prompts
 
     def round_rate(self, r: int) -> float:
@@ -205,16 +208,19 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
     t_dtype = target_dtype(pair)
     d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
     pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
+    captured = "on" if capture_mode(pair.capture, pair.target.device) else "off"
     rows = []
     for spec in specs:
         method, params = parse_method(spec)
         if method == "speculative" and not params:
             params = {"gamma": gamma}
         name = method + "".join(f" {k}={v}" for k, v in params.items())
-        rows.append(Row(name, t_dtype if method == AR else pair_dtype, ours(pair, method, params)))
+        rows.append(Row(name, t_dtype if method == AR else pair_dtype, ours(pair, method, params), capture=captured))
     if peers:
         rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair)))
         if pair.draft is not None:
             rows.append(Row("transformers assisted", pair_dtype, transformers_generate(
                 pair, assistant_model=pair.draft.model, tokenizer=None)))
+    for row in rows:
+        row.stand_in = pair.target.spec.stand_in or None
     return rows

@@ -46,6 +46,7 @@ from specui.bench.rows import (
     transformers_generate,
 )
 from specui.chat import build_prompt
+from specui.engine.capture import CAPTURES
 from specui.engine.profile import cpu_model
 from specui.service.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
@@ -128,7 +129,7 @@ def to_json(rows: list[Row]) -> list[dict]:
         rates, ratios = row.rates, [a / b for a, b in zip(row.rates, base.rates)]
         split = row.split_ms()
         dv = row.rates_dv()
-        out.append(dict(method=row.name, discard_rate=dv[0] if dv else None,
+        out.append(dict(method=row.name, capture=row.capture, stand_in=row.stand_in, discard_rate=dv[0] if dv else None,
                         verification_rate=dv[1] if dv else None, dtype=row.dtype, tokens=row.tokens,
                         tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
                         tokens_per_s_max=max(rates), speedup=statistics.median(ratios),
@@ -153,6 +154,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
                     help="target: auto (the app's default), none, int8 / int4 (CPU kernels), 8bit, 4bit")
     ap.add_argument("--stand-in", default="", metavar="SIZE",
                     help="the target zero-padded to 360m / 1.7b / 7b: its own function at that size's cost")
+    ap.add_argument("--capture", default="auto", choices=CAPTURES,
+                    help="our rows' forwards: auto (CUDA graphs on a GPU, eager on a CPU), on, off")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -180,6 +183,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
+    pair.capture = args.capture
     tok = pair.target.tokenizer
     prompts = bench_prompts(tok, args.prompts, args.limit)
     device = str(pair.target.device)

@@ -75,6 +75,19 @@ class Engine:
                 self.costs.note = f"profiling failed ({type(e).__name__}: {e}); fixed defaults in use"
         return self.costs
 
+    def capture_report(self) -> dict:
+        """Plain data: the capture setting and, per model, how its forwards run (off: the growing
+        cache; buckets / graphs: static shapes), the shapes held as graphs and any notes."""
+        report = {"setting": self.capture}
+        for role, session in (("target", self.target), ("draft", self.draft)):
+            runner = None if session is None else session.runner
+            report[role] = None if session is None else {
+                "mode": "off" if runner is None else runner.mode,
+                "captured": [] if runner is None else [list(shape) for shape in runner.captured()],
+                "replays": 0 if runner is None else runner.replays,
+                "notes": [] if runner is None else runner.notes}
+        return report
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 

@@ -104,6 +104,7 @@ class ChatService:
         pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))
                          if progress else None, head=choice.head,
                          decision=choice.decision)
+        pair.capture = choice.capture
         engine = pair.engine()
         self._hook_long_threads(pair)
         if progress:
@@ -162,6 +163,7 @@ class ChatService:
         if self.threads_note:
             parts.append(self.threads_note)
         parts.append("dtype " + "/".join(str(m.model.dtype).replace("torch.", "") for m in self.loaded))
+        parts.append(capture_line(self.engine.capture_report()))
         if torch.cuda.is_available():
             parts.append(f"GPU allocated {torch.cuda.memory_allocated() / mb:,.0f} MB "
                          f"(peak {torch.cuda.max_memory_allocated() / mb:,.0f} MB)")
@@ -281,3 +283,21 @@ class ChatService:
                 "out of GPU memory during generation; lower max new tokens, gamma or beam "
                 "width, or load the target in 4-bit"
             ) from None
+
+
+def capture_line(report: dict) -> str:
+    """The Model tab's line on how forwards run: e.g. "forwards (capture auto): target graphs, 6
+    shapes captured; draft graphs, 3 shapes captured"."""
+    parts = []
+    for role in ("target", "draft"):
+        state = report.get(role)
+        if state is None:
+            continue
+        if state["mode"] == "off":
+            parts.append(f"{role} eager")
+        else:
+            parts.append(f"{role} {state['mode']}" + (f", {len(state['captured'])} shapes captured"
+                                                      if state["mode"] == "graphs" else ""))
+        parts += [f"{role}: {note}" for note in state["notes"][:3]]
+    return f"forwards (capture {report['setting']}): " + "; ".join(parts)
+

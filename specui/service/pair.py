@@ -10,6 +10,7 @@ import torch
 
 from specui.chat import stop_token_ids
 from specui.engine import Engine
+from specui.engine.capture import CAPTURES
 from specui.errors import SpecUIError
 from specui.heads.acceptance import TRAIN_COMMAND, load_head
 from specui.heads.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
@@ -78,6 +79,8 @@ def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
     for quantization in (choice.quantization, choice.draft_quantization):
         if quantization not in QUANTIZATIONS:
             raise SpecUIError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+    if choice.capture not in CAPTURES:
+        raise SpecUIError(f"capture must be one of {', '.join(CAPTURES)}, not '{choice.capture}'")
     target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization,
                        choice.trust_remote_code, (choice.stand_in or "").strip())
     draft = choice.draft.strip() or "none"

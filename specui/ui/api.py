@@ -132,11 +132,12 @@ class ChatAPI:
         yield answer()
 
     def load_models(self, target: str, draft: str = "default", quantization: str = "auto",
-                    device: str = "auto", dtype: str = "auto", stand_in: str = "",
+                    device: str = "auto", dtype: str = "auto", stand_in: str = "", capture: str = "auto",
                     request: gr.Request = None) -> dict:
         """Load a target (hub id, folder, .gguf or bundled:smollm2) and a draft ('default', 'none',
         or a model) in dtype auto (measured on CPU), float32, bfloat16 or float16; `stand_in`
-        ('360m', '1.7b', '7b'): the target zero-padded to that size's cost, for measuring; on
+        ('360m', '1.7b', '7b'): the target zero-padded to that size's cost, for measuring; `capture`
+        (auto, on, off): static caches and captured forwards (CUDA graphs on a GPU); on
         failure the previous pair stays loaded and the error says why. The owner's only: a
         visitor of a shared link is refused before anything is read."""
         refusal = self.page.refuse_visitor(request, loading=True)
@@ -144,7 +145,7 @@ class ChatAPI:
             raise gr.Error(refusal)
         try:
             message = self.page._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto",
-                                                 stand_in=stand_in or ""), None)
+                                                 stand_in=stand_in or "", capture=capture or "auto"), None)
         except SpecUIError as e:
             raise gr.Error(f"could not load: {e}; the previous pair stays loaded") from None
         except Exception as e:  # noqa: BLE001 - any loader failure must leave the app running
@@ -159,6 +160,7 @@ class ChatAPI:
         return {
             "target": target, "draft": draft, "device": service.device_label,
             "stand_in": service.pair.target.spec.stand_in or None,
+            "capture": service.engine.capture_report(),
             "dtypes": [str(m.model.dtype).replace("torch.", "") for m in service.loaded],
             "load_notes": page.visible_notes(service.pair.notes, request),
             "context_len": service.engine.context_len, "methods": service.methods,

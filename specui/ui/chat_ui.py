@@ -136,6 +136,10 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                            label="stand-in (for measuring speed)", elem_id="stand-in", **locked,
                                            info="the target zero-padded to a bigger model's cost: the same "
                                            "replies, that size's speed; not a better model")
+                    capture = gr.Dropdown(["auto", "on", "off"], value=service.engine.capture,
+                                          label="captured forwards", elem_id="capture", **locked,
+                                          info="static caches at a few shapes, replayed as CUDA graphs on a GPU; "
+                                          "auto: on a GPU only (no captured CPU forward measures faster yet)")
                     load = gr.Button("Load models", elem_id="load", visible=owner)
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(page.memory_view(), elem_id="memory")
@@ -190,13 +194,13 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         measure.click(page.measure_profile, None, [profile_plot, load_status], **engine, **hidden)
         measure_options.click(page.measure_quantizations, None, options, **engine, **hidden)
         run_doctor.click(page.machine_report, None, doctor, **engine, **hidden)
-        load.click(page.load_models, [target, draft, quant, device, dtype, method, stand_in],
+        load.click(page.load_models, [target, draft, quant, device, dtype, method, stand_in, capture],
                    [load_status, memory, header, method], **engine, api_name="page_load_models",
                    **hidden)
         demo.load(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         if shared:  # the page above is a visitor's; an owner's gets the model controls back
             parts = dict(preset=preset, target=target, draft=draft, quant=quant, device=device, dtype=dtype,
-                         stand_in=stand_in, load=load,
+                         stand_in=stand_in, capture=capture, load=load,
                          measure=measure, measure_options=measure_options, run_doctor=run_doctor)
             demo.load(page.role_view, None, [role_note, model_note, *(parts[n] for n in MODEL_CONTROLS + MODEL_BUTTONS),
                                              memory, controls["max_new_tokens"], controls["replies"]],

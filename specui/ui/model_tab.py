@@ -61,7 +61,7 @@ class ModelTab:
         return preset["target"], preset["draft"], preset["quantization"], preset["description"]
 
     def load_models(self, target: str, draft: str, quantization: str, device: str, dtype: str, method: str,
-                    stand_in: str = "", request: gr.Request = None,
+                    stand_in: str = "", capture: str = "auto", request: gr.Request = None,
                     progress=gr.Progress()) -> tuple:  # noqa: B008 - Gradio finds progress by its default
         """Load a new pair (the owner's only), optionally as a stand-in of a bigger model's cost."""
         refusal = self.refuse_visitor(request, loading=True)
@@ -69,7 +69,7 @@ class ModelTab:
             return f"⚠️ {refusal}", gr.skip(), gr.skip(), gr.skip()
         try:
             message = self._load(PairChoice(target, draft or "none", quantization, device, dtype or "auto",
-                                            stand_in=stand_in or ""), progress)
+                                            stand_in=stand_in or "", capture=capture or "auto"), progress)
             gr.Info(message)
             status = f"✅ {message}"
         except SpecUIError as e:

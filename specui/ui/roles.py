@@ -16,7 +16,8 @@ from specui.ui.streaming import settings_from_values, to_messages
 
 log = logging.getLogger("specui.ui")
 PAGE_MAX_NEW_TOKENS, PAGE_MAX_REPLIES = 2048, 8  # the sliders' ends for the owner
-MODEL_CONTROLS = ("preset", "target", "draft", "quant", "device", "dtype", "stand_in")  # editable by the owner only
+# editable by the owner only
+MODEL_CONTROLS = ("preset", "target", "draft", "quant", "device", "dtype", "stand_in", "capture")
 MODEL_BUTTONS = ("load", "measure", "measure_options", "run_doctor")  # shown to the owner only
 
 
