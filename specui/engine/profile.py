@@ -153,6 +153,9 @@ def profile_key(target: ModelSession, draft: ModelSession | None, quantization: 
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
     }
+    forwards = [s.runner.mode for s in (target, draft) if s is not None and s.runner is not None]
+    if forwards:  # static caches and captured forwards cost what they cost, not what eager ones do
+        describe["forwards"] = "/".join(forwards)
     ident = [model_identity(target.model), model_identity(draft.model) if draft else "no draft"]
     raw = json.dumps([describe, ident, PROFILE_VERSION], sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:24], describe

@@ -1,0 +1,282 @@
+"""The prepared GPU run: everything the captured-forwards and stand-in issues need measured on
+a GPU, in one command, within a time budget (a lent GPU has minutes, not hours).
+
+    python -m specui.bench.gpu --out DIR [--target FILE.gguf] [--budget-s 420]
+    python -m specui.bench.gpu --out DIR --dry-run      # the same sections, tiny, on a CPU
+
+Sections, in order (each is skipped with a note when the budget is spent; results.json and
+results.md are rewritten after each, so a run cut short still leaves what it measured):
+1. equality: every lossless method with `capture on` against autoregressive with `capture off`,
+   token for token, float32 (on a GPU: CUDA graphs);
+2. bundled pair, bf16: autoregressive eager vs captured, every method captured, transformers
+   greedy (eager, and over a static cache with torch.compile) and assisted generation as peers;
+3. stand-ins (default 1.7b, 7b), bf16: the same comparison at those sizes' cost;
+4. bitsandbytes 4bit / 8bit targets: autoregressive and speculative, eager vs captured (where
+   bitsandbytes is missing or fails on the card, the section says which and the run goes on).
+Every row carries `capture` (on/off) and `stand_in` (null or the size), peak memory and NVML
+joules per token (bench/energy.py); `meta` names the device. See ../shared/GPU.md and
+`python -m specui.bench.gpu_travel` for getting the run onto a lent machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from specui.bench.energy import ReplyMeter
+from specui.bench.prompts import HELDOUT
+from specui.bench.rows import Row, Sample, make_rows, parse_method, target_dtype, transformers_generate
+from specui.bench.run import bench, bench_prompts, table, to_json
+from specui.engine import GenerationRequest, make_method
+from specui.engine.profile import cpu_model
+from specui.errors import SpecUIError
+from specui.service.pair import ModelPair, default_draft_source, load_pair
+from specui.weights.loading import BUNDLED, ModelSpec
+
+LOSSLESS = ("autoregressive", "speculative:3", "auto", "opt-tree:25", "tree", "mcsd", "specdec++", "lookup")
+METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "mcsd", "specdec++")
+STAND_IN_METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25")
+
+
+@dataclass
+class Run:
+    """What the run has measured so far, and its clock."""
+
+    out: Path
+    budget_s: float
+    meta: dict
+    sections: list[dict] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def left_s(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def add(self, section: dict) -> None:
+        section["seconds"] = round(time.perf_counter() - section.pop("_t0", self.t0), 1)
+        self.sections.append(section)
+        print(f"== {section['name']}: {section.get('note', '')} ({section['seconds']} s)", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.meta["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        (self.out / "results.json").write_text(json.dumps({"meta": self.meta, "sections": self.sections}, indent=1))
+        (self.out / "results.md").write_text(markdown(self.meta, self.sections))
+
+
+def markdown(meta: dict, sections: list[dict]) -> str:
+    lines = [f"# SpecUI GPU run: {meta['device']}", "",
+             f"`{meta['command']}`; torch {meta['torch']}, transformers {meta['transformers']}, host CPU "
+             f"{meta['cpu']}; {meta['elapsed_s']} s", ""]
+    for s in sections:
+        lines += [f"## {s['name']}", "", s.get("note", ""), ""]
+        if s.get("table"):
+            lines += ["```", s["table"], "```", ""]
+        for check in s.get("checks", []):
+            lines.append(f"- {check['method']}: {check['equal']}/{check['prompts']} replies equal autoregressive"
+                         + (f" ({check['error']})" if check.get("error") else ""))
+        if s.get("checks"):
+            lines.append("")
+    return "\n".join(lines)
+
+
+def load(args: argparse.Namespace, dtype: str, quantization: str = "none", stand_in: str = "") -> ModelPair:
+    device = "cpu" if args.dry_run else args.device
+    target = ModelSpec(args.target, dtype, device, quantization, stand_in=stand_in)
+    draft = ModelSpec(default_draft_source() if args.draft == "default" else args.draft, dtype, device)
+    return load_pair(target, draft)
+
+
+def equality(pair: ModelPair, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """Section 1: capture on vs autoregressive with capture off, float32, token for token."""
+    off, on = pair.engine(capture="off"), pair.engine(capture="on")
+    n = args.max_new_tokens
+    reference = [off.generate(GenerationRequest(list(p), n), make_method("autoregressive")).run().output_ids
+                 for p in prompts]
+    checks = []
+    for spec in LOSSLESS:
+        name, params = parse_method(spec)
+        check = {"method": spec, "prompts": len(prompts), "equal": 0}
+        try:
+            for p, ref in zip(prompts, reference):
+                on.target.reset()
+                if on.draft is not None:
+                    on.draft.reset()
+                got = on.generate(GenerationRequest(list(p), n), make_method(name, **params)).run().output_ids
+                check["equal"] += got == ref
+        except (SpecUIError, RuntimeError) as e:
+            check["error"] = f"{type(e).__name__}: {e}"
+        checks.append(check)
+    equal = sum(c["equal"] == c["prompts"] for c in checks)
+    return {"name": "equality (float32, capture on vs autoregressive capture off)", "checks": checks,
+            "capture": on.capture_report(),
+            "note": f"{equal}/{len(checks)} methods equal autoregressive on every prompt ({n} tokens)"}
+
+
+def compiled_greedy(pair: ModelPair, max_len: int):
+    """transformers greedy `generate` over a fresh StaticCache of one size each reply: on a GPU
+    generate compiles the forward (torch.compile, once for that shape) and replays it."""
+    from transformers import StaticCache
+
+    def run(prompt: list[int], n: int) -> Sample:
+        cache = StaticCache(config=pair.target.model.config, max_cache_len=max_len)
+        return transformers_generate(pair, past_key_values=cache)(prompt, n)
+
+    return run
+
+
+def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pair: ModelPair, methods,
+               name: str, peers: bool) -> dict:
+    """Autoregressive eager and captured, `methods` captured, and the peers, interleaved."""
+    rows = []
+    for capture in ("off", "on"):
+        pair.capture = capture
+        for row in make_rows(pair, ["autoregressive"], 3, False):
+            row.name += f" [capture {capture}]"
+            rows.append(row)
+    pair.capture = "on"
+    rows += make_rows(pair, list(methods), 3, peers)
+    if peers:
+        rows.append(Row("transformers greedy static+compile", target_dtype(pair),
+                        compiled_greedy(pair, max(len(p) for p in prompts) + args.max_new_tokens + 8), capture="on",
+                        stand_in=pair.target.spec.stand_in or None))
+    rows[0].name = "autoregressive"  # the base every ratio is taken against: eager, as today
+    device = pair.target.device
+    for row in rows:  # every shape the prompts need captured before timing (eager rows: bench's warm-up)
+        if row.capture == "on" and not row.name.startswith("transformers"):
+            for prompt in prompts:
+                row.run(prompt, args.max_new_tokens)
+    bench(rows, prompts, args.max_new_tokens, args.repeats, meter=ReplyMeter(device))
+    engine = pair.engine(capture="on")
+    return {"name": name, "table": table(rows, len(prompts)), "rows": to_json(rows),
+            "capture": engine.capture_report(),
+            "note": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.repeats} rounds; target "
+                    f"{pair.target.label}, draft {pair.draft.label if pair.draft else 'none'}"}
+
+
+class _Words:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def smoke(device: str, tokens: int = 48, shape: tuple[int, int, int, int] = (30, 576, 9, 3)) -> dict:
+    """Random-weight models, no files: every lossless method captured equals autoregressive
+    (float32), and autoregressive eager vs captured on a model of the bundled target's shape
+    (bfloat16). Seconds; the first thing a lent machine runs, while the GGUF is still arriving."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specui.engine import Engine
+
+    def model(layers: int, hidden: int, heads: int, kv: int, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                          max_position_embeddings=2048, tie_word_embeddings=True)
+        return LlamaForCausalLM(cfg).to(device, dtype).eval()
+
+    target, draft = model(4, 128, 4, 2, torch.float32, 0), model(1, 128, 4, 2, torch.float32, 1)
+    off, on = (Engine(target, _Words(), draft=draft, capture=c) for c in ("off", "on"))
+    prompt = [1, 17, 4, 99, 250, 3]
+    reference = off.generate(GenerationRequest(prompt, tokens), make_method("autoregressive")).run().output_ids
+    checks = []
+    for spec in LOSSLESS:
+        name, params = parse_method(spec)
+        got = on.generate(GenerationRequest(prompt, tokens), make_method(name, **params)).run().output_ids
+        checks.append({"method": spec, "prompts": 1, "equal": int(got == reference)})
+    shaped = model(*shape, torch.bfloat16, 2)  # (layers, hidden, heads, kv heads): the bundled target's, random
+    rates = {}
+    for capture in ("off", "on", "off", "on"):
+        engine = Engine(shaped, _Words(), capture=capture)
+        engine.generate(GenerationRequest(prompt, 8), make_method("autoregressive")).run()  # capture, warm up
+        t0 = time.perf_counter()
+        engine.generate(GenerationRequest(prompt, 128), make_method("autoregressive")).run()
+        rates[capture] = 128 / (time.perf_counter() - t0)
+    report = on.capture_report()
+    return {"name": "smoke (random weights)", "checks": checks, "capture": report,
+            "note": f"{sum(c['equal'] for c in checks)}/{len(checks)} methods equal autoregressive; "
+                    f"{shape}-shaped bf16 autoregressive {rates['off']:.1f} tok/s eager, {rates['on']:.1f} captured "
+                    f"({rates['on'] / rates['off']:.2f}x); target graphs {len(report['target']['captured'])}, "
+                    f"notes {report['target']['notes'] + report['draft']['notes']}"}
+
+
+def sections(args: argparse.Namespace, first: ModelPair) -> list[tuple[str, float, callable]]:
+    """(name, the seconds it needs at least, the work) in order; `first`: the float32 pair."""
+    plan = [("equality", 30, lambda run, prompts: equality(first, args, prompts[:3])),
+            ("bundled bf16", 60, lambda run, prompts: throughput(
+                run, args, prompts, load(args, args.dtype), METHODS, f"bundled pair, {args.dtype}", True))]
+    for size in [s for s in args.stand_ins.split(",") if s]:
+        plan.append((f"stand-in {size}", 60, lambda run, prompts, size=size: throughput(
+            run, args, prompts, load(args, args.dtype, stand_in=size), STAND_IN_METHODS,
+            f"stand-in {size}, {args.dtype}", size == args.stand_ins.split(",")[0])))
+    for quant in [q for q in args.bitsandbytes.split(",") if q]:
+        plan.append((f"bitsandbytes {quant}", 45, lambda run, prompts, quant=quant: throughput(
+            run, args, prompts, load(args, args.dtype, quantization=quant), ("speculative:3",),
+            f"bundled target in bitsandbytes {quant}", False)))
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--target", default=BUNDLED, help="the bundled GGUF, or its path on a machine without the package")
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--stand-ins", default="1.7b,7b", help="comma-separated stand-in sizes ('' for none)")
+    ap.add_argument("--bitsandbytes", default="4bit,8bit", help="bitsandbytes quantizations ('' for none)")
+    ap.add_argument("--prompts", default=str(HELDOUT))
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
+    ap.add_argument("--dry-run", action="store_true", help="on a CPU, tiny: checks the run itself, measures nothing")
+    ap.add_argument("--smoke", action="store_true", help="only the random-weight smoke section (no model files)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.limit, args.max_new_tokens, args.repeats = min(args.limit, 2), min(args.max_new_tokens, 6), 1
+        args.dtype = "float32"
+    elif not torch.cuda.is_available():
+        ap.error("no CUDA device: run on a GPU, or pass --dry-run")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
+    meta = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu": cpu_model(), "python": platform.python_version(), "budget_s": args.budget_s,
+            "command": "python -m specui.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+            "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    run = Run(args.out, args.budget_s, meta)
+    if args.smoke:
+        run.add(smoke("cpu", 8, (2, 64, 4, 2)) if args.dry_run else smoke(args.device))
+        print((args.out / "results.md").read_text())
+        return 0
+    first = load(args, "float32")
+    prompts = bench_prompts(first.target.tokenizer, args.prompts, args.limit)
+    plan = sections(args, first)
+    del first  # the equality section holds it until it is done
+    for name, needs, work in plan:
+        if run.left_s < needs:
+            run.add({"name": name, "note": f"skipped: {run.left_s:.0f} s of the budget left, it needs {needs}"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            section = work(run, prompts)
+        except (SpecUIError, RuntimeError, ImportError, torch.OutOfMemoryError) as e:
+            section = {"name": name, "note": f"failed: {type(e).__name__}: {str(e)[:300]}"}
+        section["_t0"] = t0
+        run.add(section)
+        plan[plan.index((name, needs, work))] = (name, needs, None)  # let its models go
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print((args.out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The prepared GPU run (bench/gpu.py) and getting it onto a lent machine (bench/gpu_travel.py),
+checked on a CPU: the packing into per-call folders, the joining on the machine, and a dry run
+of every section on tiny models."""
+
+import hashlib
+import json
+
+from specui.bench import gpu, gpu_travel
+
+
+def test_files_are_packed_into_calls_in_order():
+    calls = gpu_travel.plan_calls({"a.whl": 5, "b.gguf": 23}, room=10)
+    assert calls == [[("a.whl", 0, 5), ("b.gguf", 0, 5)], [("b.gguf", 5, 10)], [("b.gguf", 15, 8)]]
+
+
+def test_parts_arrive_in_order_and_the_joined_file_is_checked(tmp_path):
+    data = bytes(range(256)) * 40
+    travel, into = tmp_path / "travel", tmp_path / "into"
+    for k, (offset, length) in enumerate([(0, 4000), (4000, 4000), (8000, 2240)], 1):
+        (travel / str(k)).mkdir(parents=True)
+        (travel / str(k) / f"m.gguf.{offset:012d}.part").write_bytes(data[offset:offset + length])
+    (travel / "3" / "gguf.json").write_text(json.dumps({"name": "m.gguf", "sha256": hashlib.sha256(data).hexdigest(),
+                                                        "bytes": len(data)}))
+    try:  # out of order: refused, nothing appended
+        gpu_travel.arrive(2, travel, into)
+        raise AssertionError("a part arrived out of order")
+    except SystemExit as e:
+        assert "arrive in order" in str(e)
+    for k in (1, 2, 3):
+        gpu_travel.arrive(k, travel, into)
+    assert (into / "m.gguf").read_bytes() == data and not (into / "m.gguf.partial").exists()
+
+
+def test_dry_run_writes_every_section_with_capture_and_stand_in(tiny_dirs, tmp_path, monkeypatch):
+    from specui.weights import stand_in
+    from specui.weights.stand_in import RealModel
+
+    monkeypatch.setitem(stand_in.SIZES, "tiny", RealModel("tiny-big", 400_000, 64, 128, 4, 8, 4))
+    target, draft, _ = tiny_dirs
+    assert gpu.main(["--out", str(tmp_path), "--dry-run", "--target", str(target), "--draft", str(draft),
+                     "--stand-ins", "tiny", "--bitsandbytes", "", "--max-new-tokens", "4"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["dry_run"] and results["meta"]["device"] == "cpu (dry run)"
+    names = [s["name"] for s in results["sections"]]
+    assert names[0].startswith("equality") and names[2].startswith("stand-in tiny")
+    assert all(c["equal"] == c["prompts"] for c in results["sections"][0]["checks"])
+    rows = results["sections"][1]["rows"] + results["sections"][2]["rows"]
+    assert {r["capture"] for r in rows} == {"on", "off"}
+    assert {r["stand_in"] for r in results["sections"][2]["rows"]} == {"tiny"}
+    assert {r["stand_in"] for r in results["sections"][1]["rows"]} == {None}
+    assert "## stand-in tiny" in (tmp_path / "results.md").read_text()
+
+
+def test_smoke_runs_on_random_weights(tmp_path):
+    assert gpu.main(["--out", str(tmp_path), "--dry-run", "--smoke"]) == 0
+    section = json.loads((tmp_path / "results.json").read_text())["sections"][0]
+    assert all(c["equal"] for c in section["checks"])
