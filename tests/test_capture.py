@@ -37,14 +37,21 @@ class EagerGraphs:
         return (lambda: out.copy_(forward())), out
 
 
-def graphed(engine: Engine, fail: bool = False) -> list[EagerGraphs]:
-    """Give the engine's sessions graph-mode forwards over a stand-in graph."""
+def static(engine: Engine, mode: str = "graphs", fail: bool = False) -> list[EagerGraphs]:
+    """Give the engine's static sessions uncompiled forwards in `mode` (graphs: over a stand-in
+    graph); `capture="on"` itself compiles, which test_compiled_* covers."""
     backends = []
     for session in (engine.target, engine.draft):
         if session is not None and session.runner is not None:
-            backends.append(EagerGraphs(fail))
-            session.runner = StaticForward(session.model, session.cache, "graphs", graphs=backends[-1])
+            graphs = EagerGraphs(fail) if mode == "graphs" else None
+            backends += [graphs] if graphs else []
+            session.runner = StaticForward(session.model, session.cache, mode, graphs=graphs)
     return backends
+
+
+def uncompiled(session: ModelSession, mode: str = "buckets") -> ModelSession:
+    session.runner = StaticForward(session.model, session.cache, mode)
+    return session
 
 
 def run(engine, prompt, n, name, **params):
@@ -74,7 +81,7 @@ def test_lossless_methods_equal_autoregressive_with_capture_on(pair, mode, name,
     target, draft = pair
     off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
     on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
-    backends = graphed(on) if mode == "graphs" else []
+    backends = static(on, mode)
     for prompt in PROMPTS:
         reference = run(off, prompt, 40, "autoregressive").output_ids
         assert run(on, prompt, 40, name, **params).output_ids == reference
@@ -88,7 +95,7 @@ def test_lossless_methods_equal_autoregressive_with_capture_on(pair, mode, name,
 def test_static_caches_equal_fresh_prefill_after_each_step(pair, name, params):
     target, draft = pair
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
-    graphed(engine)
+    static(engine)
     request = GenerationRequest([1, 9, 4, 22], 30, SamplingConfig(temperature=1.0, seed=3))
     gen = engine.generate(request, make_method(name, **params))
     for _ in gen:
@@ -101,8 +108,7 @@ def test_padded_rows_never_reach_real_ones():
     """A bucket's padded rows write past the valid length; the slots hold whatever they wrote
     (finite), and the real rows' logits equal an unpadded forward's."""
     model = tiny_llama(3, layers=2)
-    exact, padded = ModelSession(model, capture="on"), ModelSession(model, capture="on")
-    exact.runner.mode = "exact"
+    exact, padded = (uncompiled(ModelSession(model, capture="on"), mode) for mode in ("exact", "buckets"))
     ids = [1, 4, 9, 16, 25, 36]
     a, b = exact.advance(ids, need=1), padded.advance(ids, need=1)  # 5 cached + bucket 8
     assert torch.allclose(a, b, atol=1e-10)
@@ -119,7 +125,7 @@ def test_store_grows_and_graphs_are_captured_again(pair, monkeypatch):
     target, draft = pair
     off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[])
     on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[], capture="on")
-    graphed(on)
+    static(on)
     first = on.target.cache.capacity
     reference = run(off, PROMPTS[0], 120, "autoregressive").output_ids
     assert run(on, PROMPTS[0], 120, "speculative", gamma=4).output_ids == reference
@@ -131,7 +137,7 @@ def test_a_failed_capture_runs_eagerly_with_a_note(pair):
     target, draft = pair
     off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
     on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
-    graphed(on, fail=True)
+    static(on, fail=True)
     assert run(on, PROMPTS[1], 30, "speculative", gamma=3).output_ids == run(off, PROMPTS[1], 30,
                                                                              "autoregressive").output_ids
     runner = on.target.runner
@@ -141,7 +147,7 @@ def test_a_failed_capture_runs_eagerly_with_a_note(pair):
 
 def test_hidden_states_read_through_hooks_come_from_an_exact_forward():
     model = tiny_llama(4, layers=2)
-    on, off = ModelSession(model, capture="on"), ModelSession(model)
+    on, off = uncompiled(ModelSession(model, capture="on")), ModelSession(model)
     ids = [1, 5, 7, 9]
     (lo, ho), (lf, hf) = on.advance_with_hidden(ids, 2), off.advance_with_hidden(ids, 2)
     assert ho.shape == hf.shape == (2, model.config.hidden_size)
@@ -165,5 +171,33 @@ def test_bundled_pair_float32_capture_on_equals_autoregressive(bundled_pair):
     prompt, _ = build_prompt(tok, [{"role": "user", "content": "Name three colours of the rainbow."}], 4096)
     reference = run(bundled_pair.engine(), prompt, 24, "autoregressive").output_ids
     engine = bundled_pair.engine(capture="on")
+    static(engine, "buckets")  # compiling the bundled model on a CPU takes minutes: the shapes are what is checked
     for name, params in [("autoregressive", {}), ("speculative", {"gamma": 3}), ("opt-tree", {})]:
         assert run(engine, prompt, 24, name, **params).output_ids == reference, name
+
+
+def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerly(pair, monkeypatch):
+    """`capture="on"` runs the padded shapes through torch.compile (float32 here: equal replies);
+    a compiler that fails leaves the model eager, with a note."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    target, draft = (tiny_llama(0, layers=2, dtype=torch.float32), tiny_llama(1, layers=1, dtype=torch.float32))
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    assert on.target.runner.compiled and on.draft.runner.compiled
+    for name, params in [("autoregressive", {}), ("speculative", {"gamma": 3}), ("opt-tree", {})]:
+        assert run(on, PROMPTS[0], 24, name, **params).output_ids == run(off, PROMPTS[0], 24,
+                                                                         "autoregressive").output_ids
+    assert not on.target.runner.notes
+
+    def broken(model):
+        def fn(**kw):
+            raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", broken)
+    failing = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    assert run(failing, PROMPTS[1], 16, "speculative", gamma=2).output_ids == run(off, PROMPTS[1], 16,
+                                                                                  "autoregressive").output_ids
+    assert not failing.target.runner.compiled
+    assert failing.target.runner.notes[0].startswith("not compiled: BackendCompilerFailed")

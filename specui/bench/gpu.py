@@ -6,9 +6,10 @@ a GPU, in one command, within a time budget (a lent GPU has minutes, not hours).
 
 Sections, in order (each is skipped with a note when the budget is spent; results.json and
 results.md are rewritten after each, so a run cut short still leaves what it measured):
-1. equality: every lossless method with `capture on` against autoregressive with `capture off`,
-   token for token, float32 (on a GPU: CUDA graphs);
-2. bundled pair, bf16: autoregressive eager vs captured, every method captured, transformers
+1. equality: every lossless method with `capture auto` (CUDA graphs) and `capture on` (compiled,
+   in the graphs) against autoregressive with `capture off`, token for token, float32;
+2. bundled pair, bf16: autoregressive eager, in CUDA graphs and compiled in them, every method
+   captured (`--capture`, default on), transformers
    greedy (eager, and over a static cache with torch.compile) and assisted generation as peers;
 3. stand-ins (default 1.7b, 7b), bf16: the same comparison at those sizes' cost;
 4. bitsandbytes 4bit / 8bit targets: autoregressive and speculative, eager vs captured (where
@@ -36,6 +37,7 @@ from specui.bench.prompts import HELDOUT
 from specui.bench.rows import Row, Sample, make_rows, parse_method, target_dtype, transformers_generate
 from specui.bench.run import bench, bench_prompts, table, to_json
 from specui.engine import GenerationRequest, make_method
+from specui.engine.capture import capture_mode
 from specui.engine.profile import cpu_model
 from specui.errors import SpecUIError
 from specui.service.pair import ModelPair, default_draft_source, load_pair
@@ -96,29 +98,31 @@ def load(args: argparse.Namespace, dtype: str, quantization: str = "none", stand
 
 
 def equality(pair: ModelPair, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    """Section 1: capture on vs autoregressive with capture off, float32, token for token."""
-    off, on = pair.engine(capture="off"), pair.engine(capture="on")
+    """Section 1: every lossless method with each capture that captures on this device (auto:
+    CUDA graphs; on: compiled, in graphs on a GPU) against autoregressive with capture off,
+    float32, token for token."""
+    off = pair.engine(capture="off")
     n = args.max_new_tokens
     reference = [off.generate(GenerationRequest(list(p), n), make_method("autoregressive")).run().output_ids
                  for p in prompts]
-    checks = []
-    for spec in LOSSLESS:
-        name, params = parse_method(spec)
-        check = {"method": spec, "prompts": len(prompts), "equal": 0}
-        try:
-            for p, ref in zip(prompts, reference):
-                on.target.reset()
-                if on.draft is not None:
-                    on.draft.reset()
-                got = on.generate(GenerationRequest(list(p), n), make_method(name, **params)).run().output_ids
-                check["equal"] += got == ref
-        except (SpecUIError, RuntimeError) as e:
-            check["error"] = f"{type(e).__name__}: {e}"
-        checks.append(check)
+    checks, reports = [], {}
+    for capture in [c for c in ("auto", "on") if capture_mode(c, pair.target.device)]:
+        engine = pair.engine(capture=capture)
+        for spec in LOSSLESS:
+            name, params = parse_method(spec)
+            check = {"method": f"{spec} [capture {capture}]", "prompts": len(prompts), "equal": 0}
+            try:
+                for p, ref in zip(prompts, reference):
+                    got = engine.generate(GenerationRequest(list(p), n), make_method(name, **params)).run()
+                    check["equal"] += got.output_ids == ref
+            except (SpecUIError, RuntimeError) as e:
+                check["error"] = f"{type(e).__name__}: {e}"
+            checks.append(check)
+        reports[capture] = engine.capture_report()
     equal = sum(c["equal"] == c["prompts"] for c in checks)
-    return {"name": "equality (float32, capture on vs autoregressive capture off)", "checks": checks,
-            "capture": on.capture_report(),
-            "note": f"{equal}/{len(checks)} methods equal autoregressive on every prompt ({n} tokens)"}
+    return {"name": "equality (float32, captured vs autoregressive capture off)", "checks": checks,
+            "capture": reports,
+            "note": f"{equal}/{len(checks)} method x capture pairs equal autoregressive on every prompt ({n} tokens)"}
 
 
 def compiled_greedy(pair: ModelPair, max_len: int):
@@ -137,12 +141,12 @@ def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pai
                name: str, peers: bool) -> dict:
     """Autoregressive eager and captured, `methods` captured, and the peers, interleaved."""
     rows = []
-    for capture in ("off", "on"):
+    for capture in ("off", "auto", "on"):
         pair.capture = capture
         for row in make_rows(pair, ["autoregressive"], 3, False):
             row.name += f" [capture {capture}]"
             rows.append(row)
-    pair.capture = "on"
+    pair.capture = args.capture
     rows += make_rows(pair, list(methods), 3, peers)
     if peers:
         rows.append(Row("transformers greedy static+compile", target_dtype(pair),
@@ -151,11 +155,11 @@ def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pai
     rows[0].name = "autoregressive"  # the base every ratio is taken against: eager, as today
     device = pair.target.device
     for row in rows:  # every shape the prompts need captured before timing (eager rows: bench's warm-up)
-        if row.capture == "on" and not row.name.startswith("transformers"):
+        if row.capture != "off" and not row.name.startswith("transformers"):
             for prompt in prompts:
                 row.run(prompt, args.max_new_tokens)
     bench(rows, prompts, args.max_new_tokens, args.repeats, meter=ReplyMeter(device))
-    engine = pair.engine(capture="on")
+    engine = pair.engine(capture=args.capture)
     return {"name": name, "table": table(rows, len(prompts)), "rows": to_json(rows),
             "capture": engine.capture_report(),
             "note": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.repeats} rounds; target "
@@ -167,7 +171,7 @@ class _Words:
         return " ".join(map(str, ids))
 
 
-def smoke(device: str, tokens: int = 48, shape: tuple[int, int, int, int] = (30, 576, 9, 3)) -> dict:
+def smoke(device: str, tokens: int = 48, shape: tuple[int, int, int, int] = (30, 576, 9, 3), timed: int = 128) -> dict:
     """Random-weight models, no files: every lossless method captured equals autoregressive
     (float32), and autoregressive eager vs captured on a model of the bundled target's shape
     (bfloat16). Seconds; the first thing a lent machine runs, while the GGUF is still arriving."""
@@ -193,18 +197,19 @@ def smoke(device: str, tokens: int = 48, shape: tuple[int, int, int, int] = (30,
         checks.append({"method": spec, "prompts": 1, "equal": int(got == reference)})
     shaped = model(*shape, torch.bfloat16, 2)  # (layers, hidden, heads, kv heads): the bundled target's, random
     rates = {}
-    for capture in ("off", "on", "off", "on"):
+    for capture in ("off", "auto", "on", "off", "auto", "on"):  # the second round is the one kept
         engine = Engine(shaped, _Words(), capture=capture)
         engine.generate(GenerationRequest(prompt, 8), make_method("autoregressive")).run()  # capture, warm up
         t0 = time.perf_counter()
-        engine.generate(GenerationRequest(prompt, 128), make_method("autoregressive")).run()
-        rates[capture] = 128 / (time.perf_counter() - t0)
+        engine.generate(GenerationRequest(prompt, timed), make_method("autoregressive")).run()
+        rates[capture] = timed / (time.perf_counter() - t0)
     report = on.capture_report()
-    return {"name": "smoke (random weights)", "checks": checks, "capture": report,
-            "note": f"{sum(c['equal'] for c in checks)}/{len(checks)} methods equal autoregressive; "
-                    f"{shape}-shaped bf16 autoregressive {rates['off']:.1f} tok/s eager, {rates['on']:.1f} captured "
-                    f"({rates['on'] / rates['off']:.2f}x); target graphs {len(report['target']['captured'])}, "
-                    f"notes {report['target']['notes'] + report['draft']['notes']}"}
+    return {"name": "smoke (random weights)", "checks": checks, "capture": report, "rates": rates,
+            "note": f"{sum(c['equal'] for c in checks)}/{len(checks)} methods equal autoregressive (capture on); "
+                    f"{shape}-shaped bf16 autoregressive tok/s: eager {rates['off']:.1f}, capture auto "
+                    f"{rates['auto']:.1f} ({rates['auto'] / rates['off']:.2f}x), on {rates['on']:.1f} "
+                    f"({rates['on'] / rates['off']:.2f}x); notes "
+                    f"{report['target']['notes'] + report['draft']['notes']}"}
 
 
 def sections(args: argparse.Namespace, first: ModelPair) -> list[tuple[str, float, callable]]:
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--capture", default="on", choices=("auto", "on"),
+                    help="the methods' rows: on (compiled, in CUDA graphs) or auto (CUDA graphs of eager shapes)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="on a CPU, tiny: checks the run itself, measures nothing")
     ap.add_argument("--smoke", action="store_true", help="only the random-weight smoke section (no model files)")
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     run = Run(args.out, args.budget_s, meta)
     if args.smoke:
-        run.add(smoke("cpu", 8, (2, 64, 4, 2)) if args.dry_run else smoke(args.device))
+        run.add(smoke("cpu", 8, (2, 64, 4, 2), 16) if args.dry_run else smoke(args.device))
         print((args.out / "results.md").read_text())
         return 0
     first = load(args, "float32")

@@ -48,7 +48,7 @@ class Row:
     name: str
     dtype: str
     run: Callable[..., Sample] = field(repr=False)  # (prompt, max new tokens[, sampling]) -> Sample
-    capture: str = "off"  # "on": static caches and captured forwards (CUDA graphs on a GPU)
+    capture: str = "off"  # on / auto: static caches and captured forwards (engine/capture.py); off: eager
     stand_in: str | None = None  # the stand-in size its target was padded to (None: the model itself)
     rounds: list[list[Sample]] = field(default_factory=list, repr=False)  # rounds x prompts
 
@@ -208,7 +208,7 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
     t_dtype = target_dtype(pair)
     d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
     pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
-    captured = "on" if capture_mode(pair.capture, pair.target.device) else "off"
+    captured = pair.capture if capture_mode(pair.capture, pair.target.device) else "off"
     rows = []
     for spec in specs:
         method, params = parse_method(spec)

@@ -82,7 +82,7 @@ class Engine:
         for role, session in (("target", self.target), ("draft", self.draft)):
             runner = None if session is None else session.runner
             report[role] = None if session is None else {
-                "mode": "off" if runner is None else runner.mode,
+                "mode": "off" if runner is None else runner.mode + ("+compiled" if runner.compiled else ""),
                 "captured": [] if runner is None else [list(shape) for shape in runner.captured()],
                 "replays": 0 if runner is None else runner.replays,
                 "notes": [] if runner is None else runner.notes}

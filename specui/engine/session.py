@@ -94,7 +94,7 @@ class ModelSession:
             context = int(getattr(model.config, "max_position_embeddings", 0) or STATIC_SLOTS)
             self.cache = StaticKVCache(model.config, round_up(min(context, STATIC_SLOTS) + 64), self.device,
                                        model.get_input_embeddings().weight.dtype)
-            self.runner = StaticForward(model, self.cache, mode)
+            self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on")
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache

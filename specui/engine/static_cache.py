@@ -6,8 +6,9 @@ The store is one tensor (layers, 2, batch, kv heads, capacity, head dim); each l
 values are views of it. A forward writes its k new entries at slots `start .. start + k - 1`,
 `start` being a one-element device tensor the caller fills before the forward (so a captured
 forward reads it at replay time, as transformers' own StaticLayer reads `cumulative_length`),
-and attention reads the first `window` slots (a Python number fixed per captured shape; the
-caller's mask hides the slots past the valid length). The valid length is the caller's
+and attention reads the first `window` slots (the length of `columns`, so a compiled forward
+sees it as a tensor size, not a constant; the caller's mask hides the slots past the valid
+length). The valid length is the caller's
 bookkeeping (`set_length`), never the forward's: a replayed graph runs no Python.
 
 Moving accepted tree entries into place after a step is one gather and one scatter over the
@@ -52,7 +53,7 @@ class SlotLayer(GrowingLayer):
         slots = self.owner.slots(key_states.shape[-2])
         self._kbuf.index_copy_(2, slots, key_states.to(self._kbuf.dtype))
         self._vbuf.index_copy_(2, slots, value_states.to(self._vbuf.dtype))
-        window = self.owner.window
+        window = self.owner.columns.shape[0]
         return self._kbuf[..., :window, :], self._vbuf[..., :window, :]
 
     def keep_rows(self, rows, prefix, tail) -> None:
@@ -80,7 +81,7 @@ class StaticKVCache(DynamicCache):
         self.store: torch.Tensor | None = None
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)
         self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
-        self.window = 0
+        self.columns = self.offsets[:0]  # slots attention reads: offsets[:window]
         self.generation = 0  # bumped whenever the store is reallocated
 
     # -- the store ---------------------------------------------------------------------
@@ -125,7 +126,11 @@ class StaticKVCache(DynamicCache):
         if self.store is None:
             self.allocate()
         self.start.fill_(start)
-        self.window = window
+        self.columns = self.offsets[:window]
+
+    @property
+    def window(self) -> int:
+        return self.columns.shape[0]
 
     def slots(self, k: int) -> torch.Tensor:
         return self.offsets[:k] + self.start

@@ -297,7 +297,7 @@ def capture_line(report: dict) -> str:
             parts.append(f"{role} eager")
         else:
             parts.append(f"{role} {state['mode']}" + (f", {len(state['captured'])} shapes captured"
-                                                      if state["mode"] == "graphs" else ""))
+                                                      if state["mode"].startswith("graphs") else ""))
         parts += [f"{role}: {note}" for note in state["notes"][:3]]
     return f"forwards (capture {report['setting']}): " + "; ".join(parts)
 
