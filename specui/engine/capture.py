@@ -113,7 +113,7 @@ class StaticForward:
         self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.failed: dict[tuple[int, int], str] = {}
-        self.fn = torch.compile(model) if compiled else model  # what the padded shapes run
+        self.fn = _compiled(model) if compiled else model  # what the padded shapes run
         self.compile_problem = ""
         self._generation = cache.generation
         self.replays = 0  # forwards that ran as a replayed graph
@@ -213,9 +213,27 @@ class StaticForward:
     def _padded(self, **kw):
         """A padded shape's forward: compiled where it compiles, else the model itself."""
         if self.fn is not self.model:
+            for name, dims in (("input_ids", (1,)), ("position_ids", (1,)), ("attention_mask", (2, 3))):
+                for dim in dims:  # one compile for every bucket and window (size 1 is specialised anyway)
+                    torch._dynamo.maybe_mark_dynamic(kw[name], dim)
+            torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)
             try:
                 return self.fn(**kw)
             except TorchDynamoException as e:  # the compiler's failure (no C++ compiler, an unsupported op)
                 self.fn = self.model
                 self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
         return self.model(**kw)
+
+
+RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
+
+
+def _compiled(model: PreTrainedModel):
+    """torch.compile of the model; the recompile limit is raised once so a target, its draft and
+    a few shapes each (size 1 is always its own) do not exhaust it, which would leave the rest
+    silently eager (measured on an H100: three models and 8 recompiles hit the default of 8)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILES))
+    return torch.compile(model)
+
