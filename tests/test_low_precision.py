@@ -29,9 +29,9 @@ def record_logits(engine: Engine) -> dict[tuple[int, ...], torch.Tensor]:
     def recording(input_ids, **kwargs):
         before = list(session.cached_ids)
         out = forward(input_ids, **kwargs)
-        if "position_ids" not in kwargs:  # a chain forward (trees are not needed here)
+        if kwargs.get("positions") is None:  # a chain forward (trees are not needed here)
             ids = before + input_ids[0].tolist()
-            rows = out.logits[0, :, : session.vocab_size].float()
+            rows = out[:, : session.vocab_size].float()
             for j in range(rows.shape[0]):
                 seen[tuple(ids[: len(ids) - rows.shape[0] + j + 1])] = rows[j].clone()
         return out

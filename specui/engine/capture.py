@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
 from transformers import PreTrainedModel
 
 from specui.engine.static_cache import StaticKVCache
@@ -216,10 +215,11 @@ class StaticForward:
             for name, dims in (("input_ids", (1,)), ("position_ids", (1,)), ("attention_mask", (2, 3))):
                 for dim in dims:  # one compile for every bucket and window (size 1 is specialised anyway)
                     torch._dynamo.maybe_mark_dynamic(kw[name], dim)
-            torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)
             try:
                 return self.fn(**kw)
-            except TorchDynamoException as e:  # the compiler's failure (no C++ compiler, an unsupported op)
+            except torch.OutOfMemoryError:
+                raise  # the forward's, not the compiler's
+            except Exception as e:  # noqa: BLE001 - the compiler fails in many types (dynamo asserts too)
                 self.fn = self.model
                 self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
         return self.model(**kw)
