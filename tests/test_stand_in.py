@@ -137,8 +137,28 @@ def test_loading_a_stand_in_from_a_folder_and_refusing_its_source_as_draft(tiny_
             load_pair(spec, ModelSpec(str(draft), dtype="float32"))
     pair = load_pair(spec, ModelSpec(str(other), dtype="float32"))
     assert pair.draft is not None
-    with pytest.raises(SpecUIError, match="not with bitsandbytes"):
-        load_model(ModelSpec(str(folder), quantization="4bit", stand_in=tiny_size), "target")
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_a_bitsandbytes_stand_in_computes_its_quantized_sources_function(monkeypatch, tmp_path, quantization):
+    """Padded first, then quantized: nf4's blocks of 64 and int8's rows are the source's own where
+    its width is a multiple of 64, the padded ones all zero; so the stand-in's logits are the
+    quantized source's."""
+    pytest.importorskip("bitsandbytes")
+    from specui.weights.loading import ModelSpec, load_model
+
+    monkeypatch.setitem(stand_in.SIZES, "wide", RealModel("wide", 900_000, 128, 256, 3, 8, 4))
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=2, hidden=64)
+    source = load_model(ModelSpec(str(folder), dtype="float32", device="cpu", quantization=quantization), "target")
+    padded = load_model(ModelSpec(str(folder), dtype="float32", device="cpu", quantization=quantization,
+                                  stand_in="wide"), "target")
+    assert any(f"bitsandbytes {quantization}" in n for n in padded.notes)
+    assert padded.model.config.hidden_size == 128
+    ids = torch.tensor([[1, 5, 9, 13, 7, 22]])
+    with torch.no_grad():
+        a, b = source.model(ids).logits, padded.model(ids).logits
+    assert torch.isfinite(b).all()
+    assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
 
 
 @pytest.mark.bundled

@@ -11,7 +11,8 @@ results.md are rewritten after each, so a run cut short still leaves what it mea
 2. bundled pair, bf16: autoregressive eager, in CUDA graphs and compiled in them, every method
    captured (`--capture`, default on), transformers
    greedy (eager, and over a static cache with torch.compile) and assisted generation as peers;
-3. stand-ins (default 1.7b, 7b), bf16: the same comparison at those sizes' cost;
+3. stand-ins (default 1.7b, and 7b in bitsandbytes 4bit), bf16: the same comparison at those
+   sizes' cost;
 4. bitsandbytes 4bit / 8bit targets: autoregressive and speculative, eager vs captured (where
    bitsandbytes is missing or fails on the card, the section says which and the run goes on).
 Every row carries `capture` (on/off) and `stand_in` (null or the size), peak memory and NVML
@@ -217,10 +218,11 @@ def sections(args: argparse.Namespace, first: ModelPair) -> list[tuple[str, floa
     plan = [("equality", 30, lambda run, prompts: equality(first, args, prompts[:3])),
             ("bundled bf16", 60, lambda run, prompts: throughput(
                 run, args, prompts, load(args, args.dtype), METHODS, f"bundled pair, {args.dtype}", True))]
-    for size in [s for s in args.stand_ins.split(",") if s]:
-        plan.append((f"stand-in {size}", 60, lambda run, prompts, size=size: throughput(
-            run, args, prompts, load(args, args.dtype, stand_in=size), STAND_IN_METHODS,
-            f"stand-in {size}, {args.dtype}", size == args.stand_ins.split(",")[0])))
+    for i, item in enumerate(s for s in args.stand_ins.split(",") if s):
+        size, _, quant = item.partition("@")  # 7b@4bit: the stand-in quantized with bitsandbytes
+        plan.append((f"stand-in {item}", 60, lambda run, prompts, size=size, quant=quant, first=i == 0: throughput(
+            run, args, prompts, load(args, args.dtype, quant or "none", stand_in=size), STAND_IN_METHODS,
+            f"stand-in {size}, {args.dtype}" + (f", bitsandbytes {quant}" if quant else ""), first)))
     for quant in [q for q in args.bitsandbytes.split(",") if q]:
         plan.append((f"bitsandbytes {quant}", 45, lambda run, prompts, quant=quant: throughput(
             run, args, prompts, load(args, args.dtype, quantization=quant), ("speculative:3",),
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="default")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--stand-ins", default="1.7b,7b", help="comma-separated stand-in sizes ('' for none)")
+    ap.add_argument("--stand-ins", default="1.7b,7b@4bit",
+                    help="comma-separated stand-in sizes, SIZE@4bit / @8bit quantized with bitsandbytes ('' for none)")
     ap.add_argument("--bitsandbytes", default="4bit,8bit", help="bitsandbytes quantizations ('' for none)")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=4)

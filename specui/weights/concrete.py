@@ -71,7 +71,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     tokenizer = load_tokenizer(spec, (where, gguf, local))
     kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else dtype, trust_remote_code=spec.trust_remote_code,
                   local_files_only=local)
-    if quant is not None:
+    if quant is not None and shape is None:  # a stand-in is padded first, then quantized (stand_in.bitsandbytes)
         kwargs.update(quantization_config=quant, device_map={"": device})
     try:
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
@@ -88,7 +88,9 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         padded = stand_in.build(model, shape, dtype)
         model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
         notes += (f"{role} {shape.label}",)
-    if quant is None:
+        if quant is not None:
+            notes += (stand_in.bitsandbytes(model, spec.quantization, dtype),)
+    if quant is None or shape is not None:  # bitsandbytes layers quantize as they move to the device
         model = model.to(device)
     model.eval()
     if measures_dtype(spec, device) and model.dtype == torch.float32:
@@ -109,9 +111,6 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
                   device: torch.device, quant) -> stand_in.StandIn:
     """The stand-in's shape from the source's config alone, refused (with the figures) before any
     weight is loaded where it is unknown, not Llama-family, too small or would not fit."""
-    if quant is not None:
-        raise SpecUIError(f"stand-ins are built on the CPU path (none, int8, int4) so far, not with bitsandbytes "
-                          f"{spec.quantization}; use --quantization none or int4")
     try:
         config = AutoConfig.from_pretrained(where, gguf_file=gguf, trust_remote_code=spec.trust_remote_code,
                                             local_files_only=local)
@@ -119,7 +118,9 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
         raise SpecUIError(f"could not read the config of '{spec.source}': {short_error(e)}") from None
     shape = stand_in.plan(config, spec.stand_in)
     per_param = torch.finfo(dtype).bits / 8
-    if measures_dtype(spec, device):  # --dtype auto times float32 against a bfloat16 copy
+    if quant is not None:  # built in `dtype` on the CPU, then quantized as it moves to the device
+        per_param, what = (0.5 if spec.quantization == "4bit" else 1.0), f"in bitsandbytes {spec.quantization}"
+    elif measures_dtype(spec, device):  # --dtype auto times float32 against a bfloat16 copy
         per_param, what = 6, "(float32 and a bfloat16 copy, for --dtype auto; --dtype bfloat16 needs a third)"
     else:
         what = f"in {str(dtype).removeprefix('torch.')}"

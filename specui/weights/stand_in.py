@@ -213,3 +213,34 @@ def is_source_copy(target: PreTrainedModel, draft: PreTrainedModel) -> bool:
     rows = torch.arange(0, mine.shape[0], max(1, mine.shape[0] // 256))
     a, b = mine[rows].float().cpu(), theirs[rows].float().cpu()
     return bool((a - b).abs().max() <= 1e-2 * a.abs().max())
+
+
+def bitsandbytes(model: torch.nn.Module, quantization: str, dtype: torch.dtype) -> str:
+    """Put a built stand-in's decoder matrices on bitsandbytes layers (4bit: nf4, computing in
+    `dtype`; 8bit: LLM.int8()); they quantize when the model moves to its device. The output
+    layer stays as it is (as transformers leaves it). The padding stays exact: nf4 quantizes
+    blocks of 64 consecutive weights and int8 whole rows, so where the source's width is a
+    multiple of 64 the real blocks are the source's own and the padded ones all zero (double
+    quantization off, as transformers' own 4-bit config has it). Returns the load note."""
+    import bitsandbytes as bnb
+
+    swapped = 0
+    for name, module in list(model.get_decoder().named_modules()):
+        if type(module) is not torch.nn.Linear:
+            continue
+        weight = module.weight.data
+        if quantization == "4bit":
+            layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                      compute_dtype=dtype, quant_type="nf4")
+            layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=False)
+        else:
+            layer = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias=module.bias is not None,
+                                        has_fp16_weights=False, threshold=6.0)
+            layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        if module.bias is not None:
+            layer.bias = module.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_decoder().get_submodule(parent) if parent else model.get_decoder(), child, layer)
+        swapped += 1
+    return f"stand-in quantized with bitsandbytes {quantization}: {swapped} decoder matrices"
+
