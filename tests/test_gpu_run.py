@@ -13,22 +13,36 @@ def test_files_are_packed_into_calls_in_order():
     assert calls == [[("a.whl", 0, 5), ("b.gguf", 0, 5)], [("b.gguf", 5, 10)], [("b.gguf", 15, 8)]]
 
 
-def test_parts_arrive_in_order_and_the_joined_file_is_checked(tmp_path):
+def test_parts_arrive_in_order_and_whole_files_are_checked(tmp_path):
     data = bytes(range(256)) * 40
     travel, into = tmp_path / "travel", tmp_path / "into"
+    manifest = {"m.gguf": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
     for k, (offset, length) in enumerate([(0, 4000), (4000, 4000), (8000, 2240)], 1):
         (travel / str(k)).mkdir(parents=True)
         (travel / str(k) / f"m.gguf.{offset:012d}.part").write_bytes(data[offset:offset + length])
-    (travel / "3" / "gguf.json").write_text(json.dumps({"name": "m.gguf", "sha256": hashlib.sha256(data).hexdigest(),
-                                                        "bytes": len(data)}))
+        (travel / str(k) / "manifest.json").write_text(json.dumps(manifest))
     try:  # out of order: refused, nothing appended
         gpu_travel.arrive(2, travel, into)
         raise AssertionError("a part arrived out of order")
     except SystemExit as e:
         assert "arrive in order" in str(e)
-    for k in (1, 2, 3):
+    for k in (1, 2):
         gpu_travel.arrive(k, travel, into)
+    assert not (into / "m.gguf").exists()  # not whole yet
+    gpu_travel.arrive(3, travel, into)
     assert (into / "m.gguf").read_bytes() == data and not (into / "m.gguf.partial").exists()
+
+
+def test_a_corrupt_file_is_refused_once_whole(tmp_path):
+    travel, into = tmp_path / "travel", tmp_path / "into"
+    (travel / "1").mkdir(parents=True)
+    (travel / "1" / "m.gguf.000000000000.part").write_bytes(b"abcd")
+    (travel / "1" / "manifest.json").write_text(json.dumps({"m.gguf": {"bytes": 4, "sha256": "0" * 64}}))
+    try:
+        gpu_travel.arrive(1, travel, into)
+        raise AssertionError("a corrupt file was accepted")
+    except SystemExit as e:
+        assert "sha256" in str(e)
 
 
 def test_dry_run_writes_every_section_with_capture_and_stand_in(tiny_dirs, tmp_path, monkeypatch):
