@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine.capture_choice import cached_choice
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
@@ -44,8 +45,8 @@ class Engine:
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.capture = capture  # auto / on / off: static caches and captured forwards (engine/capture.py)
-        self.target = ModelSession(target, vocab, capture)
-        self.draft = _draft_session(draft, vocab, self.target, capture) if draft is not None else None
+        self.target = ModelSession(target, vocab, _measured(capture, target))
+        self.draft = _draft_session(draft, vocab, self.target, _measured(capture, draft)) if draft is not None else None
         if self.draft is not None:  # SpecDec++ reads its head from the draft's session
             self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
             if acceptance_head is not None:
@@ -137,6 +138,14 @@ def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession, cap
     if reads_features(draft.config):
         return FeatureDraftSession(draft, vocab, target)
     return ModelSession(draft, vocab, capture)
+
+
+def _measured(capture: str, model: PreTrainedModel) -> str:
+    """`auto` on a CPU becomes `on` for a model whose compiled forwards measured faster on this
+    machine (engine/capture_choice.py); every other case stays as asked."""
+    if capture == "auto" and next(model.parameters()).device.type == "cpu" and cached_choice(model) == "on":
+        return "on"
+    return capture
 
 
 def _context_len(model: PreTrainedModel) -> int:

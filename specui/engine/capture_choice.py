@@ -1,0 +1,96 @@
+"""`--capture auto` on a CPU, chosen by measurement: eager forwards against compiled padded
+shapes (`--capture on`), one token at a time after a short context, per model, dtype, CPU,
+thread count and torch version, cached on disk like the dtype choice. Compiling costs a minute
+or more on a small CPU, so nothing measures it unasked: `python -m specui.bench.capture` (or any
+run of it) records the choice, and `auto` reads it; with no record, a CPU stays eager. Measured
+on a 2-core Zen 4 EPYC, bundled target in float32: 53.1 ms a token compiled against 54.0-58.4
+eager, inside the noise; the issue's figures on an AMX Xeon (1.17-1.52x with inductor's
+freezing) are why the choice is per machine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from specui.engine.measure import cache_root, cpu_signature, model_identity
+from specui.engine.session import ModelSession
+
+MARGIN = 0.95  # compiled must be at least 5% faster to be chosen
+CONTEXT, TOKENS, ROUNDS = 48, 24, 2
+
+
+def cache_file() -> Path:
+    return cache_root() / "capture_choices.json"
+
+
+def choice_key(model: PreTrainedModel) -> str:
+    device = next(model.parameters()).device
+    raw = json.dumps([model_identity(model), str(model.dtype), str(device.type), cpu_signature(),
+                      torch.get_num_threads(), torch.__version__])
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def read(path: Path | None = None) -> dict:
+    try:
+        data = json.loads((path or cache_file()).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def cached_choice(model: PreTrainedModel, path: Path | None = None) -> str | None:
+    """"on" or "off" as measured on this machine for this model, or None (never measured, or
+    a corrupt entry)."""
+    entry = read(path).get(choice_key(model))
+    choice = entry.get("choice") if isinstance(entry, dict) else None
+    return choice if choice in ("on", "off") else None
+
+
+def token_ms(model: PreTrainedModel, capture: str) -> tuple[float, float]:
+    """(ms per token, seconds the first forwards took: the compile) decoding TOKENS tokens one
+    at a time after CONTEXT, best of ROUNDS."""
+    session = ModelSession(model, capture=capture)
+    vocab = model.config.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(CONTEXT)]
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        session.advance(ids, 1)
+        for _ in range(2):  # the shapes a reply needs: compiled (or warmed) before timing
+            ids.append(5 % vocab)
+            session.advance(ids, 1)
+        first = time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            for _ in range(TOKENS):
+                ids.append(11 % vocab)
+                session.advance(ids, 1).argmax().item()
+            best = min(best, (time.perf_counter() - t0) / TOKENS * 1000)
+            session.commit(ids[:CONTEXT + 3])
+            del ids[CONTEXT + 3:]
+    return best, first
+
+
+def measure(model: PreTrainedModel, path: Path | None = None) -> dict:
+    """Time eager and compiled forwards, record and return {"ms": {...}, "compile_s", "choice"}."""
+    eager, _ = token_ms(model, "off")
+    compiled, first = token_ms(model, "on")
+    entry = {"ms": {"off": round(eager, 2), "on": round(compiled, 2)}, "compile_s": round(first, 1),
+             "choice": "on" if compiled <= MARGIN * eager else "off", "cpu": cpu_signature(),
+             "threads": torch.get_num_threads(), "dtype": str(model.dtype).removeprefix("torch.")}
+    path = path or cache_file()
+    data = read(path)
+    data[choice_key(model)] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        entry["note"] = f"not cached ({e})"
+    return entry
