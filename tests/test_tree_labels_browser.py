@@ -53,10 +53,22 @@ def test_no_two_token_labels_overlap_in_the_browser(page, name):
             assert drawn["size"][1] == fig.layout.height  # drawn at the height the rows were given
 
 
-@pytest.mark.parametrize("name", TREES)
+def recorded(name: str) -> list[StepTrace]:
+    """A fixture's steps, or steps with every choice a method records (the longest legends)."""
+    if name == "mcsd-decision":
+        return [StepTrace(index=i, method="mcsd", tree_nodes=12, tree_depth=3, expected_accept=2.0, chains=4,
+                          threshold=0.4, stop_value=0.3, stop_reason="decision", accepted=1) for i in range(8)]
+    if name == "ems-sd":
+        return [StepTrace(index=i, method="ems-sd", gamma=3, drafted=3 * (i % 2), choice="speculative:3",
+                          batch_size=3, batch_accepted=[1, 2, 0], batch_row=1, accepted=2) for i in range(8)]
+    return steps_of(name)
+
+
+@pytest.mark.parametrize("name", TREES + ("dsbd-sampled", "mcsd-decision", "ems-sd"))
 def test_legends_sit_outside_the_plotting_area(page, name):
-    steps = steps_of(name)
-    for fig in (acceptance_figure(steps), choices_figure(steps), timing_figure(steps), tree_figure(steps[0])):
+    steps = recorded(name)
+    trees = [tree_figure(steps[0])] if steps[0].nodes else []
+    for fig in [acceptance_figure(steps), choices_figure(steps), timing_figure(steps)] + trees:
         drawn = page.draw(fig, PANEL)
         assert drawn["legend"] and drawn["plots"]
         for plot in drawn["plots"]:

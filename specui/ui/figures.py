@@ -98,7 +98,7 @@ def _choice_series(steps: Sequence[StepTrace]) -> list[tuple[str, dict]]:
                  max((n.reject_pred for n in s.nodes if n.reject_pred is not None), default=None) for s in steps]
         out.append(("probability", dict(
             type="scatter", x=xs, y=value, text=[s.stop_reason for s in steps],
-            name="MCSD: best chain's predicted acceptance at stop" if mcsd else "SpecDec++: P(some rejected) at stop",
+            name="MCSD: predicted acceptance at stop" if mcsd else "SpecDec++: P(some rejected) at stop",
             mode="markers", marker=dict(symbol="x"),
             hovertemplate="step %{x}: %{y:.3f} (stopped: %{text})<extra></extra>")))
         out.append(("probability", dict(type="scatter", x=xs, y=[s.threshold for s in steps], mode="lines",

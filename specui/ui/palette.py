@@ -55,16 +55,15 @@ def panel_title(text: str) -> dict:
                 pad=dict(t=32))
 
 
-def legend_rows(names: list[str], width: float = 500) -> int:
-    """Rows a horizontal legend of these entries takes in a plot `width` px wide (greedy, with
-    a generous estimate of each entry: symbol, gap and about 6.6 px a character)."""
-    rows, used = 1, 0.0
-    for name in names:
-        entry = 46 + 6.6 * len(name)
-        if used and used + entry > width:
-            rows, used = rows + 1, 0.0
-        used += entry
-    return rows
+def legend_rows(names: list[str], width: float = 540) -> int:
+    """Rows a horizontal legend of these entries takes in a plot `width` px wide. As plotly lays
+    it out: one row if every entry fits, else columns as wide as the widest entry (each entry
+    estimated generously: symbol and gap 40 px, 5.8 px a character at font size 11)."""
+    entries = [40 + 5.8 * len(name) for name in names]
+    if sum(entries) <= width:
+        return 1
+    columns = max(1, int(width // max(entries)))
+    return -(-len(entries) // columns)
 
 
 def top_margin(names: list[str], title: bool) -> int:
