@@ -41,7 +41,7 @@ Plotly.react(gd, fig.data, fig.layout, {responsive: true})
     const title = gd.querySelector('.gtitle');
     const markers = Array.from(gd.querySelectorAll('.scatterlayer .points path.point')).map(box);
     done({texts: texts, markers: markers, legend: legend ? box(legend) : null, title: title ? box(title) : null,
-          plots: Array.from(gd.querySelectorAll('.nsewdrag')).map(box),
+          plots: Array.from(gd.querySelectorAll('.nsewdrag')).map(box), frame: box(gd),
           size: [gd._fullLayout.width, gd._fullLayout.height]});
   })
   .catch(e => done({error: String(e)}));

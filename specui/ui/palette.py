@@ -39,13 +39,14 @@ def plain_figure(data: list[dict], layout: dict) -> go.Figure:
 
 
 LEGEND_ROW = 21  # px per row of a horizontal legend at font size 11
-TITLE_SPACE = 56  # px above the legend for a title, under Gradio's label and plotly's mode bar
+BADGE_SPACE = 30  # px at the top for Gradio's label and plotly's mode bar
+TITLE_SPACE = 56  # px above the legend for those and a title under them
 
 
 def legend_above() -> dict:
     """A horizontal legend in the top margin, just above the plotting area (never over it),
     in the order the traces come."""
-    return dict(orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom", traceorder="normal",
+    return dict(orientation="h", x=0, xanchor="left", y=1, yanchor="bottom", traceorder="normal",
                 font=dict(size=11))
 
 
@@ -69,7 +70,7 @@ def legend_rows(names: list[str], width: float = 540) -> int:
 def top_margin(names: list[str], title: bool) -> int:
     """Room above the plot for a title and a legend of these entries (at least Gradio's own
     floor of 100 px under a title)."""
-    need = (TITLE_SPACE if title else 8) + LEGEND_ROW * legend_rows(names) + 6
+    need = (TITLE_SPACE if title else BADGE_SPACE) + LEGEND_ROW * legend_rows(names) + 12  # 12: its padding
     return max(100, need) if title else need
 
 
