@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from app_process import start_app, stop_app
+from figure_page import covered, overlaps
 
 from specui.bench.browser_driver import CHROMEDRIVER, CHROMIUM, PageDriver
 from specui.bench.browser_driver import wait_until as _wait_until
@@ -115,6 +116,8 @@ def test_chat_streams_draws_the_tree_and_inspects_steps(page):
     _wait_until(lambda: page.tree_points() >= 2, 20, "the plotly draft tree")
     labels = page.texts("#tree .scatterlayer .textpoint")
     assert any(label.strip() for label in labels)  # token labels on the nodes
+    drawn = page.driver.execute_script(LABEL_BOXES_JS, "#tree")  # as Gradio drew them: none on another
+    assert drawn["texts"] and overlaps(drawn["texts"]) == [] and covered(drawn["texts"], drawn["markers"]) == []
     assert page.texts("#provenance .prov-draft") and page.texts("#provenance .prov-target")
 
     # step inspector: open step 0 again from the stored trace
@@ -126,6 +129,15 @@ def test_chat_streams_draws_the_tree_and_inspects_steps(page):
     trace = json.loads(saved[0].read_text(encoding="utf-8"))
     assert trace["stats"]["method"] == "speculative" and trace["steps"][0]["index"] == 0
 
+
+# the token labels' and the nodes' boxes in a chart, as tests/figure_page.py reads them
+LABEL_BOXES_JS = """
+const gd = document.querySelector(arguments[0] + ' .js-plotly-plot');
+const box = el => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+return {texts: Array.from(gd.querySelectorAll('.scatterlayer .textpoint text')).filter(t => t.textContent.length)
+          .map(t => [t.textContent, ...box(t)]),
+        markers: Array.from(gd.querySelectorAll('.scatterlayer .points path.point')).map(box)};
+"""
 
 LIVE_CHARTS = ("tree", "accept", "choices")
 # per chart: whether the chart drawn when the probe was armed is still the one on the page (drawn

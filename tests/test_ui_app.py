@@ -25,11 +25,14 @@ from specui.ui.figures import (
     timing_figure,
     tree_figure,
 )
+from specui.ui.tree_figure import is_forest
+from specui.ui.tree_layout import token_label
 from specui.weights.loading import ModelSpec
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
 METHODS = ("autoregressive", "beam", "speculative", "speculative-sampled", "tree", "opt-tree", "dsbd", "dsbd-sampled")
-REWRITING = ("beam", "dsbd", "dsbd-sampled")  # beam methods re-send their best beam each step
+TREES = ("mcsd-baseline", "opt-tree-25", "dsbd-w4", "mcsd-fork-w4")  # the tree panel's hard cases (issue 45)
+REWRITING = ("beam", "dsbd", "dsbd-sampled", "dsbd-w4")  # beam methods re-send their best beam each step
 
 
 def fixture(name: str):
@@ -39,7 +42,7 @@ def fixture(name: str):
 
 # --- figures on recorded traces of every method ---------------------------------------------
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", METHODS + TREES)
 def test_tree_figure_every_step_of_every_method(name):
     steps, stats = fixture(name)
     committed = len(steps[-1].new_token_ids) if name in REWRITING else sum(len(s.new_token_ids) for s in steps)
@@ -51,11 +54,12 @@ def test_tree_figure_every_step_of_every_method(name):
         for t in node_traces:
             assert t.marker.color == STATUS_COLORS[t.name]
             members = [n for n in step.nodes if n.status == t.name]
-            assert list(t.text) == [n.text for n in members]  # token labels
+            assert list(t.text) == [token_label(n.text) for n in members]  # token labels, whitespace shown
             assert all(label for label in t.text)  # no blank label (EOS and specials are named)
             assert all("status: " + t.name in h for h in t.hovertext)
-        edges = fig.data[0]
-        assert len(edges.x) == 3 * len(step.nodes)  # one edge per node (to its parent or the context)
+        edges = [t for t in fig.data if t.name in ("edges", "accepted path")]
+        roots = sum(n.parent == -1 for n in step.nodes) if is_forest(step) else 0  # a forest's beams: lanes
+        assert sum(list(t.x).count(None) for t in edges) == len(step.nodes) - roots  # one edge per node
         assert f"step {step.index}" in fig.layout.title.text
 
 

@@ -45,7 +45,7 @@ def test_tree_figure_nodes_colours_and_labels(tiny_target, tiny_draft):
     assert sum(len(t.x) for t in node_traces) == len(step.nodes)
     for t in node_traces:
         assert t.marker.color == STATUS_COLORS[t.name]
-        assert all(label.startswith("t") for label in t.text)
+        assert all(label.startswith("t") for label in t.text)  # (the tiny tokenizer's tokens: no spaces)
     assert "step 0" in fig.layout.title.text
 
 
@@ -62,7 +62,8 @@ def test_tree_layout_hand_drawn():
     #   root -> 0 -> 1 ; 0 -> 2 ; root -> 3
     xy = tree_layout([-1, 0, 0, -1])
     assert [x for x, _ in xy] == [1, 2, 2, 1]
-    assert xy[1][1] < xy[2][1] and xy[0][1] == (xy[1][1] + xy[2][1]) / 2
+    assert xy[1][1] < xy[2][1] < xy[3][1]  # one row per leaf, subtrees one under the other
+    assert xy[0][1] == xy[1][1]  # a parent on its first child's row: a path reads along one line
 
 
 def test_empty_figures():

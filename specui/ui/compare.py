@@ -16,7 +16,7 @@ import gradio as gr
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.ui.controls import SETTING_FIELDS
-from specui.ui.figures import STATUS_COLORS, _figure
+from specui.ui.palette import SERIES_COLORS, legend_above, panel_title, plain_figure
 from specui.ui.streaming import ENGINE, Started, Waiting, run_in_background, session_key
 
 MIN_METHODS, MAX_METHODS = 2, 4
@@ -107,11 +107,11 @@ def timeline_figure(runs: list[Run]):
         data.append(dict(type="scatter", x=xs, y=ys, mode="lines+markers", name=r.method, text=text,
                          hovertemplate="%{text}<extra>" + html.escape(r.method) + "</extra>",
                          marker=dict(size=5)))
-    return _figure(data, dict(
-        title=dict(text="step timelines: tokens vs decoding time" if data else "no comparison yet"), height=300,
-        margin=dict(l=20, r=20, t=40, b=20), xaxis=dict(title=dict(text="ms since the first step")),
-        yaxis=dict(title=dict(text="tokens in the reply")), legend=dict(orientation="h", y=1.15),
-        colorway=[STATUS_COLORS[k] for k in ("bonus", "accepted", "resampled", "target")]))
+    return plain_figure(data, dict(
+        title=panel_title("step timelines: tokens vs decoding time" if data else "no comparison yet"), height=340,
+        margin=dict(l=20, r=20, t=100, b=40), xaxis=dict(title=dict(text="ms since the first step")),
+        yaxis=dict(title=dict(text="tokens in the reply")), legend=legend_above(),
+        colorway=list(SERIES_COLORS)))
 
 
 class Comparison:

@@ -8,105 +8,22 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 
 from specui.engine.trace import StepTrace
+from specui.ui.palette import (
+    NEUTRAL,
+    PROVENANCE_COLORS,
+    SERIES_COLORS,
+    STATUS_COLORS,
+    legend_above,
+    panel_title,
+    plain_figure,
+    stacked_axes,
+    top_margin,
+)
+from specui.ui.tree_figure import tree_figure
+from specui.ui.tree_layout import tree_layout
 
-STATUS_COLORS = {
-    "accepted": "#2e9e44",
-    "rejected": "#d62728",
-    "resampled": "#ff9f1c",
-    "bonus": "#1f77b4",
-    "unverified": "#b0b0b0",
-    "target": "#6f42c1",
-    "dropped": "#e8c4c4",
-    "filled": "#ffd58a",
-}
-
-
-def _figure(data: list[dict], layout: dict) -> go.Figure:
-    """A figure from plain dicts without plotly's per-property validation (10x cheaper; the
-    live panels are rebuilt while a reply streams)."""
-    return go.Figure(data=data, layout=layout, _validate=False)
-
-
-def tree_layout(parents: Sequence[int]) -> list[tuple[float, float]]:
-    """(x = depth, y = tidy leaf order) for each node; parent -1 hangs under a virtual
-    root (the committed context) at (0, y)."""
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
-    pos: dict[int, tuple[float, float]] = {}
-    next_leaf = [0.0]
-
-    def place(node: int, depth: int) -> float:
-        kids = children.get(node, [])
-        if not kids:
-            y = next_leaf[0]
-            next_leaf[0] += 1.0
-        else:
-            ys = [place(k, depth + 1) for k in kids]
-            y = sum(ys) / len(ys)
-        pos[node] = (float(depth), y)
-        return y
-
-    place(-1, 0)
-    return [pos[i] for i in range(len(parents))]
-
-
-def _hover(node) -> str:
-    parts = [f"<b>{node.text!r}</b> ({node.token_id})", f"status: {node.status}"]
-    for label, value in (("q", node.q), ("p", node.p), ("p^", node.p_hat), ("min(1,p/q)", node.accept_ratio)):
-        if value is not None:
-            parts.append(f"{label} = {value:.4f}")
-    if node.beam is not None:
-        parts.append(f"beam {node.beam}")
-    if node.score is not None:
-        parts.append(f"beam log-lik = {node.score:.3f}")
-    if node.draft_score is not None:
-        parts.append(f"draft log-lik = {node.draft_score:.3f}")
-    if node.accept_pred is not None:  # SpecDec++'s head, MCSD's decision model
-        parts.append(f"predicted a_t = {node.accept_pred:.3f}")
-    if node.reject_pred is not None:
-        parts.append(f"P(some rejected) = {node.reject_pred:.3f}")
-    if node.status == "target" and node.parent == -1:
-        parts.append("drawn from the target's own distribution")
-    return "<br>".join(parts)
-
-
-def tree_figure(step: StepTrace | None) -> go.Figure:
-    """The step's draft tree (chain, tree or beam layer): nodes coloured by status."""
-    if step is None or not step.nodes:
-        return _figure([], dict(title=dict(text="draft tree: no step yet"), height=320))
-    parents = [n.parent for n in step.nodes]
-    xy = tree_layout(parents)
-    leaves = len(parents) - len({p for p in parents if p >= 0})  # one row per leaf: room for the labels
-    root_y = sum(y for (x, y), p in zip(xy, parents) if p == -1) / max(1, parents.count(-1))
-    edge_x, edge_y = [], []
-    for (x, y), p in zip(xy, parents):
-        px, py = (0.0, root_y) if p == -1 else xy[p]
-        edge_x += [px, x, None]
-        edge_y += [py, y, None]
-    data = [
-        dict(type="scatter", x=edge_x, y=edge_y, mode="lines", line=dict(color="#999", width=1),
-             hoverinfo="skip", showlegend=False),
-        dict(type="scatter", x=[0.0], y=[root_y], mode="markers+text", text=["context"],
-             textposition="top center", marker=dict(size=14, color="#444"), hoverinfo="skip", showlegend=False),
-    ]
-    for status, color in STATUS_COLORS.items():
-        idx = [i for i, n in enumerate(step.nodes) if n.status == status]
-        if not idx:
-            continue
-        data.append(dict(
-            type="scatter", x=[xy[i][0] for i in idx], y=[xy[i][1] for i in idx], mode="markers+text",
-            name=status, text=[step.nodes[i].text for i in idx], textposition="top center",
-            marker=dict(size=18, color=color, line=dict(color="white", width=1)),
-            hovertext=[_hover(step.nodes[i]) for i in idx], hoverinfo="text",
-        ))
-    return _figure(data, dict(
-        title=dict(text=f"step {step.index}: {step.accepted}/{step.drafted} drafts accepted, "
-                        f"+{len(step.new_token_ids)} tokens"),
-        height=max(320, 90 + 22 * leaves), margin=dict(l=20, r=20, t=40, b=20),
-        xaxis=dict(title=dict(text="depth"), dtick=1, zeroline=False), yaxis=dict(visible=False),
-    ))
-
+__all__ = ["STATUS_COLORS", "PROVENANCE_COLORS", "tree_figure", "tree_layout", "acceptance_figure", "choices_figure",
+           "timing_figure", "provenance_html", "provenance_segments", "step_markdown", "profile_figure"]
 
 def _reply_lengths(steps: Sequence[StepTrace]) -> list[int]:
     """Tokens in the reply after each step (a replacing step, beam search's, restarts it)."""
@@ -118,116 +35,143 @@ def _reply_lengths(steps: Sequence[StepTrace]) -> list[int]:
 
 
 def acceptance_figure(steps: Sequence[StepTrace]) -> go.Figure:
-    """Accepted vs rejected draft tokens per step, and the running mean accepted length."""
+    """Accepted vs rejected draft tokens per step (bars) above the running mean tokens per
+    target forward: two panels, one y-scale each."""
     xs = [s.index for s in steps]
     accepted = [s.accepted for s in steps]
     rejected = [s.drafted - s.accepted for s in steps]
     running = [n / (i + 1) for i, n in enumerate(_reply_lengths(steps))]
-    return _figure([
+    return plain_figure([
         dict(type="bar", x=xs, y=accepted, name="accepted", marker=dict(color=STATUS_COLORS["accepted"])),
         dict(type="bar", x=xs, y=rejected, name="rejected / unverified", marker=dict(color=STATUS_COLORS["rejected"])),
-        dict(type="scatter", x=xs, y=running, name="tokens per target forward (running mean)", mode="lines",
-             yaxis="y2", line=dict(color="#1f77b4")),
+        dict(type="scatter", x=xs, y=running, name="tokens per target forward (running mean)", mode="lines+markers",
+             yaxis="y2", line=dict(color=NEUTRAL), marker=dict(size=4)),
     ], dict(
-        barmode="stack", height=280, margin=dict(l=20, r=20, t=30, b=20),
-        xaxis=dict(title=dict(text="step")), yaxis=dict(title=dict(text="draft tokens")),
-        yaxis2=dict(overlaying="y", side="right", title=dict(text="tokens / forward"), rangemode="tozero"),
-        legend=dict(orientation="h", y=1.15),
+        barmode="stack", height=320 + top_margin(LEGEND_ACCEPT, title=False),
+        margin=dict(l=20, r=20, t=top_margin(LEGEND_ACCEPT, title=False), b=40), legend=legend_above(),
+        **stacked_axes(["draft tokens", "tokens / forward"]),
     ))
 
 
-def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
-    """The dynamic choices each step made: candidate length, tree size / depth, E(A) next
-    to the achieved acceptance length A, beam width."""
-    data = []
+LEGEND_ACCEPT = ["accepted", "rejected / unverified", "tokens per target forward (running mean)"]
+
+
+# The choices panel's quantities, one small multiple each: (y-axis title, series names in it).
+CHOICE_PANELS = {
+    "tokens": "tokens / layers",  # gamma, depth, E(A), A, DSBD's stop layer, what auto drafted, rows' accepted
+    "nodes": "tree nodes",
+    "width": "width (beams, chains, rows)",
+    "probability": "probability",
+}
+
+
+def _choice_series(steps: Sequence[StepTrace]) -> list[tuple[str, dict]]:
+    """(panel, trace) for every choice the steps recorded."""
     xs = [s.index for s in steps]
-    series = {
-        "gamma (candidate length)": [s.gamma for s in steps],
-        "tree nodes": [s.tree_nodes for s in steps],
-        "tree depth": [s.tree_depth for s in steps],
-        "E(A) expected": [s.expected_accept for s in steps],
-        "beam width": [s.beam_width for s in steps],
-        "DSBD: layer where verification stopped": [s.stop_layer for s in steps],
-    }
-    chosen = [s.choice for s in steps]
-    for name, ys in series.items():
+    out: list[tuple[str, dict]] = []
+    series = (
+        ("tokens", "gamma (candidate length)", [s.gamma for s in steps]),
+        ("nodes", "tree nodes", [s.tree_nodes for s in steps]),
+        ("tokens", "tree depth", [s.tree_depth for s in steps]),
+        ("tokens", "E(A) expected", [s.expected_accept for s in steps]),
+        ("width", "beam width", [s.beam_width for s in steps]),
+        ("tokens", "DSBD: layer where verification stopped", [s.stop_layer for s in steps]),
+    )
+    for panel, name, ys in series:
         if any(y is not None for y in ys):
-            data.append(dict(type="scatter", x=xs, y=ys, name=name, mode="lines+markers"))
+            out.append((panel, dict(type="scatter", x=xs, y=ys, name=name, mode="lines+markers")))
     if any(s.expected_accept is not None for s in steps):
-        data.append(dict(type="scatter", x=xs, y=[s.accepted + 1 for s in steps], name="A achieved", mode="markers"))
+        out.append(("tokens", dict(type="scatter", x=xs, y=[s.accepted + 1 for s in steps], name="A achieved",
+                                   mode="markers")))
     widths = [(s.index, layer, w) for s in steps for layer, w in enumerate(s.layer_widths or [], 1)]
     if widths:  # DSBD: the width chosen at every verified layer, one marker per layer
-        data.append(dict(type="scatter", x=[i for i, _, _ in widths], y=[w for _, _, w in widths],
-                         text=[f"layer {layer}" for _, layer, _ in widths], name="DSBD: width per layer",
-                         hovertemplate="step %{x}, %{text}: width %{y}<extra></extra>", mode="markers",
-                         marker=dict(symbol="diamond-open", size=9)))
+        out.append(("width", dict(type="scatter", x=[i for i, _, _ in widths], y=[w for _, _, w in widths],
+                                  text=[f"layer {layer}" for _, layer, _ in widths], name="DSBD: width per layer",
+                                  hovertemplate="step %{x}, %{text}: width %{y}<extra></extra>", mode="markers",
+                                  marker=dict(symbol="diamond-open", size=9))))
     if any(s.chains is not None for s in steps):  # MCSD forks: chains per step
-        data.append(dict(type="scatter", x=xs, y=[s.chains for s in steps], name="MCSD: chains", mode="lines+markers"))
+        out.append(("width", dict(type="scatter", x=xs, y=[s.chains for s in steps], name="MCSD: chains",
+                                  mode="lines+markers")))
     if any(s.threshold is not None for s in steps):  # the stop rule's input against its threshold
         mcsd = any(s.chains is not None for s in steps)
         value = [s.stop_value if s.stop_value is not None else
                  max((n.reject_pred for n in s.nodes if n.reject_pred is not None), default=None) for s in steps]
-        data.append(dict(type="scatter", x=xs, y=value, yaxis="y2", text=[s.stop_reason for s in steps],
-                         name="MCSD: best chain's predicted acceptance at stop" if mcsd
-                         else "SpecDec++: P(some rejected) at stop", mode="markers", marker=dict(symbol="x"),
-                         hovertemplate="step %{x}: %{y:.3f} (stopped: %{text})<extra></extra>"))
-        data.append(dict(type="scatter", x=xs, y=[s.threshold for s in steps], yaxis="y2", mode="lines",
-                         name="stop threshold" if mcsd else "threshold H", line=dict(dash="dash")))
+        out.append(("probability", dict(
+            type="scatter", x=xs, y=value, text=[s.stop_reason for s in steps],
+            name="MCSD: predicted acceptance at stop" if mcsd else "SpecDec++: P(some rejected) at stop",
+            mode="markers", marker=dict(symbol="x"),
+            hovertemplate="step %{x}: %{y:.3f} (stopped: %{text})<extra></extra>")))
+        out.append(("probability", dict(type="scatter", x=xs, y=[s.threshold for s in steps], mode="lines",
+                                        name="stop threshold" if mcsd else "threshold H", line=dict(dash="dash"))))
+    chosen = [s.choice for s in steps]
     if any(c is not None for c in chosen):  # auto / ems-sd: what it chose, drafted tokens per step
-        data.append(dict(type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
-                         text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
-                         name=f"{steps[0].method}: drafted (0 = autoregressive)", mode="markers",
-                         marker=dict(symbol="square")))
-    data += batch_series(steps, xs)
-    many = len(data) > 3  # a long legend goes below the plot (it would cover it in a narrow column)
-    layout = dict(height=260 + (26 * ((len(data) + 1) // 2) if many else 0),
-                  margin=dict(l=20, r=20, t=30, b=20), xaxis=dict(title=dict(text="step")),
-                  legend=dict(orientation="h", y=-0.25, yanchor="top") if many else dict(orientation="h", y=1.2),
-                  title=dict(text="dynamic choices" if steps else "no steps yet"))
-    if any(d.get("yaxis") == "y2" for d in data):
-        layout["yaxis2"] = dict(overlaying="y", side="right", range=[0, 1], title=dict(text="probability"))
-    return _figure(data, layout)
+        out.append(("tokens", dict(
+            type="scatter", x=xs, y=[s.drafted if c else None for s, c in zip(steps, chosen, strict=True)],
+            text=chosen, hovertemplate="step %{x}: %{text}<extra></extra>",
+            name=f"{steps[0].method}: drafted (0 = autoregressive)", mode="markers", marker=dict(symbol="square"))))
+    return out + batch_series(steps, xs)
 
 
-def batch_series(steps: Sequence[StepTrace], xs: list[int]) -> list[dict]:
+def choices_figure(steps: Sequence[StepTrace]) -> go.Figure:
+    """The dynamic choices each step made: candidate length, tree size / depth, E(A) next
+    to the achieved acceptance length A, widths, the stop rule; one small multiple per
+    quantity (tree nodes in the tens beside widths of 1-4 would flatten the widths)."""
+    series = _choice_series(steps)
+    panels = [p for p in CHOICE_PANELS if any(panel == p for panel, _ in series)]
+    data = []
+    for panel, trace in series:
+        k = panels.index(panel)
+        data.append(dict(trace, yaxis="y" if k == 0 else f"y{k + 1}"))
+    axes = stacked_axes([CHOICE_PANELS[p] for p in panels])
+    if "probability" in panels:
+        k = panels.index("probability")
+        axes["yaxis" if k == 0 else f"yaxis{k + 1}"].update(range=[0, 1], rangemode="normal")
+    top = top_margin([d["name"] for d in data], title=True)
+    return plain_figure(data, dict(
+        height=top + 44 + 130 * max(1, len(panels)), margin=dict(l=20, r=20, t=top, b=44), legend=legend_above(),
+        colorway=list(SERIES_COLORS), title=panel_title("dynamic choices" if steps else "no steps yet"), **axes))
+
+
+def batch_series(steps: Sequence[StepTrace], xs: list[int]) -> list[tuple[str, dict]]:
     """EMS-SD: the batch's size per step and every row's accepted length (this chat's row
     drawn apart from the others)."""
     if not any(s.batch_size is not None for s in steps):
         return []
     others = [(s.index, a) for s in steps for r, a in enumerate(s.batch_accepted or []) if r != s.batch_row]
     return [
-        dict(type="scatter", x=xs, y=[s.batch_size for s in steps], name="batch size", mode="lines",
-             line=dict(shape="hv", color="#555")),
-        dict(type="scatter", x=[i for i, _ in others], y=[a for _, a in others], name="other rows: accepted",
-             mode="markers", marker=dict(color="rgba(120,120,120,0.45)", size=6)),
-        dict(type="scatter", x=xs, y=[s.accepted for s in steps], name="this chat: accepted", mode="markers",
-             marker=dict(color="#2e9e44", size=8, symbol="diamond")),
+        ("width", dict(type="scatter", x=xs, y=[s.batch_size for s in steps], name="batch size", mode="lines",
+                       line=dict(shape="hv", color=NEUTRAL))),
+        ("tokens", dict(type="scatter", x=[i for i, _ in others], y=[a for _, a in others], name="other rows: accepted",
+                        mode="markers", marker=dict(color="rgba(120,120,120,0.45)", size=6))),
+        ("tokens", dict(type="scatter", x=xs, y=[s.accepted for s in steps], name="this chat: accepted",
+                        mode="markers", marker=dict(color=STATUS_COLORS["accepted"], size=8, symbol="diamond"))),
     ]
 
 
 def timing_figure(steps: Sequence[StepTrace]) -> go.Figure:
-    """Draft vs verify time per step (stacked bars) and the running tokens/s."""
+    """Draft vs verify time per step (stacked bars) above the running tokens/s: two panels."""
     xs = [s.index for s in steps]
     other = [max(0.0, s.step_ms - s.draft_ms - s.verify_ms) for s in steps]
     running, ms = [], 0.0
     for s, tokens in zip(steps, _reply_lengths(steps)):
         ms += s.step_ms
         running.append(1000.0 * tokens / ms if ms > 0 else 0.0)
-    return _figure([
-        dict(type="bar", x=xs, y=[s.draft_ms for s in steps], name="draft ms", marker=dict(color="#9ecae1")),
-        dict(type="bar", x=xs, y=[s.verify_ms for s in steps], name="verify ms", marker=dict(color="#6f42c1")),
+    return plain_figure([
+        dict(type="bar", x=xs, y=[s.draft_ms for s in steps], name="draft ms", marker=dict(color=SERIES_COLORS[1])),
+        dict(type="bar", x=xs, y=[s.verify_ms for s in steps], name="verify ms",
+             marker=dict(color=STATUS_COLORS["target"])),
         dict(type="bar", x=xs, y=other, name="other ms", marker=dict(color="#dddddd")),
         dict(type="scatter", x=xs, y=running, name="tokens/s (running)", mode="lines", yaxis="y2",
-             line=dict(color="#2e9e44")),
+             line=dict(color=NEUTRAL)),
     ], dict(
-        barmode="stack", height=260, margin=dict(l=20, r=20, t=30, b=20),
-        xaxis=dict(title=dict(text="step")), yaxis=dict(title=dict(text="ms per step")),
-        yaxis2=dict(overlaying="y", side="right", title=dict(text="tokens/s"), rangemode="tozero"),
-        legend=dict(orientation="h", y=1.2), title=dict(text="time per step" if steps else "no steps yet"),
+        barmode="stack", height=280 + top_margin(LEGEND_TIMING, title=True),
+        margin=dict(l=20, r=20, t=top_margin(LEGEND_TIMING, title=True), b=40), legend=legend_above(),
+        title=panel_title("time per step" if steps else "no steps yet"),
+        **stacked_axes(["ms per step", "tokens/s"]),
     ))
 
 
-PROVENANCE_COLORS = {"draft": "#c8efd0", "target": "#e6dcf7"}
+LEGEND_TIMING = ["draft ms", "verify ms", "other ms", "tokens/s (running)"]
 
 
 def provenance_segments(steps: Sequence[StepTrace]) -> list[tuple[str, str]]:
@@ -322,7 +266,7 @@ def profile_figure(profile: dict | None) -> go.Figure:
     """The pair's cost profile (CostProfile.to_dict(), plain data): target ms vs k tokens at
     each measured context, and draft ms per layer of width w, on one log-k axis."""
     if not profile:
-        return _figure([], dict(height=260, title=dict(text="no cost profile measured yet")))
+        return plain_figure([], dict(height=260, title=dict(text="no cost profile measured yet")))
     data = []
     for context, row in sorted(profile.get("target_ms", {}).items(), key=lambda kv: int(kv[0])):
         ks = sorted(row, key=int)
@@ -333,6 +277,7 @@ def profile_figure(profile: dict | None) -> go.Figure:
         ws = sorted(draft, key=int)
         data.append(dict(type="scatter", x=[int(w) for w in ws], y=[draft[w] for w in ws], mode="lines+markers",
                          name="draft, one layer of width w"))
-    return _figure(data, dict(height=300, margin=dict(l=20, r=20, t=30, b=20), legend=dict(orientation="h", y=1.2),
-                              xaxis=dict(type="log", title=dict(text="k tokens / width w")),
-                              yaxis=dict(title=dict(text="ms")), title=dict(text="cost profile")))
+    return plain_figure(data, dict(
+        height=340, margin=dict(l=20, r=20, t=100, b=40), legend=legend_above(), colorway=list(SERIES_COLORS),
+        xaxis=dict(type="log", title=dict(text="k tokens / width w")), yaxis=dict(title=dict(text="ms")),
+        title=panel_title("cost profile")))

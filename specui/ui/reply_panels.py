@@ -75,10 +75,18 @@ class ReplyPanels:
             return tree_figure(None), step_markdown(None)
         i = min(max(int(index or 0), 0), len(steps) - 1)
         step = StepTrace.from_dict(steps[i])
-        return tree_figure(step), step_markdown(step)
+        return tree_figure(step, steps[i - 1].get("beams") if i > 0 else None), step_markdown(step)
 
 
 def _figures(steps: list[StepTrace], step: StepTrace | None) -> dict:
     """The four panels, keyed by their Outputs field, which is also their chart's elem_id."""
-    return {"tree": tree_figure(step), "accept": acceptance_figure(steps), "choices": choices_figure(steps),
-            "timing": timing_figure(steps)}
+    return {"tree": tree_figure(step, beams_before(steps, step)), "accept": acceptance_figure(steps),
+            "choices": choices_figure(steps), "timing": timing_figure(steps)}
+
+
+def beams_before(steps: list[StepTrace], step: StepTrace | None) -> list[dict] | None:
+    """The beams `step` started from (the step before it recorded them; DSBD's input beams)."""
+    if step is None or step.index < 1 or step.index > len(steps):
+        return None
+    before = steps[step.index - 1]
+    return before.beams if before.index == step.index - 1 else None
