@@ -66,6 +66,19 @@ def capture_features(model: PreTrainedModel, layers: Sequence[int] = ()) -> Iter
             h.remove()
 
 
+def activation_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype the model's hidden states (and so its keys and values) are computed in: its
+    input embeddings' (a draft's cast embeddings say theirs), else its own floating dtype."""
+    embeddings = model.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    cast = getattr(embeddings, "dtype", None)
+    if isinstance(cast, torch.dtype):
+        return cast
+    return model.dtype if model.dtype.is_floating_point else torch.float32
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -93,7 +106,7 @@ class ModelSession:
         else:
             context = int(getattr(model.config, "max_position_embeddings", 0) or STATIC_SLOTS)
             self.cache = StaticKVCache(model.config, round_up(min(context, STATIC_SLOTS) + 64), self.device,
-                                       model.get_input_embeddings().weight.dtype)
+                                       activation_dtype(model))
             self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on")
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self.cached_ids: list[int] = []
