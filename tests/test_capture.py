@@ -201,3 +201,16 @@ def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerl
                                                                                   "autoregressive").output_ids
     assert not failing.target.runner.compiled
     assert failing.target.runner.notes[0].startswith("not compiled: BackendCompilerFailed")
+
+
+def test_a_draft_with_cast_embeddings_gets_a_static_cache_of_its_dtype():
+    """A draft that sees its target's embeddings through a cast (weights/draft.py) has no
+    embedding weight of its own: the store takes the cast's dtype."""
+    from specui.weights.draft import CastEmbedding
+
+    model = tiny_llama(5, layers=1, dtype=torch.float32)
+    shared = torch.nn.Embedding(model.config.vocab_size, model.config.hidden_size).to(torch.float64)
+    model.model.embed_tokens = CastEmbedding(shared, torch.float32)
+    session = uncompiled(ModelSession(model, capture="on"))
+    assert session.advance([1, 2, 3, 4], 1).dtype == torch.float32
+    assert session.cache.store.dtype == torch.float32
