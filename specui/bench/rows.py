@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specui.engine import GenerationRequest, make_method
-from specui.engine.capture import capture_mode
 from specui.engine.sampling import SamplingConfig
 from specui.service.pair import ModelPair
 
@@ -208,7 +207,7 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
     t_dtype = target_dtype(pair)
     d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
     pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
-    captured = pair.capture if capture_mode(pair.capture, pair.target.device) else "off"
+    captured = "off" if pair.engine().target.runner is None else pair.capture  # auto on a CPU: as measured
     rows = []
     for spec in specs:
         method, params = parse_method(spec)

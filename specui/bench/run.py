@@ -154,13 +154,23 @@ def common_parser(description: str) -> argparse.ArgumentParser:
                     help="target: auto (the app's default), none, int8 / int4 (CPU kernels), 8bit, 4bit")
     ap.add_argument("--stand-in", default="", metavar="SIZE",
                     help="the target zero-padded to 360m / 1.7b / 7b: its own function at that size's cost")
-    ap.add_argument("--capture", default="auto", choices=CAPTURES,
-                    help="our rows' forwards: auto (CUDA graphs on a GPU, eager on a CPU), on, off")
+    ap.add_argument("--capture", default="auto", type=captures,
+                    help="our rows' forwards: auto (CUDA graphs on a GPU; on a CPU what `python -m specui.bench."
+                         "capture` measured faster, else eager), on (compiled), off; several (off,on): every row "
+                         "once per value, side by side")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="rounds over every prompt (median, min-max)")
     return ap
+
+
+def captures(value: str) -> str:
+    """--capture: one of CAPTURES, or several separated by commas."""
+    bad = [v for v in value.split(",") if v not in CAPTURES]
+    if bad or not value:
+        raise argparse.ArgumentTypeError(f"capture must be {', '.join(CAPTURES)} (or several, comma-separated)")
+    return value
 
 
 def out_folder(ap: argparse.ArgumentParser, out: Path) -> Path:
@@ -183,7 +193,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
-    pair.capture = args.capture
+    pair.capture = args.capture.split(",")[0]
     tok = pair.target.tokenizer
     prompts = bench_prompts(tok, args.prompts, args.limit)
     device = str(pair.target.device)
@@ -232,7 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats and --max-new-tokens must be >= 1")
 
     pair, prompts = load_bench(args)
-    rows = make_rows(pair, args.methods.split(","), args.gamma, not args.no_peers)
+    rows = []
+    for i, capture in enumerate(args.capture.split(",")):  # the first value's rows are the base
+        pair.capture = capture
+        more = make_rows(pair, args.methods.split(","), args.gamma, not args.no_peers and i == 0)
+        if "," in args.capture:
+            for row in more:
+                row.name += "" if row.name.startswith("transformers") or i == 0 else f" [capture {capture}]"
+        rows += more
     if args.other_draft:
         rows += other_draft_rows(args, pair)
     bench(rows, prompts, args.max_new_tokens, args.repeats)
