@@ -52,8 +52,8 @@ def capture_mode(capture: str, device: torch.device) -> str | None:
     """The forward mode for a `--capture` value on a device (None: today's eager cache).
     `on`: the padded shapes compiled (inside CUDA graphs on a GPU), waiting for each compile;
     `auto`: CUDA graphs of the eager shapes on a GPU (no compile to wait for; 7x eager on an
-    H100); on a CPU the eager path, since no captured CPU forward measures faster there yet
-    (this 2-core EPYC: compiled 53 ms a token against 54-58 eager, float32)."""
+    H100); on a CPU the eager path here, which the engine turns into `on` for a model whose
+    compiled forwards measured faster on this machine (engine/capture_choice.py)."""
     if capture not in CAPTURES:
         raise SpecUIError(f"capture must be one of {', '.join(CAPTURES)}, not '{capture}'")
     if capture == "off" or (capture == "auto" and device.type != "cuda"):

@@ -1,11 +1,11 @@
 """`--capture auto` on a CPU, chosen by measurement: eager forwards against compiled padded
 shapes (`--capture on`), one token at a time after a short context, per model, dtype, CPU,
 thread count and torch version, cached on disk like the dtype choice. Compiling costs a minute
-or more on a small CPU, so nothing measures it unasked: `python -m specui.bench.capture` (or any
-run of it) records the choice, and `auto` reads it; with no record, a CPU stays eager. Measured
-on a 2-core Zen 4 EPYC, bundled target in float32: 53.1 ms a token compiled against 54.0-58.4
-eager, inside the noise; the issue's figures on an AMX Xeon (1.17-1.52x with inductor's
-freezing) are why the choice is per machine."""
+or more on a small CPU, so nothing measures it unasked: `python -m specui.bench.capture` records
+the choice, and `auto` reads it; with no record, a CPU stays eager. Measured on a 2-core Zen 4
+EPYC: the bundled target in bf16 on int4 blocks 16.9 ms a token eager, 12.8 compiled (on); in
+float32 56.8 against 55.1 (off); the int4 draft in float32 12.5 against 2.0. Other CPUs differ
+(the issue's AMX Xeon: 1.17-1.52x with inductor's freezing), hence a choice per machine."""
 
 from __future__ import annotations
 
