@@ -183,3 +183,15 @@ def test_one_colour_per_status_across_panels():
                                  "target": tint(STATUS_COLORS["target"], 0.2)}
     html = provenance_html(steps_of("speculative"))
     assert PROVENANCE_COLORS["draft"] in html and PROVENANCE_COLORS["target"] in html
+
+
+def test_the_step_inspector_shows_whitespace_tokens_as_the_tree_does():
+    from specui.engine.trace import NodeTrace, StepTrace
+    from specui.ui.figures import step_markdown
+
+    nodes = [NodeTrace(token_id=1, text=" the", parent=-1, depth=1, status="accepted"),
+             NodeTrace(token_id=2, text="\n", parent=0, depth=2, status="rejected")]
+    step = StepTrace(index=0, method="speculative", nodes=nodes, drafted=2, accepted=1, new_token_ids=[1],
+                     new_from_draft=[True], new_text=" the", text=" the")
+    table = step_markdown(step)
+    assert "`␣the`" in table and "`↵`" in table

@@ -20,7 +20,7 @@ from specui.ui.palette import (
     top_margin,
 )
 from specui.ui.tree_figure import tree_figure
-from specui.ui.tree_layout import tree_layout
+from specui.ui.tree_layout import token_label, tree_layout
 
 __all__ = ["STATUS_COLORS", "PROVENANCE_COLORS", "tree_figure", "tree_layout", "acceptance_figure", "choices_figure",
            "timing_figure", "provenance_html", "provenance_segments", "step_markdown", "profile_figure"]
@@ -249,7 +249,7 @@ def step_markdown(step: StepTrace | None, max_nodes: int = 40) -> str:
                       "| log-lik target / draft |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, n in enumerate(step.nodes[:max_nodes]):
-            token = _cell(n.text)
+            token = _cell(token_label(n.text, 40))  # whitespace visible, as on the tree
             lines.append(f"| {i} | `{token}` | {n.parent} | {n.depth} | {n.status} | {_fmt(n.q)} | {_fmt(n.p)} "
                          f"| {_fmt(n.p_hat)} | {_fmt(n.accept_ratio)} | {'' if n.beam is None else n.beam} "
                          f"| {_fmt(n.score)} / {_fmt(n.draft_score)} |")
