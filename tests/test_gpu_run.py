@@ -69,3 +69,11 @@ def test_smoke_runs_on_random_weights(tmp_path):
     assert gpu.main(["--out", str(tmp_path), "--dry-run", "--smoke"]) == 0
     section = json.loads((tmp_path / "results.json").read_text())["sections"][0]
     assert all(c["equal"] for c in section["checks"])
+
+
+def test_only_runs_the_sections_named(tiny_dirs, tmp_path):
+    target, draft, _ = tiny_dirs
+    assert gpu.main(["--out", str(tmp_path), "--dry-run", "--target", str(target), "--draft", str(draft),
+                     "--stand-ins", "", "--bitsandbytes", "", "--only", "equality"]) == 0
+    names = [s["name"] for s in json.loads((tmp_path / "results.json").read_text())["sections"]]
+    assert len(names) == 1 and names[0].startswith("equality")

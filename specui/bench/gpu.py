@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="on a CPU, tiny: checks the run itself, measures nothing")
     ap.add_argument("--smoke", action="store_true", help="only the random-weight smoke section (no model files)")
+    ap.add_argument("--only", default="", help="comma-separated starts of the section names to run (e.g. "
+                                                "'equality,stand-in 7b'); default every section")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.limit, args.max_new_tokens, args.repeats = min(args.limit, 2), min(args.max_new_tokens, 6), 1
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     first = load(args, "float32")
     prompts = bench_prompts(first.target.tokenizer, args.prompts, args.limit)
-    plan = sections(args, first)
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    plan = [p for p in sections(args, first) if not wanted or any(p[0].startswith(w) for w in wanted)]
     del first  # the equality section holds it until it is done
     for name, needs, work in plan:
         if run.left_s < needs:
