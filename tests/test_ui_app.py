@@ -3,9 +3,12 @@ JSON trace fixtures of every method, the service's model swap and message trunca
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from pathlib import Path
 
+import gradio as gr
 import pytest
 from conftest import form_values
 
@@ -14,7 +17,7 @@ from specui.errors import SpecUIError
 from specui.service.chat_service import ChatService
 from specui.service.pair import load_pair
 from specui.settings import ChatSettings, PairChoice
-from specui.ui.chat_ui import SETTING_FIELDS, ChatPage
+from specui.ui.chat_ui import SETTING_FIELDS, ChatPage, build_ui
 from specui.ui.figures import (
     STATUS_COLORS,
     acceptance_figure,
@@ -360,3 +363,50 @@ def test_the_model_tab_loads_a_stand_in_and_keeps_the_pair_on_a_bad_size(page, t
                                             progress=None)
     assert status.startswith("✅") and "stand-in tiny" in header
     assert page.service.pair.target.model.stand_in.size == "tiny"
+
+
+def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
+    *_rest, steps, _slider, export, _live = list(page.respond(None, "w1 w2 w3", [], "speculative",
+                                                              *values(max_new_tokens=24)))[-1]
+    reply = steps[-1]["text"]
+    loaded, status = page.load_trace(None)
+    assert loaded == [] and "last reply" in status
+    frames = list(page.replay(loaded, steps, 20))
+    assert len(frames) == len(steps) + 1  # a frame per step, then the closing status
+    assert "replaying the last reply" in frames[0][3] and "✔ replayed the last reply" in frames[-1][3]
+    assert f"step {len(steps)} of {len(steps)}" in frames[-2][1] and "step 0" in frames[0][0].layout.title.text
+    shown = [html.unescape(re.sub("<[^>]+>", "", f[2])) for f in frames[:-1]]  # the coloured reply text
+    assert all(b.startswith(a) for a, b in zip(shown, shown[1:])) and shown[-1].endswith(reply)
+
+    loaded, status = page.load_trace(export)  # the page's own export, loaded back
+    assert loaded == steps and f"{len(steps)} steps (speculative)" in status
+    again = list(page.replay(loaded, [], 20))
+    assert "the loaded trace" in again[0][3] and len(again) == len(steps) + 1
+    assert [f[1] for f in again[:-1]] == [f[1] for f in frames[:-1]]
+
+
+def test_replay_of_nothing_or_a_bad_file_says_so_and_changes_nothing(page, tmp_path, monkeypatch):
+    skip = gr.skip()
+    first, = list(page.replay([], [], 5))
+    assert first[:3] == (skip, skip, skip) and "Nothing to replay" in first[3]
+    bad = tmp_path / "bad.json"
+    for text, says in (("{oops", "not valid JSON"), ('{"steps": []}', "no steps"), ('{"a": 1}', "not a SpecUI")):
+        bad.write_text(text)
+        loaded, status = page.load_trace(str(bad))
+        assert loaded == [] and status.startswith("⚠️") and says in status and "last reply" in status
+    reply = list(page.respond(None, "w1", [], "autoregressive", *values(max_new_tokens=4)))[-1]
+    assert reply[1][-1]["content"]  # the page works on after a bad file
+
+    def broken(steps):  # a step the reader let through but the drawing cannot take
+        yield from ()
+        raise KeyError("beam")
+
+    monkeypatch.setattr("specui.ui.reply_panels.frames", broken)
+    last = list(page.replay([], reply[8], 5))[-1]
+    assert last[:3] == (skip, skip, skip) and "the replay stopped" in last[3]
+
+
+def test_the_page_has_the_replay_controls(page):
+    demo = build_ui(page.service)
+    ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
+    assert {"replay", "stop-replay", "replay-speed", "replay-file", "replay-status", "replay-text"} <= ids

@@ -36,7 +36,8 @@ from specui.ui.figures import (
 )
 from specui.ui.live_panels import CARRIER_ID, DRAW_JS
 from specui.ui.model_tab import ModelTab
-from specui.ui.reply_panels import ReplyPanels
+from specui.ui.replay import SPEEDS
+from specui.ui.reply_panels import REPLAY_LAST, ReplyPanels
 from specui.ui.roles import MODEL_BUTTONS, MODEL_CONTROLS, Roles
 from specui.ui.streaming import ENGINE, SHARED_ENGINE
 
@@ -167,8 +168,18 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
             with gr.Row():
                 slider = gr.Slider(0, 1, value=0, step=1, label="step", interactive=False, elem_id="step-slider")
                 export = gr.DownloadButton("Export trace (JSON)", value=None, elem_id="export")
+            with gr.Row():
+                replay = gr.Button("▶ Replay", elem_id="replay")
+                stop_replay = gr.Button("■ Stop replay", elem_id="stop-replay")
+                speed = gr.Slider(SPEEDS[0], SPEEDS[1], value=SPEEDS[2], step=0.5, elem_id="replay-speed",
+                                  label="replay speed (steps per second)")
+                trace_file = gr.File(label="load a trace JSON to replay", file_types=[".json"], type="filepath",
+                                     elem_id="replay-file", height=100)
+            replay_status = gr.Markdown(REPLAY_LAST, elem_id="replay-status")
             step_tree = gr.Plot(tree_figure(None), label="selected step", elem_id="step-tree")
+            replay_text = gr.HTML("", elem_id="replay-text")
             step_info = gr.Markdown(step_markdown(None), elem_id="step-info")
+            loaded = gr.State([])  # the steps of a loaded trace JSON ([]: replay the last reply)
 
         settings_inputs = [controls[name] for name in SETTING_FIELDS]
         carrier = gr.Textbox(visible=False, elem_id=CARRIER_ID)  # the live panels' figures, drawn in place
@@ -186,6 +197,11 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden)
         slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
         steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
+        trace_file.change(page.load_trace, trace_file, [loaded, replay_status], queue=False, **hidden)
+        replaying = replay.click(page.replay, [loaded, steps_state, speed], [step_tree, step_info, replay_text,
+                                 replay_status], concurrency_id="replay", concurrency_limit=8, **hidden)
+        stop_replay.click(None, None, None, cancels=[replaying], queue=False, **hidden)
+        clear.click(lambda: "", None, replay_text, queue=False, **hidden)
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)
         live.change(page.set_live, live, None, queue=False, **hidden)

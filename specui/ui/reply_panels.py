@@ -1,11 +1,14 @@
 """What a reply shows beside the chat, a part of the page (specui.ui.chat_ui.ChatPage): the panels
-redrawn mid-reply and drawn at the end, the step inspector that re-opens a recorded step, and
-the trace export. Reads step traces (plain data) only and never imports torch."""
+redrawn mid-reply and drawn at the end, the step inspector that re-opens a recorded step or
+replays a reply step by step (the last one, or a trace JSON loaded back), and the trace export.
+Reads step traces (plain data) only and never imports torch."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Iterator
 
 import gradio as gr
 
@@ -20,6 +23,7 @@ from specui.ui.figures import (
 )
 from specui.ui.live_panels import live_payload
 from specui.ui.outputs import Outputs, stats_line
+from specui.ui.replay import SPEEDS, TraceError, frames, read_trace
 from specui.ui.streaming import STOPPED_MARK
 
 
@@ -76,6 +80,52 @@ class ReplyPanels:
         i = min(max(int(index or 0), 0), len(steps) - 1)
         step = StepTrace.from_dict(steps[i])
         return tree_figure(step, steps[i - 1].get("beams") if i > 0 else None), step_markdown(step)
+
+    # --- replay (read-only: the same for owners and visitors) ---------------------------------
+    @staticmethod
+    def load_trace(path) -> tuple:
+        """A trace JSON put in the replay's file box: (the loaded steps, the replay's status line).
+        Removing the file goes back to the last reply; a file that cannot be replayed says why and
+        is not used (nothing else on the page changes)."""
+        if not path:
+            return [], REPLAY_LAST
+        try:
+            steps = read_trace(path)
+        except TraceError as e:
+            gr.Warning(str(e))
+            return [], f"⚠️ {e}\n\n{REPLAY_LAST}"
+        method = steps[0].get("method", "?")
+        return steps, f"Loaded a trace of {len(steps)} steps ({method}): ▶ Replay plays it (remove the file " \
+                      "to replay the last reply)."
+
+    @staticmethod
+    def replay(loaded: list[dict], steps: list[dict], speed) -> Iterator[tuple]:
+        """Animate a reply step by step at `speed` steps per second: the loaded trace if there is
+        one, else the last reply. Yields (inspector tree, step numbers, reply text, status)."""
+        source, name = (loaded, "the loaded trace") if loaded else (steps, "the last reply")
+        if not source:
+            gr.Warning(NOTHING_TO_REPLAY)
+            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ {NOTHING_TO_REPLAY}"
+            return
+        rate = min(max(float(speed or SPEEDS[2]), SPEEDS[0]), SPEEDS[1])
+        status = f"▶ replaying {name}: {len(source)} steps at {rate:g} per second"
+        due = time.perf_counter()
+        try:
+            for frame in frames(source):
+                time.sleep(max(0.0, due - time.perf_counter()))
+                yield frame.tree, frame.markdown, frame.html, status if frame.index == 0 else gr.skip()
+                due = time.perf_counter() + 1.0 / rate
+        except Exception as e:  # noqa: BLE001 - a trace the reader let through must not take the page down
+            log.exception("replay failed")
+            gr.Warning(f"The replay stopped: a step could not be drawn ({type(e).__name__}).")
+            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ the replay stopped: a step could not be drawn ({e})"
+            return
+        yield gr.skip(), gr.skip(), gr.skip(), f"✔ replayed {name}: {len(source)} steps"
+
+
+log = logging.getLogger("specui.ui")
+REPLAY_LAST = "▶ Replay plays the last reply; load a trace JSON (Export trace) to replay that instead."
+NOTHING_TO_REPLAY = "Nothing to replay yet: send a message, or load a trace JSON."
 
 
 def _figures(steps: list[StepTrace], step: StepTrace | None) -> dict:
