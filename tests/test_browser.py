@@ -372,3 +372,37 @@ def test_compare_tab_runs_two_methods_side_by_side(page):
     _wait_until(lambda: len(page.driver.find_elements(
         By.CSS_SELECTOR, "#compare-timeline .js-plotly-plot .scatterlayer .trace")) == 2, 30, "two timelines")
     tab("method")
+
+
+def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
+    """▶ Replay steps through the last reply in the inspector; a malformed trace JSON dropped in the
+    file box is refused with a message; the page's own export, loaded back, replays."""
+    page.clear_chat()
+    page.set_number("set-max_new_tokens", 16)
+    page.send("Name three colours.")
+    page.wait_done(1)
+    page.set_number("replay-speed", 20)
+    page.find("#replay").click()
+    _wait_until(lambda: "✔ replayed the last reply" in "".join(page.texts("#replay-status")), 60, "the replay")
+    info = "".join(page.texts("#step-info"))
+    assert "▶ replay · step" in info and page.tree_points("step-tree") >= 1
+    assert page.texts("#replay-text .specui-prov")
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    page.find("#replay-file input[type=file]").send_keys(str(bad))
+    _wait_until(lambda: "not valid JSON" in "".join(page.texts("#replay-status")), 30, "the bad file's message")
+    assert page.bot_texts()  # nothing else changed: the chat is still there
+
+    good = tmp_path / "trace.json"
+    page.find("#export").click()
+    saved = _wait_until(lambda: sorted(page.downloads.glob("specui-trace-*.json"), key=os.path.getmtime), 30,
+                        "the trace download")
+    good.write_text(saved[-1].read_text(encoding="utf-8"))
+    box = _wait_until(lambda: page.driver.find_elements(By.CSS_SELECTOR, "#replay-file input[type=file]"), 30,
+                      "the file box, emptied of the bad file")
+    box[0].send_keys(str(good))
+    _wait_until(lambda: "Loaded a trace" in "".join(page.texts("#replay-status")), 30, "the trace to load")
+    page.find("#replay").click()
+    _wait_until(lambda: "✔ replayed the loaded trace" in "".join(page.texts("#replay-status")), 60,
+                "the loaded trace's replay")

@@ -369,7 +369,7 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     *_rest, steps, _slider, export, _live = list(page.respond(None, "w1 w2 w3", [], "speculative",
                                                               *values(max_new_tokens=24)))[-1]
     reply = steps[-1]["text"]
-    loaded, status = page.load_trace(None)
+    loaded, status, _box = page.load_trace(None)
     assert loaded == [] and "last reply" in status
     frames = list(page.replay(loaded, steps, 20))
     assert len(frames) == len(steps) + 1  # a frame per step, then the closing status
@@ -378,8 +378,8 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     shown = [html.unescape(re.sub("<[^>]+>", "", f[2])) for f in frames[:-1]]  # the coloured reply text
     assert all(b.startswith(a) for a, b in zip(shown, shown[1:])) and shown[-1].endswith(reply)
 
-    loaded, status = page.load_trace(export)  # the page's own export, loaded back
-    assert loaded == steps and f"{len(steps)} steps (speculative)" in status
+    loaded, status, box = page.load_trace(export)  # the page's own export, loaded back
+    assert loaded == steps and f"{len(steps)} steps (speculative)" in status and box == gr.skip()
     again = list(page.replay(loaded, [], 20))
     assert "the loaded trace" in again[0][3] and len(again) == len(steps) + 1
     assert [f[1] for f in again[:-1]] == [f[1] for f in frames[:-1]]
@@ -392,8 +392,9 @@ def test_replay_of_nothing_or_a_bad_file_says_so_and_changes_nothing(page, tmp_p
     bad = tmp_path / "bad.json"
     for text, says in (("{oops", "not valid JSON"), ('{"steps": []}', "no steps"), ('{"a": 1}', "not a SpecUI")):
         bad.write_text(text)
-        loaded, status = page.load_trace(str(bad))
+        loaded, status, box = page.load_trace(str(bad))
         assert loaded == [] and status.startswith("⚠️") and says in status and "last reply" in status
+        assert box is None  # the bad file leaves the box, ready for another
     reply = list(page.respond(None, "w1", [], "autoregressive", *values(max_new_tokens=4)))[-1]
     assert reply[1][-1]["content"]  # the page works on after a bad file
 

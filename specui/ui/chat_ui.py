@@ -197,7 +197,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden)
         slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
         steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
-        trace_file.change(page.load_trace, trace_file, [loaded, replay_status], queue=False, **hidden)
+        trace_file.upload(page.load_trace, trace_file, [loaded, replay_status, trace_file], queue=False, **hidden)
+        trace_file.clear(page.load_trace, None, [loaded, replay_status, trace_file], queue=False, **hidden)
         replaying = replay.click(page.replay, [loaded, steps_state, speed], [step_tree, step_info, replay_text,
                                  replay_status], concurrency_id="replay", concurrency_limit=8, **hidden)
         stop_replay.click(None, None, None, cancels=[replaying], queue=False, **hidden)

@@ -83,20 +83,20 @@ class ReplyPanels:
 
     # --- replay (read-only: the same for owners and visitors) ---------------------------------
     @staticmethod
-    def load_trace(path) -> tuple:
-        """A trace JSON put in the replay's file box: (the loaded steps, the replay's status line).
-        Removing the file goes back to the last reply; a file that cannot be replayed says why and
-        is not used (nothing else on the page changes)."""
+    def load_trace(path=None) -> tuple:
+        """A trace JSON put in the replay's file box: (the loaded steps, the replay's status line, the
+        file box). Removing the file goes back to the last reply; a file that cannot be replayed
+        says why and leaves the box (nothing else on the page changes)."""
         if not path:
-            return [], REPLAY_LAST
+            return [], REPLAY_LAST, gr.skip()
         try:
             steps = read_trace(path)
         except TraceError as e:
             gr.Warning(str(e))
-            return [], f"⚠️ {e}\n\n{REPLAY_LAST}"
+            return [], f"⚠️ {e}\n\n{REPLAY_LAST}", None
         method = steps[0].get("method", "?")
         return steps, f"Loaded a trace of {len(steps)} steps ({method}): ▶ Replay plays it (remove the file " \
-                      "to replay the last reply)."
+                      "to replay the last reply).", gr.skip()
 
     @staticmethod
     def replay(loaded: list[dict], steps: list[dict], speed) -> Iterator[tuple]:
