@@ -379,7 +379,7 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     file box is refused with a message; the page's own export, loaded back, replays."""
     page.clear_chat()
     page.set_number("set-max_new_tokens", 16)
-    page.send("Name three colours.")
+    page.send("Explain in two sentences why the sky is blue.")  # 16 tokens: several steps
     page.wait_done(1)
     page.set_number("replay-speed", 20)
     page.find("#replay").click()
@@ -406,3 +406,13 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     page.find("#replay").click()
     _wait_until(lambda: "✔ replayed the loaded trace" in "".join(page.texts("#replay-status")), 60,
                 "the loaded trace's replay")
+
+    page.set_number("replay-speed", 0.5)  # slow, then stopped: the inspector stays on the step it reached
+    page.find("#replay").click()
+    _wait_until(lambda: "▶ replay · step 1 of" in "".join(page.texts("#step-info")), 30, "the slow replay")
+    page.find("#stop-replay").click()
+    time.sleep(0.5)
+    reached = "".join(page.texts("#step-info")).split("\n")[0]
+    time.sleep(4.5)  # 2 more steps' worth at 0.5 per second
+    assert "".join(page.texts("#step-info")).split("\n")[0] == reached
+    assert "✔" not in "".join(page.texts("#replay-status"))
