@@ -16,7 +16,7 @@ def test_measure_records_a_choice_that_auto_then_follows(tmp_path, monkeypatch):
     assert capture_choice.cached_choice(model) is None
     assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto").target.runner is None  # unmeasured: eager
     entry = capture_choice.measure(model)
-    assert set(entry["ms"]) == {"off", "on"} and entry["choice"] in ("on", "off") and entry["compile_s"] > 0
+    assert set(entry["ms"]) == {"off", "on"} and entry["choice"] in ("on", "off") and entry["compile_s"] >= 0
     assert capture_choice.cached_choice(model) == entry["choice"]
 
     data = json.loads(path.read_text())
