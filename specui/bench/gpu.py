@@ -35,7 +35,7 @@ import transformers
 
 from specui.bench.energy import ReplyMeter
 from specui.bench.prompts import HELDOUT
-from specui.bench.rows import Row, Sample, make_rows, parse_method, target_dtype, transformers_generate
+from specui.bench.rows import Row, make_rows, parse_method, target_dtype, transformers_generate
 from specui.bench.run import bench, bench_prompts, table, to_json
 from specui.engine import GenerationRequest, make_method
 from specui.engine.capture import capture_mode
@@ -63,8 +63,9 @@ class Run:
     def left_s(self) -> float:
         return self.budget_s - (time.perf_counter() - self.t0)
 
-    def add(self, section: dict) -> None:
-        section["seconds"] = round(time.perf_counter() - section.pop("_t0", self.t0), 1)
+    def add(self, section: dict, t0: float | None = None) -> None:
+        """Record a section (that started at `t0`; None: took no time) and rewrite the results."""
+        section["seconds"] = round(time.perf_counter() - t0, 1) if t0 is not None else 0.0
         self.sections.append(section)
         print(f"== {section['name']}: {section.get('note', '')} ({section['seconds']} s)", flush=True)
         self.save()
@@ -126,18 +127,6 @@ def equality(pair: ModelPair, args: argparse.Namespace, prompts: list[list[int]]
             "note": f"{equal}/{len(checks)} method x capture pairs equal autoregressive on every prompt ({n} tokens)"}
 
 
-def compiled_greedy(pair: ModelPair, max_len: int):
-    """transformers greedy `generate` over a fresh StaticCache of one size each reply: on a GPU
-    generate compiles the forward (torch.compile, once for that shape) and replays it."""
-    from transformers import StaticCache
-
-    def run(prompt: list[int], n: int) -> Sample:
-        cache = StaticCache(config=pair.target.model.config, max_cache_len=max_len)
-        return transformers_generate(pair, past_key_values=cache)(prompt, n)
-
-    return run
-
-
 def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pair: ModelPair, methods,
                name: str, peers: bool) -> dict:
     """Autoregressive eager and captured, `methods` captured, and the peers, interleaved."""
@@ -151,7 +140,8 @@ def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pai
     rows += make_rows(pair, list(methods), 3, peers)
     if peers:
         rows.append(Row("transformers greedy static+compile", target_dtype(pair),
-                        compiled_greedy(pair, max(len(p) for p in prompts) + args.max_new_tokens + 8), capture="on",
+                        transformers_generate(pair, static_cache_len=max(map(len, prompts)) + args.max_new_tokens + 8),
+                        capture="on",
                         stand_in=pair.target.spec.stand_in or None))
     rows[0].name = "autoregressive"  # the base every ratio is taken against: eager, as today
     device = pair.target.device
@@ -160,9 +150,8 @@ def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pai
             for prompt in prompts:
                 row.run(prompt, args.max_new_tokens)
     bench(rows, prompts, args.max_new_tokens, args.repeats, meter=ReplyMeter(device))
-    engine = pair.engine(capture=args.capture)
     return {"name": name, "table": table(rows, len(prompts)), "rows": to_json(rows),
-            "capture": engine.capture_report(),
+            "capture": {row.name: row.run.engine.capture_report() for row in rows if hasattr(row.run, "engine")},
             "note": f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {args.repeats} rounds; target "
                     f"{pair.target.label}, draft {pair.draft.label if pair.draft else 'none'}"}
 
@@ -265,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     run = Run(args.out, args.budget_s, meta)
     if args.smoke:
-        run.add(smoke("cpu", 8, (2, 64, 4, 2), 16) if args.dry_run else smoke(args.device))
+        t0 = time.perf_counter()
+        run.add(smoke("cpu", 8, (2, 64, 4, 2), 16) if args.dry_run else smoke(args.device), t0)
         print((args.out / "results.md").read_text())
         return 0
     first = load(args, "float32")
@@ -273,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     plan = [p for p in sections(args, first) if not wanted or any(p[0].startswith(w) for w in wanted)]
     del first  # the equality section holds it until it is done
-    for name, needs, work in plan:
+    while plan:
+        name, needs, work = plan.pop(0)  # dropped once done: its models go with it
         if run.left_s < needs:
             run.add({"name": name, "note": f"skipped: {run.left_s:.0f} s of the budget left, it needs {needs}"})
             continue
@@ -282,9 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             section = work(run, prompts)
         except (SpecUIError, RuntimeError, ImportError, torch.OutOfMemoryError) as e:
             section = {"name": name, "note": f"failed: {type(e).__name__}: {str(e)[:300]}"}
-        section["_t0"] = t0
-        run.add(section)
-        plan[plan.index((name, needs, work))] = (name, needs, None)  # let its models go
+        run.add(section, t0)
+        del work
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print((args.out / "results.md").read_text())

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StaticCache
 
 from specui.engine import GenerationRequest, make_method
 from specui.engine.sampling import SamplingConfig
@@ -113,7 +114,9 @@ class Row:
 
 
 def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
-    engine = pair.engine()  # its own engine: auto's running estimates are not shared with other rows
+    """The row's runner; `run.engine` is its own engine (auto's running estimates are not
+    shared with other rows; its capture report says what it captured)."""
+    engine = pair.engine()
 
     def run(prompt: list[int], n: int, sampling: SamplingConfig | None = None) -> Sample:
         engine.target.reset()  # no cross-prompt cache reuse: same work as the peers
@@ -135,6 +138,7 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
                 s.achieved.append(step.accepted + 1)
         return s
 
+    run.engine = engine
     return run
 
 
@@ -157,9 +161,12 @@ def assistant_schedule(pair: ModelPair, constant_tokens: int | None) -> Iterator
             setattr(cfg, k, v)
 
 
-def transformers_generate(pair: ModelPair, constant_tokens: int | None = None, **generate_kw) -> Callable[..., Sample]:
+def transformers_generate(pair: ModelPair, constant_tokens: int | None = None, static_cache_len: int | None = None,
+                          **generate_kw) -> Callable[..., Sample]:
     """transformers' greedy `generate` on the pair's target with `generate_kw` (e.g.
-    assistant_model=..., prompt_lookup_num_tokens=...), the reply cut after its first EOS."""
+    assistant_model=..., prompt_lookup_num_tokens=...), the reply cut after its first EOS.
+    `static_cache_len`: each reply over a fresh StaticCache of that many slots (one shape for
+    every reply, which generate compiles once on a GPU)."""
     model = pair.target.model
     eos = sorted(pair.engine().eos_ids)
 
@@ -167,6 +174,8 @@ def transformers_generate(pair: ModelPair, constant_tokens: int | None = None, *
     def run(prompt: list[int], n: int) -> Sample:
         ids = torch.tensor([prompt], device=model.device)
         kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **generate_kw)
+        if static_cache_len:
+            kw["past_key_values"] = StaticCache(config=model.config, max_cache_len=static_cache_len)
         with assistant_schedule(pair, constant_tokens):
             t0 = time.perf_counter()
             out = model.generate(ids, **kw)
@@ -207,14 +216,15 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
     t_dtype = target_dtype(pair)
     d_dtype = str(pair.draft.model.dtype).removeprefix("torch.") if pair.draft else "-"
     pair_dtype = t_dtype if d_dtype in ("-", t_dtype) else f"{t_dtype}/{d_dtype}"
-    captured = "off" if pair.engine().target.runner is None else pair.capture  # auto on a CPU: as measured
     rows = []
     for spec in specs:
         method, params = parse_method(spec)
         if method == "speculative" and not params:
             params = {"gamma": gamma}
         name = method + "".join(f" {k}={v}" for k, v in params.items())
-        rows.append(Row(name, t_dtype if method == AR else pair_dtype, ours(pair, method, params), capture=captured))
+        run = ours(pair, method, params)
+        captured = "off" if run.engine.target.runner is None else pair.capture  # auto on a CPU: as measured
+        rows.append(Row(name, t_dtype if method == AR else pair_dtype, run, capture=captured))
     if peers:
         rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair)))
         if pair.draft is not None:

@@ -115,7 +115,6 @@ class StaticKVCache(DynamicCache):
             new = torch.zeros((*self.store.shape[:4], capacity, self.store.shape[-1]), dtype=self.store.dtype,
                               device=self.store.device)
             new[..., :length, :] = self.store[..., :length, :]
-            self.capacity = capacity
             self._adopt(new, length)
         self.capacity = capacity
         self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
