@@ -142,7 +142,7 @@ class StaticForward:
         bucket = None if exact or extra or self.mode == "exact" else bucket_for(m)
         width = m if bucket is None else bucket
         window = start + m if bucket is None else round_up(start + bucket)
-        cache.grow(round_up(max(window, start + width)))
+        cache.grow(round_up(window))  # the window always holds the (padded) new rows
         positions = list(range(start, start + m)) if positions is None else list(positions)
         mask = self._mask(start, m, width, window, attend)
         padded = torch.full((width,), positions[-1], dtype=torch.long)
