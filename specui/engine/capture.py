@@ -15,15 +15,31 @@ How it runs is the mode:
   capture that fails leaves that shape eager, with a note; never a crash.
 `compiled` (what `--capture on` asks for): the padded shapes run through torch.compile
 (inductor: fused kernels; inside the CUDA graphs on a GPU). Sizes are seen as tensor sizes, so
-a few compiles serve every bucket and window (automatic dynamic shapes); the first forward of
-a new shape waits for its compile; a compile that fails leaves the model eager, with a note.
+a few compiles serve every bucket and window (automatic dynamic shapes); a compile that fails
+leaves the model eager, with a note. With `background` (what `--capture auto` runs on a CPU
+that measured compiled forwards faster) nothing waits for a compile: a Warmup thread compiles
+each shape on a scratch cache of the same size while the decoding thread runs it eagerly, and
+the decoding thread runs a shape compiled once a call finds it compiled (torch.compile's
+"fail_on_recompile" stance: a call that would compile runs eagerly instead and asks the
+Warmup for that shape). Compiled code is cached on disk by inductor under
+~/.cache/specui/inductor (unless TORCHINDUCTOR_CACHE_DIR says elsewhere), so a later run's
+compiles are mostly reads; a failure that a stale cache may explain is retried once on a
+fresh cache.
 Measured on an H100 (random weights, the bundled target's shape, bf16): one replayed graph
 costs 3.0 ms unfused and 1.4 ms compiled (about 1000 small kernels become a few hundred).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import sys
+import threading
+import time
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -35,6 +51,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WINDOW = 256  # attention windows are multiples of this many slots
 CAPTURES = ("auto", "on", "off")
 MODES = ("exact", "buckets", "graphs")
+# dynamo's caches and its stance are the process's, not a model's: one compiled call runs at a
+# time, so a decoding thread's "fail_on_recompile" call never overlaps a Warmup's compile
+DYNAMO = threading.Lock()
+RECOMPILE = "Detected recompile"  # how the fail_on_recompile stance says a call would compile
 
 
 def bucket_for(m: int) -> int | None:
@@ -98,10 +118,11 @@ class StaticForward:
     """Runs one model over its StaticKVCache; `notes` says what happened to captures."""
 
     def __init__(self, model: PreTrainedModel, cache: StaticKVCache, mode: str, graphs=None,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, background: bool = False) -> None:
         """`graphs`: what captures a forward (CudaGraphs on a GPU; a test passes a stand-in
         whose replay re-runs the forward on the same static inputs); `compiled`: the padded
-        shapes run through torch.compile."""
+        shapes run through torch.compile; `background` (with `compiled`, outside CUDA graphs):
+        compiles happen on a Warmup thread, never in a forward."""
         if mode not in MODES:
             raise SpecUIError(f"forward mode must be one of {', '.join(MODES)}")
         if mode == "graphs" and graphs is None:
@@ -116,12 +137,22 @@ class StaticForward:
         self.compile_problem = ""
         self._generation = cache.generation
         self.replays = 0  # forwards that ran as a replayed graph
-        self.eager = 0  # forwards that ran eagerly
+        self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
+        self.compiled_runs = 0  # padded forwards that ran compiled
+        self.warmup = Warmup(self) if compiled and background and mode == "buckets" else None
+        self.blocking = False  # with a Warmup: compile in the forward anyway (a cost profile's timings)
 
     @property
     def notes(self) -> list[str]:
         notes = [f"{b} tokens over {w} slots: eager ({why})" for (b, w), why in sorted(self.failed.items())]
+        if self.warmup is not None and self.warmup.note:
+            notes.append(self.warmup.note)
         return notes + ([f"not compiled: {self.compile_problem}"] if self.compile_problem else [])
+
+    @property
+    def settled(self) -> bool:
+        """No compile is under way or waiting for this model (always, without a Warmup)."""
+        return self.warmup is None or self.warmup.settled
 
     @property
     def compiled(self) -> bool:
@@ -154,10 +185,10 @@ class StaticForward:
         if bucket is not None and self.mode == "graphs" and (bucket, window) not in self.failed:
             logits = self._replay(bucket, window, ids, positions_t, mask)
         else:
-            self.eager += 1
             kw = dict(input_ids=ids[None], position_ids=positions_t[None], attention_mask=mask[None, None],
                       past_key_values=cache, use_cache=True, **extra)
             if bucket is None:
+                self.eager += 1
                 logits = self.model(logits_to_keep=keep, **kw).logits[0]
             else:
                 logits = self._padded(**kw).logits[0]
@@ -198,7 +229,6 @@ class StaticForward:
                 self.failed[key] = f"capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # what the failed capture took
-                self.eager += 1
                 return self._call(graph)[0]
         graph.replay()
         self.replays += 1
@@ -210,19 +240,198 @@ class StaticForward:
         return out.logits
 
     def _padded(self, **kw):
-        """A padded shape's forward: compiled where it compiles, else the model itself."""
+        """A padded shape's forward: compiled where it compiles (and, with a Warmup, where it
+        has compiled already), else the model itself."""
         if self.fn is not self.model:
             for name, dims in (("input_ids", (1,)), ("position_ids", (1,)), ("attention_mask", (2, 3))):
                 for dim in dims:  # one compile for every bucket and window (size 1 is specialised anyway)
                     torch._dynamo.maybe_mark_dynamic(kw[name], dim)
+            torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)  # the window: a size, not a constant
             try:
-                return self.fn(**kw)
+                out = self._compiled_call(kw)
             except torch.OutOfMemoryError:
                 raise  # the forward's, not the compiler's
             except Exception as e:  # noqa: BLE001 - the compiler fails in many types (dynamo asserts too)
                 self.fn = self.model
                 self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                out = None
+            if out is not None:
+                self.compiled_runs += 1
+                return out
+        self.eager += 1
         return self.model(**kw)
+
+    def _compiled_call(self, kw: dict):
+        """The compiled forward, or None where it would have to wait: with a Warmup, a call that
+        would compile (the Warmup is asked for that shape) or that finds a compile under way."""
+        if self.warmup is None or self.blocking:
+            with DYNAMO:
+                return self.fn(**kw)
+        if not DYNAMO.acquire(blocking=False):
+            return None
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.fn(**kw)
+        except RuntimeError as e:
+            if RECOMPILE not in str(e):
+                raise
+            self.warmup.ask((kw["input_ids"].shape[1], self.cache.window, self.cache.capacity))
+            return None
+        finally:
+            DYNAMO.release()
+
+
+class Warmup:
+    """Compiles one runner's padded shapes on a thread of its own, each on a scratch cache of
+    the runner's capacity (zeros: what a forward reads there does not matter, only its shapes),
+    so the decoding thread never waits for a compile. Asked at the start for every bucket over
+    the first window and two over the second (the shapes a reply meets first), then for any
+    shape a decoding call found uncompiled. Plain bookkeeping for the report: `compiled` (shapes
+    done), `queue` (waiting), `seconds` (spent compiling), `note`."""
+
+    def __init__(self, runner: StaticForward) -> None:
+        self.runner = runner
+        # True while the decoding thread decodes (the engine's lock is held): the compile then
+        # waits where it is, so it never slows a reply (a compile sharing the interpreter costs
+        # a decoding thread about 8x per token: each op waits to take the GIL back)
+        self.paused: Callable[[], bool] = lambda: False
+        self.queue: list[tuple[int, int, int]] = []  # (bucket, window, capacity), in order
+        self.compiled: list[tuple[int, int, int]] = []
+        self.seconds = 0.0
+        self.finished_at = 0.0  # time.monotonic() when the queue last ran empty
+        self.note = ""
+        self._busy = False
+        self._compiling = False  # inside _compile (where the profile hook may pause)
+        self._retried = False
+        self._scratch: StaticKVCache | None = None
+        self._cond = threading.Condition()
+        atexit.register(_stop_at_exit, weakref.ref(self))
+        capacity = runner.cache.capacity
+        for shape in [(b, WINDOW, capacity) for b in BUCKETS] + [(1, 2 * WINDOW, capacity), (2, 2 * WINDOW, capacity)]:
+            if shape[1] <= capacity:
+                self.ask(shape)
+
+    @property
+    def settled(self) -> bool:
+        with self._cond:
+            return not self.queue and not self._busy
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is compiling or waiting (True), or `timeout` seconds pass."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.queue and not self._busy, timeout)
+
+    def cancel(self) -> None:
+        """Compile nothing more (the shape under way finishes; its thread then ends)."""
+        with self._cond:
+            self.queue[1 if self._busy else 0:] = []
+
+    def ask(self, shape: tuple[int, int, int]) -> None:
+        """Compile this (bucket, window, capacity) when the thread gets to it."""
+        with self._cond:
+            if self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
+                return
+            self.queue.append(shape)
+            if not self._busy:
+                self._busy = True
+                threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
+
+    def _yield(self, _frame, event: str, _arg) -> None:
+        """This thread's profile hook: at each call inside a compile, wait while a reply decodes
+        (never where it holds the queue's lock, which a decoding thread may be asking for)."""
+        if event == "call" and self._compiling and self.paused():
+            while self.paused():
+                time.sleep(0.02)
+
+    def _work(self) -> None:
+        sys.setprofile(self._yield)  # this thread only
+        while True:
+            with self._cond:
+                if not self.queue or self.runner.fn is self.runner.model:
+                    self.queue.clear()
+                    self._busy = False
+                    self.finished_at = time.monotonic()
+                    self._scratch = None  # its memory, until the next shape
+                    self._cond.notify_all()
+                    return
+                shape = self.queue[0]
+            t0 = time.perf_counter()
+            self._compiling = True
+            try:
+                ok = self._compile(shape)
+            except Exception as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
+                ok = False
+                self.note = f"compiling {shape[0]} tokens over {shape[1]} slots failed: {type(e).__name__}: {e}"[:240]
+            finally:
+                self._compiling = False
+            with self._cond:
+                self.seconds += time.perf_counter() - t0
+                self.queue.remove(shape)
+                if ok:
+                    self.compiled.append(shape)
+
+    def _compile(self, shape: tuple[int, int, int]) -> bool:
+        """Run the compiled forward once at `shape` on the scratch cache (compiling it if it
+        must); a failure that a stale disk cache may explain is retried once on a fresh one,
+        any other leaves the model eager with a note."""
+        bucket, window, capacity = shape
+        runner = self.runner
+        try:
+            if self._scratch is None or self._scratch.capacity != capacity:
+                self._scratch = None
+                self._scratch = StaticKVCache(runner.model.config, capacity, runner.cache.device,
+                                              runner.cache.store_dtype)
+            scratch = self._scratch
+            probe = StaticForward(runner.model, scratch, "buckets")
+            probe.fn = runner.fn
+            real = runner.cache
+            for name in ("offsets", "start"):  # inference tensors where the real cache's are (after a grow)
+                if getattr(real, name).is_inference() != getattr(scratch, name).is_inference():
+                    with torch.inference_mode(getattr(real, name).is_inference()):
+                        setattr(scratch, name, getattr(scratch, name).clone())
+            with torch.inference_mode():  # the store an inference tensor, as the decoding thread's is
+                scratch.allocate()
+                scratch.set_length(window - bucket)
+                probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
+        except torch.OutOfMemoryError:
+            self.note = f"compiling {bucket} tokens over {window} slots ran out of memory: that shape stays eager"
+            self._scratch = None
+            return False
+        if probe.compile_problem:
+            if not self._retried and _fresh_compile_cache():
+                self._retried = True
+                self.note = f"compile failed ({probe.compile_problem}); retried on a fresh compile cache"
+                return self._compile(shape)
+            runner.compile_problem = probe.compile_problem
+            runner.fn = runner.model
+            return False
+        return True
+
+
+EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    """Interpreter exit: compile nothing more and let the shape under way finish (a compile
+    killed mid-way aborts the process: "terminate called without an active exception")."""
+    warmup = ref()
+    if warmup is not None:
+        warmup.cancel()
+        warmup.wait(EXIT_WAIT_S)
+
+
+RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
+
+EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    """Interpreter exit: compile nothing more and let the shape under way finish (a compile
+    killed mid-way aborts the process: "terminate called without an active exception")."""
+    warmup = ref()
+    if warmup is not None:
+        warmup.cancel()
+        warmup.wait(EXIT_WAIT_S)
 
 
 RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
@@ -235,5 +444,31 @@ def _compiled(model: PreTrainedModel):
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILES))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
     return torch.compile(model)
+
+
+def compile_cache_dir() -> Path:
+    """Where inductor keeps compiled code across runs: ours unless the user chose another."""
+    from specui.engine.measure import cache_root  # measure imports the session, which imports this
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_root() / "inductor")
+
+
+def _fresh_compile_cache() -> bool:
+    """Set aside the compile cache if it is ours (a corrupt or stale entry is rebuilt);
+    False where there is nothing of ours to set aside."""
+    from specui.engine.measure import cache_root
+
+    folder = compile_cache_dir()
+    if not folder.is_dir() or cache_root() not in folder.parents:
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()
+    except ImportError:
+        pass
+    return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -16,7 +17,7 @@ from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
 from specui.engine.methods.emssd import Batch, EmsSd
-from specui.engine.profile import Progress, get_profile
+from specui.engine.profile import Progress, cached_profile, get_profile
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.heads.decision import DecisionModels
@@ -45,8 +46,8 @@ class Engine:
     ) -> None:
         vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.capture = capture  # auto / on / off: static caches and captured forwards (engine/capture.py)
-        self.target = ModelSession(target, vocab, _measured(capture, target))
-        self.draft = _draft_session(draft, vocab, self.target, _measured(capture, draft)) if draft is not None else None
+        self.target = ModelSession(target, vocab, *_measured(capture, target))
+        self.draft = None if draft is None else _draft_session(draft, vocab, self.target, *_measured(capture, draft))
         if self.draft is not None:  # SpecDec++ reads its head from the draft's session
             self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
             if acceptance_head is not None:
@@ -60,32 +61,88 @@ class Engine:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.context_len = context_len or _context_len(target)
         self.lock = threading.Lock()  # one generation at a time on these sessions
+        for runner in self._runners():  # a background compile waits while a reply decodes
+            if runner.warmup is not None:
+                runner.warmup.paused = self.lock.locked
         self.profile_dir = profile_dir  # None: ~/.cache/specui/profiles
         self.quantization = quantization
         self.costs = EngineCosts()  # profile (measured on first need) + running acceptance
 
     def ensure_profile(self, progress: Progress | None = None, refresh: bool = False) -> EngineCosts:
         """Measure (or read from the disk cache) the pair's cost profile once. A failure or
-        an interrupt leaves the engine usable: no profile, and a note saying so."""
+        an interrupt leaves the engine usable: no profile, and a note saying so. While forwards
+        compile in the background a profile that is not on disk yet is not measured (it would
+        time eager forwards for compiled ones): fixed defaults until the compiles settle."""
         if self.costs.profile is None or refresh:
             try:
-                self.costs.profile, self.costs.note = get_profile(
-                    self.target, self.draft, self.profile_dir, self.quantization, progress, refresh)
+                if not refresh and not self.settled():
+                    cached = cached_profile(self.target, self.draft, self.profile_dir, self.quantization)
+                    if cached is None:
+                        self.costs.note = ("cost profile measured once the forwards compiling in the background "
+                                           "are ready; fixed defaults until then")
+                        return self.costs
+                    self.costs.profile, self.costs.note = cached
+                    return self.costs
+                runners = self._runners()
+                for runner in runners:  # timings of compiled forwards, never of a stand-in eager one
+                    runner.blocking = True
+                try:
+                    self.costs.profile, self.costs.note = get_profile(
+                        self.target, self.draft, self.profile_dir, self.quantization, progress, refresh)
+                finally:
+                    for runner in runners:
+                        runner.blocking = False
             except (RuntimeError, OSError, ValueError, KeyboardInterrupt) as e:
                 self.costs.profile = None
                 self.costs.note = f"profiling failed ({type(e).__name__}: {e}); fixed defaults in use"
         return self.costs
 
+    def _runners(self) -> list:
+        return [s.runner for s in (self.target, self.draft) if s is not None and s.runner is not None]
+
+    def settled(self) -> bool:
+        """No forward of this pair is compiling or waiting to compile in the background."""
+        return all(r.settled for r in self._runners())
+
+    def close(self) -> None:
+        """The pair is being replaced: stop its background compiles (the one under way ends)."""
+        for runner in self._runners():
+            if runner.warmup is not None:
+                runner.warmup.cancel()
+
+    def settled_at(self) -> float:
+        """time.monotonic() when the last background compile finished (0: none ran)."""
+        return max((r.warmup.finished_at for r in self._runners() if r.warmup is not None), default=0.0)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the background compiles (benches, before timing; `--capture on` never has
+        any); True once settled, False if `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for runner in self._runners():
+            if runner.warmup is not None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not runner.warmup.wait(left):
+                    return False
+        return True
+
     def capture_report(self) -> dict:
         """Plain data: the capture setting and, per model, how its forwards run (off: the growing
-        cache; buckets / graphs: static shapes), the shapes held as graphs and any notes."""
+        cache; buckets / graphs: static shapes), the shapes held as graphs, the shapes compiled
+        and still compiling in the background (bucket, window, capacity), and any notes."""
         report = {"setting": self.capture}
         for role, session in (("target", self.target), ("draft", self.draft)):
             runner = None if session is None else session.runner
+            warmup = None if runner is None else runner.warmup
             report[role] = None if session is None else {
                 "mode": "off" if runner is None else runner.mode + ("+compiled" if runner.compiled else ""),
                 "captured": [] if runner is None else [list(shape) for shape in runner.captured()],
                 "replays": 0 if runner is None else runner.replays,
+                "background": warmup is not None,
+                "compiled": [] if warmup is None else [list(shape) for shape in list(warmup.compiled)],
+                "compiling": [] if warmup is None else [list(shape) for shape in list(warmup.queue)],
+                "compile_s": 0.0 if warmup is None else round(warmup.seconds, 1),
+                "compiled_forwards": 0 if runner is None else runner.compiled_runs,
+                "eager_forwards": 0 if runner is None else runner.eager,
                 "notes": [] if runner is None else runner.notes}
         return report
 
@@ -132,20 +189,22 @@ class Engine:
                                     self.target.vocab_size, self.costs))
 
 
-def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession, capture: str) -> ModelSession:
+def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession, capture: str,
+                   background: bool) -> ModelSession:
     """A draft that reads the target's features gets a session that passes them on (its
     forwards take the target's states as an input, so they stay eager)."""
     if reads_features(draft.config):
         return FeatureDraftSession(draft, vocab, target)
-    return ModelSession(draft, vocab, capture)
+    return ModelSession(draft, vocab, capture, background)
 
 
-def _measured(capture: str, model: PreTrainedModel) -> str:
-    """`auto` on a CPU becomes `on` for a model whose compiled forwards measured faster on this
-    machine (engine/capture_choice.py); every other case stays as asked."""
+def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool]:
+    """(capture, background): `auto` on a CPU becomes `on` compiled in the background for a
+    model whose compiled forwards measured faster on this machine (engine/capture_choice.py),
+    so no reply waits for a compile; every other case stays as asked (`on` waits)."""
     if capture == "auto" and next(model.parameters()).device.type == "cpu" and cached_choice(model) == "on":
-        return "on"
-    return capture
+        return "on", True
+    return capture, False
 
 
 def _context_len(model: PreTrainedModel) -> int:

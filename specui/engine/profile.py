@@ -153,7 +153,8 @@ def profile_key(target: ModelSession, draft: ModelSession | None, quantization: 
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
     }
-    forwards = [s.runner.mode for s in (target, draft) if s is not None and s.runner is not None]
+    forwards = [s.runner.mode + ("+compiled" if s.runner.compiled else "")
+                for s in (target, draft) if s is not None and s.runner is not None]
     if forwards:  # static caches and captured forwards cost what they cost, not what eager ones do
         describe["forwards"] = "/".join(forwards)
     ident = [model_identity(target.model), model_identity(draft.model) if draft else "no draft"]
@@ -197,6 +198,16 @@ def load_cached(path: Path, key: str) -> CostProfile | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return profile if profile.key == key and not disturbed(profile) else None
+
+
+def cached_profile(
+    target: ModelSession, draft: ModelSession | None, cache_dir: Path | None = None, quantization: str = "none",
+) -> tuple[CostProfile, str] | None:
+    """The pair's profile from the disk cache, and a note; None where there is none."""
+    key, _ = profile_key(target, draft, quantization)
+    path = (cache_dir if cache_dir is not None else default_cache_dir()) / f"{key}.json"
+    cached = load_cached(path, key)
+    return None if cached is None else (cached, f"cost profile read from {path}")
 
 
 def get_profile(

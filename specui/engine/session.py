@@ -93,9 +93,11 @@ STATIC_SLOTS = 2048  # a static cache's first capacity (it grows when a reply ne
 class ModelSession:
     """`capture` (auto / on / off, see specui.engine.capture.capture_mode): off keeps the
     growing cache and eager forwards; otherwise the cache is static and forwards run at a few
-    padded shapes, replayed as CUDA graphs on a GPU."""
+    padded shapes, replayed as CUDA graphs on a GPU. `background` (with `on`): compiles run on
+    a thread of their own and a forward never waits for one (StaticForward's Warmup)."""
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, capture: str = "off") -> None:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, capture: str = "off",
+                 background: bool = False) -> None:
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
@@ -107,7 +109,7 @@ class ModelSession:
             context = int(getattr(model.config, "max_position_embeddings", 0) or STATIC_SLOTS)
             self.cache = StaticKVCache(model.config, round_up(min(context, STATIC_SLOTS) + 64), self.device,
                                        activation_dtype(model))
-            self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on")
+            self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on", background=background)
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache

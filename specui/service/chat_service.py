@@ -112,6 +112,7 @@ class ChatService:
         with self.engine.lock:
             old = self.engine
             self.pair, self.engine = pair, engine
+        old.close()
         old.target.reset()
         if old.draft is not None:
             old.draft.reset()
@@ -287,7 +288,9 @@ class ChatService:
 
 def capture_line(report: dict) -> str:
     """The Model tab's line on how forwards run: e.g. "forwards (capture auto): target graphs, 6
-    shapes captured; draft graphs, 3 shapes captured"."""
+    shapes captured; draft graphs, 3 shapes captured", or while compiling in the background
+    "target compiling in the background: 1, 2, 4 tokens ready (3 of 9 shapes, 12 s), the rest
+    eager until then"."""
     parts = []
     for role in ("target", "draft"):
         state = report.get(role)
@@ -295,9 +298,24 @@ def capture_line(report: dict) -> str:
             continue
         if state["mode"] == "off":
             parts.append(f"{role} eager")
+        elif state.get("background") and state["mode"].endswith("+compiled"):
+            parts.append(f"{role} {_compile_state(state)}")
         else:
             parts.append(f"{role} {state['mode']}" + (f", {len(state['captured'])} shapes captured"
                                                       if state["mode"].startswith("graphs") else ""))
         parts += [f"{role}: {note}" for note in state["notes"][:3]]
     return f"forwards (capture {report['setting']}): " + "; ".join(parts)
+
+
+def _compile_state(state: dict) -> str:
+    """A background compile's progress, in words: which token counts run compiled already."""
+    done, waiting = state["compiled"], state["compiling"]
+    buckets = sorted({shape[0] for shape in done})
+    ready = ", ".join(str(b) for b in buckets) or "no"
+    total = len(done) + len(waiting)
+    if not waiting:
+        return (f"compiled ({ready} tokens; {len(done)} shapes compiled in the background in "
+                f"{state['compile_s']:.0f} s)")
+    return (f"compiling in the background: {ready} tokens ready ({len(done)} of {total} shapes, "
+            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply pauses it")
 

@@ -38,7 +38,7 @@ from specui.ui.live_panels import CARRIER_ID, DRAW_JS
 from specui.ui.model_tab import ModelTab
 from specui.ui.replay import SPEEDS
 from specui.ui.reply_panels import REPLAY_LAST, ReplyPanels
-from specui.ui.roles import MODEL_BUTTONS, MODEL_CONTROLS, Roles
+from specui.ui.roles import COMPILE_TICK_S, MODEL_BUTTONS, MODEL_CONTROLS, Roles
 from specui.ui.streaming import ENGINE, SHARED_ENGINE
 
 
@@ -139,11 +139,14 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                            "replies, that size's speed; not a better model")
                     capture = gr.Dropdown(["auto", "on", "off"], value=service.engine.capture,
                                           label="captured forwards", elem_id="capture", **locked,
-                                          info="static caches at a few shapes, replayed as CUDA graphs on a GPU; "
-                                          "auto: on a GPU only (no captured CPU forward measures faster yet)")
+                                          info="static caches at a few shapes: CUDA graphs on a GPU; on a CPU "
+                                          "compiled forwards, where `python -m specui.bench.capture` measured "
+                                          "them faster (auto compiles them in the background, replies never "
+                                          "wait; on waits for the compile)")
                     load = gr.Button("Load models", elem_id="load", visible=owner)
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(page.memory_view(), elem_id="memory")
+                    compile_clock = gr.Timer(COMPILE_TICK_S)  # the memory line while forwards compile
                     profile_plot = gr.Plot(profile_figure(service.cost_profile()[0]), label="cost profile",
                                            elem_id="profile")
                     measure = gr.Button("Measure cost profile", elem_id="measure-profile", visible=owner)
@@ -211,6 +214,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         measure.click(page.measure_profile, None, [profile_plot, load_status], **engine, **hidden)
         measure_options.click(page.measure_quantizations, None, options, **engine, **hidden)
         run_doctor.click(page.machine_report, None, doctor, **engine, **hidden)
+        compile_clock.tick(page.compile_tick, None, memory, queue=False, **hidden)
         load.click(page.load_models, [target, draft, quant, device, dtype, method, stand_in, capture],
                    [load_status, memory, header, method], **engine, api_name="page_load_models",
                    **hidden)

@@ -6,6 +6,7 @@ each role sees it. Never imports torch."""
 from __future__ import annotations
 
 import logging
+import time
 
 import gradio as gr
 
@@ -17,6 +18,7 @@ from specui.ui.streaming import settings_from_values, to_messages
 log = logging.getLogger("specui.ui")
 PAGE_MAX_NEW_TOKENS, PAGE_MAX_REPLIES = 2048, 8  # the sliders' ends for the owner
 # editable by the owner only
+COMPILE_TICK_S = 5.0  # how often the Model tab's memory line refreshes while forwards compile
 MODEL_CONTROLS = ("preset", "target", "draft", "quant", "device", "dtype", "stand_in", "capture")
 MODEL_BUTTONS = ("load", "measure", "measure_options", "run_doctor")  # shown to the owner only
 
@@ -82,6 +84,14 @@ class Roles:
     def memory_view(self, request=None) -> str:
         report = self.service.memory_report()
         return report if self.role(request) == OWNER else scrub_paths(report)
+
+    def compile_tick(self, request: gr.Request = None):
+        """The memory line again while forwards compile in the background, and for two ticks
+        after (to say they are ready); nothing otherwise."""
+        engine = self.service.engine
+        if engine.settled() and time.monotonic() - engine.settled_at() > 2 * COMPILE_TICK_S:
+            return gr.skip()
+        return self.memory_view(request)
 
     def role_view(self, request: gr.Request = None) -> tuple:
         """On a shared app, the page as this request's role sees it (wired to the page's load):

@@ -1,0 +1,148 @@
+"""`--capture auto` on a CPU whose compiled forwards measured faster: the forwards compile on a
+thread of their own (engine/capture.py, Warmup) and no forward waits for a compile. While a
+reply decodes the compile waits; forwards whose shape has not compiled yet run eagerly; every
+forward equals the eager model's; once a shape has compiled, forwards of that shape run
+compiled; a shape first met while decoding (a longer context, a grown cache) is compiled next;
+a compile that fails leaves the model eager with a note; the cost profile is not measured
+from eager stand-ins for compiled forwards."""
+
+import json
+import threading
+
+import torch
+from conftest import EOS, TinyTokenizer, tiny_llama
+
+from specui.engine import Engine, GenerationRequest, capture_choice, make_method
+from specui.engine import capture as capture_module
+from specui.engine.session import ModelSession
+from specui.service.chat_service import capture_line
+
+SETTLE_S = 300  # a tiny model's shapes compile in well under a minute on 2 cores
+
+
+def decode(session: ModelSession, ids: list[int], n: int) -> list[torch.Tensor]:
+    rows = []
+    for i in range(n):
+        ids.append((7 * i + 3) % 40 + 5)
+        rows.append(session.advance(ids, 1))
+    return rows
+
+
+def test_forwards_never_wait_and_switch_to_compiled_when_ready():
+    model = tiny_llama(0, layers=2, dtype=torch.float32)
+    decoding = threading.Event()
+    decoding.set()  # as if a reply were decoding from the start: the compile waits
+    session = ModelSession(model, capture="on", background=True)
+    warmup = session.runner.warmup
+    warmup.paused = decoding.is_set
+    reference = ModelSession(model)
+    prompt = list(range(5, 25))
+    ids, ref_ids = list(prompt), list(prompt)
+    got, want = decode(session, ids, 6), decode(reference, ref_ids, 6)
+    assert session.runner.compiled_runs == 0 and session.runner.eager >= 6  # nothing compiled yet: eager
+    assert not warmup.settled and not warmup.compiled
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    decoding.clear()  # the reply ended: the compile goes on
+    assert warmup.wait(SETTLE_S), warmup.queue
+    assert {shape[0] for shape in warmup.compiled} == set(capture_module.BUCKETS)
+    assert not session.runner.notes and session.runner.compiled
+    before = session.runner.compiled_runs
+    got, want = decode(session, ids, 4), decode(reference, ref_ids, 4)
+    assert session.runner.compiled_runs == before + 4  # every one of these ran compiled
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_shape_first_met_while_decoding_is_compiled_next():
+    model = tiny_llama(1, layers=1, dtype=torch.float32)
+    session = ModelSession(model, capture="on", background=True)
+    warmup = session.runner.warmup
+    assert warmup.wait(SETTLE_S)
+    asked = len(warmup.compiled)
+    capacity = session.cache.capacity
+    ids = [(3 * i) % 40 + 5 for i in range(capacity - 2)]  # a prefill longer than a bucket: exact, eager
+    session.advance(ids, 1)
+    decode(session, ids, 4)  # the cache grows past its capacity: a new shape, eager until compiled
+    assert session.cache.capacity > capacity
+    assert warmup.wait(SETTLE_S)
+    assert len(warmup.compiled) > asked and any(shape[2] == session.cache.capacity for shape in warmup.compiled)
+    before = session.runner.compiled_runs
+    got = decode(session, ids, 2)
+    assert session.runner.compiled_runs == before + 2
+    reference = ModelSession(model)
+    torch.testing.assert_close(got[-1], reference.advance(ids, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_compile_leaves_the_model_eager_with_a_note(monkeypatch, tmp_path):
+    model = tiny_llama(2, layers=1, dtype=torch.float32)
+
+    def broken(_model):
+        def fn(**_kw):
+            raise AssertionError("inductor could not lower this graph")
+        return fn
+
+    monkeypatch.setattr(capture_module, "_compiled", broken)
+    cleared = []
+    monkeypatch.setattr(capture_module, "_fresh_compile_cache", lambda: cleared.append(1) or True)
+    session = ModelSession(model, capture="on", background=True)
+    assert session.runner.warmup.wait(SETTLE_S)
+    assert cleared == [1]  # a stale compile cache could explain it: rebuilt once, then given up
+    assert not session.runner.compiled and session.runner.warmup.settled
+    assert any("not compiled: AssertionError" in note for note in session.runner.notes)
+    reference = ModelSession(model)
+    ids = list(range(5, 15))
+    torch.testing.assert_close(session.advance(ids, 1), reference.advance(ids, 1))
+
+
+def test_the_fresh_compile_cache_only_removes_our_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours = tmp_path / "specui" / "inductor"
+    (ours / "fxgraph").mkdir(parents=True)
+    (ours / "fxgraph" / "entry").write_text("corrupt")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(ours))
+    assert capture_module._fresh_compile_cache() and not ours.exists()
+    theirs = tmp_path / "elsewhere"
+    theirs.mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(theirs))
+    assert not capture_module._fresh_compile_cache() and theirs.exists()
+
+
+def test_engine_auto_compiles_in_the_background_and_a_reply_pauses_it(tmp_path, monkeypatch):
+    model = tiny_llama(3, layers=1, dtype=torch.float32)
+    path = tmp_path / "capture_choices.json"
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: path)
+    path.write_text(json.dumps({capture_choice.choice_key(model): {"choice": "on"}}))
+    draft = tiny_llama(4, layers=2, dtype=torch.float32)  # another model: not measured
+    engine = Engine(model, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", profile_dir=tmp_path)
+    try:
+        runner = engine.target.runner
+        assert runner.warmup is not None and runner.warmup.paused == engine.lock.locked
+        assert engine.draft.runner is None  # the draft was not measured faster: eager as asked
+        report = engine.capture_report()
+        assert report["target"]["background"] and report["target"]["mode"] == "buckets+compiled"
+        with engine.lock:  # a reply decodes: nothing compiles meanwhile
+            if not engine.settled():
+                costs = engine.ensure_profile()
+                assert costs.profile is None and "compiling in the background" in costs.note
+                assert "compiling in the background" in capture_line(engine.capture_report())
+            gen = engine.generate(GenerationRequest([5, 6, 7, 8], 8), make_method("speculative", gamma=2)).run()
+        assert engine.settle(SETTLE_S) and engine.settled()
+        line = capture_line(engine.capture_report())
+        assert "target compiled (1, 2, 4, 8, 16, 32, 64 tokens" in line
+        with engine.lock:
+            again = engine.generate(GenerationRequest([5, 6, 7, 8], 8), make_method("speculative", gamma=2)).run()
+        assert again.output_ids == gen.output_ids and runner.compiled_runs > 0
+    finally:
+        engine.close()
+        engine.settle(SETTLE_S)
+
+
+def test_close_cancels_what_is_left():
+    model = tiny_llama(5, layers=1, dtype=torch.float32)
+    session = ModelSession(model, capture="on", background=True)
+    warmup = session.runner.warmup
+    warmup.cancel()
+    assert warmup.wait(SETTLE_S)
+    assert len(warmup.compiled) <= 1 and not warmup.queue
