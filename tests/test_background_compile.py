@@ -1,6 +1,6 @@
 """`--capture auto` on a CPU whose compiled forwards measured faster: the forwards compile on a
-thread of their own (engine/capture.py, Warmup) and no forward waits for a compile. While a
-reply decodes the compile waits; forwards whose shape has not compiled yet run eagerly; every
+thread of their own (engine/capture.py, Warmup) and no forward waits for a compile. A reply
+ends the compile under way (it starts again after); forwards whose shape has not compiled yet run eagerly; every
 forward equals the eager model's; once a shape has compiled, forwards of that shape run
 compiled; a shape first met while decoding (a longer context, a grown cache) is compiled next;
 a compile that fails leaves the model eager with a note; the cost profile is not measured
@@ -31,7 +31,7 @@ def decode(session: ModelSession, ids: list[int], n: int) -> list[torch.Tensor]:
 def test_forwards_never_wait_and_switch_to_compiled_when_ready():
     model = tiny_llama(0, layers=2, dtype=torch.float32)
     decoding = threading.Event()
-    decoding.set()  # as if a reply were decoding from the start: the compile waits
+    decoding.set()  # as if a reply were decoding from the start: nothing compiles
     session = ModelSession(model, capture="on", background=True)
     warmup = session.runner.warmup
     warmup.paused = decoding.is_set
@@ -44,7 +44,7 @@ def test_forwards_never_wait_and_switch_to_compiled_when_ready():
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
-    decoding.clear()  # the reply ended: the compile goes on
+    decoding.clear()  # the reply ended: the compile starts again
     assert warmup.wait(SETTLE_S), warmup.queue
     assert {shape[0] for shape in warmup.compiled} == set(capture_module.BUCKETS)
     assert not session.runner.notes and session.runner.compiled

@@ -17,14 +17,16 @@ How it runs is the mode:
 (inductor: fused kernels; inside the CUDA graphs on a GPU). Sizes are seen as tensor sizes, so
 a few compiles serve every bucket and window (automatic dynamic shapes); a compile that fails
 leaves the model eager, with a note. With `background` (what `--capture auto` runs on a CPU
-that measured compiled forwards faster) nothing waits for a compile: a Warmup thread compiles
-each shape on a scratch cache of the same size while the decoding thread runs it eagerly, and
-the decoding thread runs a shape compiled once a call finds it compiled (torch.compile's
-"fail_on_recompile" stance: a call that would compile runs eagerly instead and asks the
-Warmup for that shape). Compiled code is cached on disk by inductor under
-~/.cache/specui/inductor (unless TORCHINDUCTOR_CACHE_DIR says elsewhere), so a later run's
-compiles are mostly reads; a failure that a stale cache may explain is retried once on a
-fresh cache.
+that measured compiled forwards faster) no forward waits for a compile: a Warmup compiles each
+shape on a scratch cache of the same size, one thread per shape, at the lowest CPU priority,
+while no reply decodes (a reply ends the compile under way; it starts again once the reply is
+done); meanwhile a forward runs compiled where a call finds its shape compiled already
+(torch.compile's "fail_on_recompile" stance) and eagerly otherwise, asking the Warmup for that
+shape. Measured on a 2-core EPYC (bundled pair, bf16 on int4 blocks): a compile beside a
+decoding thread cost that thread 2-8x per token (each op waits to take the GIL back; a second
+OpenMP team makes libgomp stop spinning its workers), hence the interruption. Compiled code is
+cached on disk by inductor, under ~/.cache/specui/inductor unless TORCHINDUCTOR_CACHE_DIR
+was set first; a failure that a stale cache may explain is retried once on a fresh one.
 Measured on an H100 (random weights, the bundled target's shape, bf16): one replayed graph
 costs 3.0 ms unfused and 1.4 ms compiled (about 1000 small kernels become a few hundred).
 """
@@ -51,8 +53,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WINDOW = 256  # attention windows are multiples of this many slots
 CAPTURES = ("auto", "on", "off")
 MODES = ("exact", "buckets", "graphs")
-# dynamo's caches and its stance are the process's, not a model's: one compiled call runs at a
-# time, so a decoding thread's "fail_on_recompile" call never overlaps a Warmup's compile
+# dynamo compiles one frame at a time in a process: Warmups (and forwards that may compile)
+# take turns; a forward that must not wait runs under the "fail_on_recompile" stance instead
 DYNAMO = threading.Lock()
 RECOMPILE = "Detected recompile"  # how the fail_on_recompile stance says a call would compile
 
@@ -263,11 +265,15 @@ class StaticForward:
 
     def _compiled_call(self, kw: dict):
         """The compiled forward, or None where it would have to wait: with a Warmup, a call that
-        would compile (the Warmup is asked for that shape) or that finds a compile under way."""
+        would compile runs nothing (the Warmup is asked for that shape). Such a call runs code
+        compiled already even while a Warmup is paused in the middle of a compile: the
+        "fail_on_recompile" stance makes it raise before it could compile (which must never
+        overlap another compile), and a Warmup that meets the stance meanwhile tries again."""
         if self.warmup is None or self.blocking:
             with DYNAMO:
                 return self.fn(**kw)
-        if not DYNAMO.acquire(blocking=False):
+        shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity)
+        if self.warmup.waiting(shape):  # asked already: a failed try costs more than the forward
             return None
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
@@ -275,25 +281,23 @@ class StaticForward:
         except RuntimeError as e:
             if RECOMPILE not in str(e):
                 raise
-            self.warmup.ask((kw["input_ids"].shape[1], self.cache.window, self.cache.capacity))
+            self.warmup.ask(shape)
             return None
-        finally:
-            DYNAMO.release()
 
 
 class Warmup:
-    """Compiles one runner's padded shapes on a thread of its own, each on a scratch cache of
+    """Compiles one runner's padded shapes off the decoding thread, each on a scratch cache of
     the runner's capacity (zeros: what a forward reads there does not matter, only its shapes),
-    so the decoding thread never waits for a compile. Asked at the start for every bucket over
-    the first window and two over the second (the shapes a reply meets first), then for any
-    shape a decoding call found uncompiled. Plain bookkeeping for the report: `compiled` (shapes
-    done), `queue` (waiting), `seconds` (spent compiling), `note`."""
+    so no forward waits for a compile. Asked at the start for every bucket over the first
+    window and two over the second (the shapes a reply meets first), then for any shape a
+    decoding call found uncompiled. `paused` (the engine's lock held: a reply decodes) ends the
+    compile under way; it starts again once nothing decodes. Plain bookkeeping for the report:
+    `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling), `interrupted`,
+    `note`."""
 
     def __init__(self, runner: StaticForward) -> None:
         self.runner = runner
-        # True while the decoding thread decodes (the engine's lock is held): the compile then
-        # waits where it is, so it never slows a reply (a compile sharing the interpreter costs
-        # a decoding thread about 8x per token: each op waits to take the GIL back)
+        # True while a reply decodes (the engine sets its lock's `locked`): no compile runs then
         self.paused: Callable[[], bool] = lambda: False
         self.queue: list[tuple[int, int, int]] = []  # (bucket, window, capacity), in order
         self.compiled: list[tuple[int, int, int]] = []
@@ -302,9 +306,14 @@ class Warmup:
         self.note = ""
         self._busy = False
         self._compiling = False  # inside _compile (where the profile hook may pause)
+        self._stopping = False  # the interpreter exits: end the compile under way
+        self._aborted = False  # the hook ended the compile under way
+        self.interrupted = 0  # compiles a reply ended (each started again after it)
+        self._restarts = 0
         self._retried = False
         self._scratch: StaticKVCache | None = None
         self._cond = threading.Condition()
+        self.threads = torch.get_num_threads()  # what the decoding thread's kernels should use
         atexit.register(_stop_at_exit, weakref.ref(self))
         capacity = runner.cache.capacity
         for shape in [(b, WINDOW, capacity) for b in BUCKETS] + [(1, 2 * WINDOW, capacity), (2, 2 * WINDOW, capacity)]:
@@ -320,6 +329,10 @@ class Warmup:
         """Block until nothing is compiling or waiting (True), or `timeout` seconds pass."""
         with self._cond:
             return self._cond.wait_for(lambda: not self.queue and not self._busy, timeout)
+
+    def waiting(self, shape: tuple[int, int, int]) -> bool:
+        """Whether `shape` is queued (or compiling) still."""
+        return shape in self.queue
 
     def cancel(self) -> None:
         """Compile nothing more (the shape under way finishes; its thread then ends)."""
@@ -337,40 +350,67 @@ class Warmup:
                 threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
 
     def _yield(self, _frame, event: str, _arg) -> None:
-        """This thread's profile hook: at each call inside a compile, wait while a reply decodes
-        (never where it holds the queue's lock, which a decoding thread may be asking for)."""
-        if event == "call" and self._compiling and self.paused():
-            while self.paused():
-                time.sleep(0.02)
+        """This thread's profile hook: at each call inside a compile, end the compile when a
+        reply starts to decode (or the interpreter exits); the shape stays queued. Ending, not
+        waiting: a thread that ran parallel ops keeps an OpenMP team while it lives, and two
+        teams oversubscribe the cores (libgomp then stops spinning its workers: measured on 2
+        cores, an eager reply beside a paused compile decoded at half speed). Never fires where
+        the thread holds the queue's lock, which a decoding thread may be asking for."""
+        if event == "call" and self._compiling and (self._stopping or self.paused()):
+            self._aborted = True
+            raise _Stopped("a reply decodes" if not self._stopping else "the interpreter is exiting")
+
+    def _resume(self) -> None:
+        """After a reply ended a compile: once no reply decodes, a fresh thread goes on."""
+        while self.paused() and not self._stopping:
+            time.sleep(0.05)
+        with self._cond:
+            if self._stopping or not self.queue:
+                self.queue.clear() if self._stopping else None
+                self._busy = False
+                self.finished_at = time.monotonic()
+                self._cond.notify_all()
+                return
+        threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
 
     def _work(self) -> None:
+        """Compile the first queued shape, then hand on to a fresh thread (this one's OpenMP
+        team ends with it) or, where a reply ended the compile, to `_resume`."""
         sys.setprofile(self._yield)  # this thread only
-        while True:
-            with self._cond:
-                if not self.queue or self.runner.fn is self.runner.model:
-                    self.queue.clear()
-                    self._busy = False
-                    self.finished_at = time.monotonic()
-                    self._scratch = None  # its memory, until the next shape
-                    self._cond.notify_all()
-                    return
-                shape = self.queue[0]
-            t0 = time.perf_counter()
-            self._compiling = True
-            try:
-                ok = self._compile(shape)
-            except Exception as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
-                ok = False
+        _lowest_priority()
+        with self._cond:
+            if not self.queue or self.runner.fn is self.runner.model:
+                self.queue.clear()
+                self._busy = False
+                self.finished_at = time.monotonic()
+                self._scratch = None  # its memory, until the next shape
+                self._cond.notify_all()
+                return
+            shape = self.queue[0]
+        t0 = time.perf_counter()
+        self._compiling, self._aborted = True, False
+        try:
+            ok = self._compile(shape)
+        except Exception as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
+            ok = None if self._aborted else False
+            if not self._aborted:
                 self.note = f"compiling {shape[0]} tokens over {shape[1]} slots failed: {type(e).__name__}: {e}"[:240]
-            finally:
-                self._compiling = False
-            with self._cond:
-                self.seconds += time.perf_counter() - t0
+        finally:
+            self._compiling = False
+            sys.setprofile(None)
+        with self._cond:
+            self.seconds += time.perf_counter() - t0
+            if ok is None:  # ended by a reply (or the exit): the shape stays queued
+                self.interrupted += 1
+                nxt = self._resume
+            else:
                 self.queue.remove(shape)
                 if ok:
                     self.compiled.append(shape)
+                nxt = self._work
+        threading.Thread(target=nxt, name="specui-compile", daemon=True).start()
 
-    def _compile(self, shape: tuple[int, int, int]) -> bool:
+    def _compile(self, shape: tuple[int, int, int]) -> bool | None:
         """Run the compiled forward once at `shape` on the scratch cache (compiling it if it
         must); a failure that a stale disk cache may explain is retried once on a fresh one,
         any other leaves the model eager with a note."""
@@ -389,7 +429,9 @@ class Warmup:
                 if getattr(real, name).is_inference() != getattr(scratch, name).is_inference():
                     with torch.inference_mode(getattr(real, name).is_inference()):
                         setattr(scratch, name, getattr(scratch, name).clone())
-            with torch.inference_mode():  # the store an inference tensor, as the decoding thread's is
+            # kernels for the decoding thread's threads (inductor reads this thread's, one), the
+            # store an inference tensor as the decoding thread's is
+            with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
                 scratch.allocate()
                 scratch.set_length(window - bucket)
                 probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
@@ -397,7 +439,12 @@ class Warmup:
             self.note = f"compiling {bucket} tokens over {window} slots ran out of memory: that shape stays eager"
             self._scratch = None
             return False
+        if self._aborted:
+            return None
         if probe.compile_problem:
+            if RECOMPILE in probe.compile_problem and self._restarts < RESTARTS:
+                self._restarts += 1  # a decoding call's stance, met as this call began: again
+                return self._compile(shape)
             if not self._retried and _fresh_compile_cache():
                 self._retried = True
                 self.note = f"compile failed ({probe.compile_problem}); retried on a fresh compile cache"
@@ -408,6 +455,19 @@ class Warmup:
         return True
 
 
+def _lowest_priority() -> None:
+    """Run this thread, and the C++ compilers it starts, at the lowest CPU priority (Linux: a
+    thread's nice value is its own, and a child inherits it): a compiler running while a reply
+    decodes then takes only idle cores (measured on 2 cores: at equal priority the eager reply
+    decoded at about half speed beside inductor's g++)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
+
+
+RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
 EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
 
 
@@ -416,12 +476,30 @@ def _stop_at_exit(ref: weakref.ref) -> None:
     killed mid-way aborts the process: "terminate called without an active exception")."""
     warmup = ref()
     if warmup is not None:
+        warmup._stopping = True
         warmup.cancel()
         warmup.wait(EXIT_WAIT_S)
+
+
+class _Stopped(Exception):
+    """Raised inside a compile by the Warmup's own hook to end it at exit."""
 
 
 RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
 
+def _lowest_priority() -> None:
+    """Run this thread, and the C++ compilers it starts, at the lowest CPU priority (Linux: a
+    thread's nice value is its own, and a child inherits it): a compiler running while a reply
+    decodes then takes only idle cores (measured on 2 cores: at equal priority the eager reply
+    decoded at about half speed beside inductor's g++)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
+
+
+RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
 EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
 
 
@@ -430,8 +508,13 @@ def _stop_at_exit(ref: weakref.ref) -> None:
     killed mid-way aborts the process: "terminate called without an active exception")."""
     warmup = ref()
     if warmup is not None:
+        warmup._stopping = True
         warmup.cancel()
         warmup.wait(EXIT_WAIT_S)
+
+
+class _Stopped(Exception):
+    """Raised inside a compile by the Warmup's own hook to end it at exit."""
 
 
 RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one

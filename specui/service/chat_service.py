@@ -317,5 +317,6 @@ def _compile_state(state: dict) -> str:
         return (f"compiled ({ready} tokens; {len(done)} shapes compiled in the background in "
                 f"{state['compile_s']:.0f} s)")
     return (f"compiling in the background: {ready} tokens ready ({len(done)} of {total} shapes, "
-            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply pauses it")
+            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply interrupts it, "
+            "it starts again when idle")
 
