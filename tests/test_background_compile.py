@@ -1,5 +1,5 @@
 """`--capture auto` on a CPU whose compiled forwards measured faster: the forwards compile on a
-thread of their own (engine/capture.py, Warmup) and no forward waits for a compile. A reply
+thread of their own (engine/warmup.py) and no forward waits for a compile. A reply
 ends the compile under way (it starts again after); forwards whose shape has not compiled yet run eagerly; every
 forward equals the eager model's; once a shape has compiled, forwards of that shape run
 compiled; a shape first met while decoding (a longer context, a grown cache) is compiled next;
@@ -14,6 +14,7 @@ from conftest import EOS, TinyTokenizer, tiny_llama
 
 from specui.engine import Engine, GenerationRequest, capture_choice, make_method
 from specui.engine import capture as capture_module
+from specui.engine import warmup as warmup_module
 from specui.engine.session import ModelSession
 from specui.service.chat_service import capture_line
 
@@ -85,7 +86,7 @@ def test_a_failed_compile_leaves_the_model_eager_with_a_note(monkeypatch, tmp_pa
 
     monkeypatch.setattr(capture_module, "_compiled", broken)
     cleared = []
-    monkeypatch.setattr(capture_module, "_fresh_compile_cache", lambda: cleared.append(1) or True)
+    monkeypatch.setattr(warmup_module, "_fresh_compile_cache", lambda: cleared.append(1) or True)
     session = ModelSession(model, capture="on", background=True)
     assert session.runner.warmup.wait(SETTLE_S)
     assert cleared == [1]  # a stale compile cache could explain it: rebuilt once, then given up
@@ -102,11 +103,11 @@ def test_the_fresh_compile_cache_only_removes_our_own(monkeypatch, tmp_path):
     (ours / "fxgraph").mkdir(parents=True)
     (ours / "fxgraph" / "entry").write_text("corrupt")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(ours))
-    assert capture_module._fresh_compile_cache() and not ours.exists()
+    assert warmup_module._fresh_compile_cache() and not ours.exists()
     theirs = tmp_path / "elsewhere"
     theirs.mkdir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(theirs))
-    assert not capture_module._fresh_compile_cache() and theirs.exists()
+    assert not warmup_module._fresh_compile_cache() and theirs.exists()
 
 
 def test_engine_auto_compiles_in_the_background_and_a_reply_pauses_it(tmp_path, monkeypatch):

@@ -33,30 +33,20 @@ costs 3.0 ms unfused and 1.4 ms compiled (about 1000 small kernels become a few 
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import sys
-import threading
-import time
-import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
 from specui.engine.static_cache import StaticKVCache
+from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup, compile_cache_dir
 from specui.errors import SpecUIError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WINDOW = 256  # attention windows are multiples of this many slots
 CAPTURES = ("auto", "on", "off")
 MODES = ("exact", "buckets", "graphs")
-# dynamo compiles one frame at a time in a process: Warmups (and forwards that may compile)
-# take turns; a forward that must not wait runs under the "fail_on_recompile" stance instead
-DYNAMO = threading.Lock()
-RECOMPILE = "Detected recompile"  # how the fail_on_recompile stance says a call would compile
 
 
 def bucket_for(m: int) -> int | None:
@@ -141,7 +131,8 @@ class StaticForward:
         self.replays = 0  # forwards that ran as a replayed graph
         self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
         self.compiled_runs = 0  # padded forwards that ran compiled
-        self.warmup = Warmup(self) if compiled and background and mode == "buckets" else None
+        first = [(b, WINDOW) for b in BUCKETS] + [(1, 2 * WINDOW), (2, 2 * WINDOW)]  # what a reply meets first
+        self.warmup = Warmup(self, first) if compiled and background and mode == "buckets" else None
         self.blocking = False  # with a Warmup: compile in the forward anyway (a cost profile's timings)
 
     @property
@@ -285,238 +276,6 @@ class StaticForward:
             return None
 
 
-class Warmup:
-    """Compiles one runner's padded shapes off the decoding thread, each on a scratch cache of
-    the runner's capacity (zeros: what a forward reads there does not matter, only its shapes),
-    so no forward waits for a compile. Asked at the start for every bucket over the first
-    window and two over the second (the shapes a reply meets first), then for any shape a
-    decoding call found uncompiled. `paused` (the engine's lock held: a reply decodes) ends the
-    compile under way; it starts again once nothing decodes. Plain bookkeeping for the report:
-    `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling), `interrupted`,
-    `note`."""
-
-    def __init__(self, runner: StaticForward) -> None:
-        self.runner = runner
-        # True while a reply decodes (the engine sets its lock's `locked`): no compile runs then
-        self.paused: Callable[[], bool] = lambda: False
-        self.queue: list[tuple[int, int, int]] = []  # (bucket, window, capacity), in order
-        self.compiled: list[tuple[int, int, int]] = []
-        self.seconds = 0.0
-        self.finished_at = 0.0  # time.monotonic() when the queue last ran empty
-        self.note = ""
-        self._busy = False
-        self._compiling = False  # inside _compile (where the profile hook may pause)
-        self._stopping = False  # the interpreter exits: end the compile under way
-        self._aborted = False  # the hook ended the compile under way
-        self.interrupted = 0  # compiles a reply ended (each started again after it)
-        self._restarts = 0
-        self._retried = False
-        self._scratch: StaticKVCache | None = None
-        self._cond = threading.Condition()
-        self.threads = torch.get_num_threads()  # what the decoding thread's kernels should use
-        atexit.register(_stop_at_exit, weakref.ref(self))
-        capacity = runner.cache.capacity
-        for shape in [(b, WINDOW, capacity) for b in BUCKETS] + [(1, 2 * WINDOW, capacity), (2, 2 * WINDOW, capacity)]:
-            if shape[1] <= capacity:
-                self.ask(shape)
-
-    @property
-    def settled(self) -> bool:
-        with self._cond:
-            return not self.queue and not self._busy
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until nothing is compiling or waiting (True), or `timeout` seconds pass."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self.queue and not self._busy, timeout)
-
-    def waiting(self, shape: tuple[int, int, int]) -> bool:
-        """Whether `shape` is queued (or compiling) still."""
-        return shape in self.queue
-
-    def cancel(self) -> None:
-        """Compile nothing more (the shape under way finishes; its thread then ends)."""
-        with self._cond:
-            self.queue[1 if self._busy else 0:] = []
-
-    def ask(self, shape: tuple[int, int, int]) -> None:
-        """Compile this (bucket, window, capacity) when the thread gets to it."""
-        with self._cond:
-            if self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
-                return
-            self.queue.append(shape)
-            if not self._busy:
-                self._busy = True
-                threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
-
-    def _yield(self, _frame, event: str, _arg) -> None:
-        """This thread's profile hook: at each call inside a compile, end the compile when a
-        reply starts to decode (or the interpreter exits); the shape stays queued. Ending, not
-        waiting: a thread that ran parallel ops keeps an OpenMP team while it lives, and two
-        teams oversubscribe the cores (libgomp then stops spinning its workers: measured on 2
-        cores, an eager reply beside a paused compile decoded at half speed). Never fires where
-        the thread holds the queue's lock, which a decoding thread may be asking for."""
-        if event == "call" and self._compiling and (self._stopping or self.paused()):
-            self._aborted = True
-            raise _Stopped("a reply decodes" if not self._stopping else "the interpreter is exiting")
-
-    def _resume(self) -> None:
-        """After a reply ended a compile: once no reply decodes, a fresh thread goes on."""
-        while self.paused() and not self._stopping:
-            time.sleep(0.05)
-        with self._cond:
-            if self._stopping or not self.queue:
-                self.queue.clear() if self._stopping else None
-                self._busy = False
-                self.finished_at = time.monotonic()
-                self._cond.notify_all()
-                return
-        threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
-
-    def _work(self) -> None:
-        """Compile the first queued shape, then hand on to a fresh thread (this one's OpenMP
-        team ends with it) or, where a reply ended the compile, to `_resume`."""
-        sys.setprofile(self._yield)  # this thread only
-        _lowest_priority()
-        with self._cond:
-            if not self.queue or self.runner.fn is self.runner.model:
-                self.queue.clear()
-                self._busy = False
-                self.finished_at = time.monotonic()
-                self._scratch = None  # its memory, until the next shape
-                self._cond.notify_all()
-                return
-            shape = self.queue[0]
-        t0 = time.perf_counter()
-        self._compiling, self._aborted = True, False
-        try:
-            ok = self._compile(shape)
-        except Exception as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
-            ok = None if self._aborted else False
-            if not self._aborted:
-                self.note = f"compiling {shape[0]} tokens over {shape[1]} slots failed: {type(e).__name__}: {e}"[:240]
-        finally:
-            self._compiling = False
-            sys.setprofile(None)
-        with self._cond:
-            self.seconds += time.perf_counter() - t0
-            if ok is None:  # ended by a reply (or the exit): the shape stays queued
-                self.interrupted += 1
-                nxt = self._resume
-            else:
-                self.queue.remove(shape)
-                if ok:
-                    self.compiled.append(shape)
-                nxt = self._work
-        threading.Thread(target=nxt, name="specui-compile", daemon=True).start()
-
-    def _compile(self, shape: tuple[int, int, int]) -> bool | None:
-        """Run the compiled forward once at `shape` on the scratch cache (compiling it if it
-        must); a failure that a stale disk cache may explain is retried once on a fresh one,
-        any other leaves the model eager with a note."""
-        bucket, window, capacity = shape
-        runner = self.runner
-        try:
-            if self._scratch is None or self._scratch.capacity != capacity:
-                self._scratch = None
-                self._scratch = StaticKVCache(runner.model.config, capacity, runner.cache.device,
-                                              runner.cache.store_dtype)
-            scratch = self._scratch
-            probe = StaticForward(runner.model, scratch, "buckets")
-            probe.fn = runner.fn
-            real = runner.cache
-            for name in ("offsets", "start"):  # inference tensors where the real cache's are (after a grow)
-                if getattr(real, name).is_inference() != getattr(scratch, name).is_inference():
-                    with torch.inference_mode(getattr(real, name).is_inference()):
-                        setattr(scratch, name, getattr(scratch, name).clone())
-            # kernels for the decoding thread's threads (inductor reads this thread's, one), the
-            # store an inference tensor as the decoding thread's is
-            with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
-                scratch.allocate()
-                scratch.set_length(window - bucket)
-                probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
-        except torch.OutOfMemoryError:
-            self.note = f"compiling {bucket} tokens over {window} slots ran out of memory: that shape stays eager"
-            self._scratch = None
-            return False
-        if self._aborted:
-            return None
-        if probe.compile_problem:
-            if RECOMPILE in probe.compile_problem and self._restarts < RESTARTS:
-                self._restarts += 1  # a decoding call's stance, met as this call began: again
-                return self._compile(shape)
-            if not self._retried and _fresh_compile_cache():
-                self._retried = True
-                self.note = f"compile failed ({probe.compile_problem}); retried on a fresh compile cache"
-                return self._compile(shape)
-            runner.compile_problem = probe.compile_problem
-            runner.fn = runner.model
-            return False
-        return True
-
-
-def _lowest_priority() -> None:
-    """Run this thread, and the C++ compilers it starts, at the lowest CPU priority (Linux: a
-    thread's nice value is its own, and a child inherits it): a compiler running while a reply
-    decodes then takes only idle cores (measured on 2 cores: at equal priority the eager reply
-    decoded at about half speed beside inductor's g++)."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
-
-
-RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
-EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
-
-
-def _stop_at_exit(ref: weakref.ref) -> None:
-    """Interpreter exit: compile nothing more and let the shape under way finish (a compile
-    killed mid-way aborts the process: "terminate called without an active exception")."""
-    warmup = ref()
-    if warmup is not None:
-        warmup._stopping = True
-        warmup.cancel()
-        warmup.wait(EXIT_WAIT_S)
-
-
-class _Stopped(Exception):
-    """Raised inside a compile by the Warmup's own hook to end it at exit."""
-
-
-RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
-
-def _lowest_priority() -> None:
-    """Run this thread, and the C++ compilers it starts, at the lowest CPU priority (Linux: a
-    thread's nice value is its own, and a child inherits it): a compiler running while a reply
-    decodes then takes only idle cores (measured on 2 cores: at equal priority the eager reply
-    decoded at about half speed beside inductor's g++)."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
-
-
-RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
-EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
-
-
-def _stop_at_exit(ref: weakref.ref) -> None:
-    """Interpreter exit: compile nothing more and let the shape under way finish (a compile
-    killed mid-way aborts the process: "terminate called without an active exception")."""
-    warmup = ref()
-    if warmup is not None:
-        warmup._stopping = True
-        warmup.cancel()
-        warmup.wait(EXIT_WAIT_S)
-
-
-class _Stopped(Exception):
-    """Raised inside a compile by the Warmup's own hook to end it at exit."""
-
-
 RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
 
 
@@ -529,29 +288,3 @@ def _compiled(model: PreTrainedModel):
     setattr(config, name, max(getattr(config, name), RECOMPILES))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
     return torch.compile(model)
-
-
-def compile_cache_dir() -> Path:
-    """Where inductor keeps compiled code across runs: ours unless the user chose another."""
-    from specui.engine.measure import cache_root  # measure imports the session, which imports this
-
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_root() / "inductor")
-
-
-def _fresh_compile_cache() -> bool:
-    """Set aside the compile cache if it is ours (a corrupt or stale entry is rebuilt);
-    False where there is nothing of ours to set aside."""
-    from specui.engine.measure import cache_root
-
-    folder = compile_cache_dir()
-    if not folder.is_dir() or cache_root() not in folder.parents:
-        return False
-    shutil.rmtree(folder, ignore_errors=True)
-    try:
-        from torch._inductor.utils import clear_caches
-
-        clear_caches()
-    except ImportError:
-        pass
-    return True
-

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from specui.engine.paths import cache_root  # noqa: F401 - where the rest of SpecUI reads it
 from specui.engine.session import ModelSession
 from specui.engine.timing import median_ms
 from specui.engine.tree import TokenTree
@@ -21,12 +22,6 @@ POINT_BUDGET_MS = 300.0  # a profile point's timed forwards stop once two took t
 # Vector instructions that change which kernels torch runs (bfloat16 is emulated without
 # avx512_bf16 / AMX): shown beside the CPU's name and part of every cache key.
 ISA_FLAGS = ("avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
-
-
-def cache_root() -> Path:
-    """Where SpecUI caches what it measured and converted: $XDG_CACHE_HOME/specui, else
-    ~/.cache/specui; read when called."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specui"
 
 
 def _cpuinfo() -> dict[str, str]:
