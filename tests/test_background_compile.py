@@ -141,7 +141,7 @@ def test_engine_auto_compiles_in_the_background_and_a_reply_pauses_it(tmp_path, 
 
 
 def test_close_cancels_what_is_left():
-    model = tiny_llama(5, layers=1, dtype=torch.float32)
+    model = tiny_llama(5, layers=1, dtype=torch.float32, hidden=48)  # shapes no other test compiled
     session = ModelSession(model, capture="on", background=True)
     warmup = session.runner.warmup
     warmup.cancel()
