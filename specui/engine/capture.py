@@ -256,10 +256,10 @@ class StaticForward:
 
     def _compiled_call(self, kw: dict):
         """The compiled forward, or None where it would have to wait: with a Warmup, a call that
-        would compile runs nothing (the Warmup is asked for that shape). Such a call runs code
-        compiled already even while a Warmup is paused in the middle of a compile: the
-        "fail_on_recompile" stance makes it raise before it could compile (which must never
-        overlap another compile), and a Warmup that meets the stance meanwhile tries again."""
+        would compile runs nothing (the Warmup is asked for that shape). Such a call takes no
+        lock: the "fail_on_recompile" stance makes it raise before it could compile (which must
+        never overlap a Warmup's compile), and a Warmup whose compile begins under that stance
+        tries again."""
         if self.warmup is None or self.blocking:
             with DYNAMO:
                 return self.fn(**kw)

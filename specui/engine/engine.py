@@ -105,7 +105,7 @@ class Engine:
         return all(r.settled for r in self._runners())
 
     def close(self) -> None:
-        """The pair is being replaced: stop its background compiles (the one under way ends)."""
+        """The pair is being replaced: compile nothing more for it (the shape under way finishes)."""
         for runner in self._runners():
             if runner.warmup is not None:
                 runner.warmup.cancel()

@@ -200,12 +200,18 @@ def load_cached(path: Path, key: str) -> CostProfile | None:
     return profile if profile.key == key and not disturbed(profile) else None
 
 
+def _cache_path(target: ModelSession, draft: ModelSession | None, cache_dir: Path | None,
+                quantization: str) -> tuple[str, dict, Path]:
+    """(key, its readable summary, the file the pair's profile is cached in)."""
+    key, describe = profile_key(target, draft, quantization)
+    return key, describe, (cache_dir if cache_dir is not None else default_cache_dir()) / f"{key}.json"
+
+
 def cached_profile(
     target: ModelSession, draft: ModelSession | None, cache_dir: Path | None = None, quantization: str = "none",
 ) -> tuple[CostProfile, str] | None:
     """The pair's profile from the disk cache, and a note; None where there is none."""
-    key, _ = profile_key(target, draft, quantization)
-    path = (cache_dir if cache_dir is not None else default_cache_dir()) / f"{key}.json"
+    key, _, path = _cache_path(target, draft, cache_dir, quantization)
     cached = load_cached(path, key)
     return None if cached is None else (cached, f"cost profile read from {path}")
 
@@ -216,9 +222,8 @@ def get_profile(
 ) -> tuple[CostProfile, str]:
     """The cached profile for this pair and machine, or a fresh measurement (then cached).
     Returns (profile, a note saying which)."""
-    key, describe = profile_key(target, draft, quantization)
-    folder = cache_dir if cache_dir is not None else default_cache_dir()
-    path = folder / f"{key}.json"
+    key, describe, path = _cache_path(target, draft, cache_dir, quantization)
+    folder = path.parent
     if not refresh and (cached := load_cached(path, key)) is not None:
         return cached, f"cost profile read from {path}"
     profile = measure_profile(target, draft, progress=progress)

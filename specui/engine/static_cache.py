@@ -79,8 +79,9 @@ class StaticKVCache(DynamicCache):
         self.device = torch.device(device)
         self.layers = [SlotLayer(self, i) for i in range(len(self.layers))]
         self.store: torch.Tensor | None = None
-        self.start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
+        with torch.inference_mode(False):  # index tensors of one kind, whenever made (compiled guards read it)
+            self.start = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
         self.columns = self.offsets[:0]  # slots attention reads: offsets[:window]
         self.generation = 0  # bumped whenever the store is reallocated
 
@@ -117,7 +118,8 @@ class StaticKVCache(DynamicCache):
             new[..., :length, :] = self.store[..., :length, :]
             self._adopt(new, length)
         self.capacity = capacity
-        self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
+        with torch.inference_mode(False):  # as __init__'s, though a forward (inference mode) grows it
+            self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
 
     # -- what a forward reads ----------------------------------------------------------
     def prepare(self, start: int, window: int) -> None:

@@ -63,22 +63,33 @@ class Warmup:
         self._retried = False
         self._scratch: StaticKVCache | None = None
         self._cond = threading.Condition()
-        self.threads = torch.get_num_threads()  # what the decoding thread's kernels should use
+        self.threads = torch.get_num_threads()  # the thread count the compiled kernels are built for
         atexit.register(_stop_at_exit, weakref.ref(self))
         capacity = runner.cache.capacity
         for bucket, window in first:
             if window <= capacity:
                 self.ask((bucket, window, capacity))
 
+    def _idle(self) -> bool:
+        return not self.queue and not self._busy
+
     @property
     def settled(self) -> bool:
         with self._cond:
-            return not self.queue and not self._busy
+            return self._idle()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is compiling or waiting (True), or `timeout` seconds pass."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self.queue and not self._busy, timeout)
+            return self._cond.wait_for(self._idle, timeout)
+
+    def _finish(self) -> None:
+        """No thread goes on (nothing left, or the model stays eager): say so. Under the lock."""
+        self.queue.clear()
+        self._busy = False
+        self.finished_at = time.monotonic()
+        self._scratch = None  # its memory, until a shape is asked again
+        self._cond.notify_all()
 
     def waiting(self, shape: tuple[int, int, int]) -> bool:
         """Whether `shape` is queued (or compiling) still."""
@@ -116,10 +127,7 @@ class Warmup:
             time.sleep(0.05)
         with self._cond:
             if self._stopping or not self.queue:
-                self.queue.clear() if self._stopping else None
-                self._busy = False
-                self.finished_at = time.monotonic()
-                self._cond.notify_all()
+                self._finish()
                 return
         threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
 
@@ -130,11 +138,7 @@ class Warmup:
         _lowest_priority()
         with self._cond:
             if not self.queue or self.runner.fn is self.runner.model:
-                self.queue.clear()
-                self._busy = False
-                self.finished_at = time.monotonic()
-                self._scratch = None  # its memory, until the next shape
-                self._cond.notify_all()
+                self._finish()
                 return
             shape = self.queue[0]
         t0 = time.perf_counter()
@@ -174,13 +178,8 @@ class Warmup:
             scratch = self._scratch
             probe = type(runner)(runner.model, scratch, "buckets")
             probe.fn = runner.fn
-            real = runner.cache
-            for name in ("offsets", "start"):  # inference tensors where the real cache's are (after a grow)
-                if getattr(real, name).is_inference() != getattr(scratch, name).is_inference():
-                    with torch.inference_mode(getattr(real, name).is_inference()):
-                        setattr(scratch, name, getattr(scratch, name).clone())
-            # kernels for the decoding thread's threads (inductor reads this thread's, one), the
-            # store an inference tensor as the decoding thread's is
+            # kernels for the thread count the pair was loaded with (inductor would read this
+            # thread's at compile time); the store an inference tensor, as the decoding thread's is
             with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
                 scratch.allocate()
                 scratch.set_length(window - bucket)
