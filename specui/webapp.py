@@ -69,12 +69,15 @@ def launch(args: argparse.Namespace) -> int:
     auth = credentials.pairs if credentials else None
     access = access_from_args(args, credentials)  # before loading anything: a refusal is at once
     print("loading models…", file=sys.stderr)
-    service = ChatService(load_from_args(args))
-    if access.shared:
-        service.gate = FairGate()
     if args.threads < 0:
         raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
-    threads = choose_threads(service.pair.target.model, local_browser=not args.share, requested=args.threads)
+    pair = load_from_args(args)
+    # the thread count before the engine: `--capture auto` reads the choice recorded for it and
+    # compiles kernels for it (kernels built for every core would take the browser's too)
+    threads = choose_threads(pair.target.model, local_browser=not args.share, requested=args.threads)
+    service = ChatService(pair)
+    if access.shared:
+        service.gate = FairGate()
     service.threads_note = f"torch threads: {threads.reason}"
     service.use_long_threads(threads.long_threads)
     print(service.threads_note, file=sys.stderr)

@@ -122,3 +122,39 @@ def test_a_swapped_pair_gets_the_long_input_threads_too(tiny_dirs):
     assert len(service.pair.target.model._forward_pre_hooks) == 1
     service.load(PairChoice(target=str(target), draft=str(draft)))
     assert len(service.pair.target.model._forward_pre_hooks) == 1 == len(service.pair.draft.model._forward_pre_hooks)
+
+
+def test_the_app_chooses_its_threads_before_it_makes_the_engine(tiny_dirs, monkeypatch):
+    """`--capture auto` reads the choice recorded for the engine's thread count and compiles
+    kernels for it: an engine made before the thread policy compiled kernels for every core,
+    which then took the core left to the browser (measured: the page at 0.75x of the CLI)."""
+    import specui.webapp as webapp
+    from specui.cli import build_parser
+    from specui.weights.threads import ThreadChoice
+
+    target, draft, _ = tiny_dirs
+    spec = ModelSpec(str(target), dtype="float32", device="cpu")
+    seen: list[tuple[str, int]] = []
+
+    def choose(model, local_browser, requested=0):
+        torch.set_num_threads(1)
+        seen.append(("threads chosen", 1))
+        return ThreadChoice(1, "1 (test)")
+
+    class Stop(Exception):
+        pass
+
+    def service(pair):
+        seen.append(("engine made", torch.get_num_threads()))
+        raise Stop
+
+    monkeypatch.setattr(webapp, "load_from_args", lambda args: load_pair(spec, spec.with_source(str(draft))))
+    monkeypatch.setattr(webapp, "choose_threads", choose)
+    monkeypatch.setattr(webapp, "ChatService", service)
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(Stop):
+            webapp.launch(build_parser().parse_args([]))
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [("threads chosen", 1), ("engine made", 1)]

@@ -2,7 +2,11 @@
 for the pair's target and draft, one token at a time; the choice is recorded for `--capture auto`
 (specui/engine/capture_choice.py).
 
-    python -m specui.bench.capture [--dtype bfloat16] [--quantization none] [--stand-in 1.7b]
+    python -m specui.bench.capture [--dtype bfloat16] [--quantization none] [--stand-in 1.7b] [--threads 2]
+
+Each thread count the app may run with is measured and recorded (every core, and one fewer: the
+app leaves a core to a browser on the same machine when that measures faster), unless
+`--threads N` names one.
 """
 
 from __future__ import annotations
@@ -18,19 +22,26 @@ from specui.weights.loading import ModelSpec
 
 def main(argv: list[str] | None = None) -> int:
     ap = common_parser(__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=0, help="measure this torch thread count only (0: every core, and one fewer)")
     args = ap.parse_args(argv)
+    cores = torch.get_num_threads()
+    counts = [args.threads] if args.threads > 0 else sorted({cores, max(1, cores - 1)}, reverse=True)
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
-    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'model':8} {'dtype':10} {'eager ms/token':>15} {'compiled ms/token':>18} {'compile s':>10}  auto chooses")
-    for role, loaded in (("target", pair.target), ("draft", pair.draft)):
-        if loaded is None:
-            continue
-        entry = measure(loaded.model)
-        print(f"{role:8} {entry['dtype']:10} {entry['ms']['off']:15.2f} {entry['ms']['on']:18.2f} "
-              f"{entry['compile_s']:10.1f}  {entry['choice']}" + (f" ({entry['note']})" if "note" in entry else ""))
+    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {cores} cores")
+    print(f"{'model':8} {'dtype':10} {'threads':>7} {'eager ms/token':>15} {'compiled ms/token':>18} {'compile s':>10}  "
+          "auto chooses")
+    for threads in counts:
+        torch.set_num_threads(threads)
+        for role, loaded in (("target", pair.target), ("draft", pair.draft)):
+            if loaded is None:
+                continue
+            entry = measure(loaded.model)
+            print(f"{role:8} {entry['dtype']:10} {threads:7} {entry['ms']['off']:15.2f} {entry['ms']['on']:18.2f} "
+                  f"{entry['compile_s']:10.1f}  {entry['choice']}" + (f" ({entry['note']})" if "note" in entry else ""))
+    torch.set_num_threads(cores)
     print(f"recorded in {cache_file()}: `--capture auto` reads it on this machine")
     return 0
 

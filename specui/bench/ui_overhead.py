@@ -19,7 +19,7 @@ from collections import deque
 from specui.bench.cpu_usage import CpuShares, JobMeter
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.bench.run import parse_method
-from specui.service.chat_service import ChatService
+from specui.service.chat_service import ChatService, capture_line
 from specui.service.pair import default_draft_source, load_pair
 from specui.service.runner import MainThreadRunner
 from specui.settings import ChatSettings
@@ -113,14 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", help="the bundled target's dtype (auto: as the app's default)")
     ap.add_argument("--quantization", default="auto", help="auto (the app's default), none, int8, int4")
     ap.add_argument("--no-live-panels", action="store_true", help="browser: panels drawn once at the end")
+    ap.add_argument("--capture", default="auto", help="the forwards: auto (the app's default), on, off")
     args = ap.parse_args(argv)
     spec = ModelSpec(BUNDLED, dtype=args.dtype, device="auto", quantization=args.quantization)
-    service = ChatService(load_pair(spec, spec.with_source(default_draft_source())))
-    if args.threads != "0":
-        requested = 0 if args.threads == "auto" else int(args.threads)
-        threads = choose_threads(service.pair.target.model, True, requested)
-        service.use_long_threads(threads.long_threads)
+    pair = load_pair(spec, spec.with_source(default_draft_source()))
+    pair.capture = args.capture
+    threads = None
+    if args.threads != "0":  # before the engine, as the app does
+        threads = choose_threads(pair.target.model, True, 0 if args.threads == "auto" else int(args.threads))
         print(f"torch threads: {threads.reason}")
+    service = ChatService(pair)
+    if threads is not None:
+        service.use_long_threads(threads.long_threads)
     port = _free_port()
     runner = MainThreadRunner()
     meter = JobMeter()  # CPU shares while each reply decodes
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         same = True
         for prompt in prompts:
             for _ in range(args.repeats):
+                service.engine.settle()  # background compiles (capture auto) done before timing
                 meter.client_pid, meter.shares = None, cpu["cli"]
                 _, d_text, d_tps = meter.wrap(direct)(service, prompt, settings)
                 meter.client_pid, meter.shares = workers[0].pid, cpu["api"]
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:<18}{''.join(cols)}  {same}", flush=True)
         for channel in ("cli", "api", "browser") if args.browser else ("cli", "api"):
             print(f"{'':<18}{channel}: {cpu[channel].line()}", flush=True)
+    print(f"capture {args.capture}: {capture_line(service.engine.capture_report())}")
     conn.send(None)
     if args.browser:
         bconn.send(None)
