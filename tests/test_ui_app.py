@@ -411,3 +411,18 @@ def test_the_page_has_the_replay_controls(page):
     demo = build_ui(page.service)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
     assert {"replay", "stop-replay", "replay-speed", "replay-file", "replay-status", "replay-text"} <= ids
+
+
+def test_no_state_of_the_page_is_watched_for_changes(page):
+    """Gradio hashes every watched State an event outputs before and after each streamed update;
+    the steps State holds the whole last reply, so watching it cost a quarter of a core while a
+    reply streamed. The inspector follows the events that set the steps instead."""
+    demo = build_ui(page.service)
+    states = {block._id for block in demo.blocks.values() if getattr(block, "stateful", False)}
+    assert states, "the page keeps its steps in a State"
+    watched = [(target, fn.name) for fn in demo.fns.values() for target in fn.targets
+               if target[0] in states and target[1] == "change"]
+    assert watched == []
+    respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
+    followers = [fn for fn in demo.fns.values() if fn.trigger_after == respond._id]
+    assert any(fn.fn == page.inspect for fn in followers)

@@ -191,15 +191,19 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         clock = gr.Number(visible=False)  # the browser's clock when Send / Retry / Stop / Clear was pressed
         send_inputs, retry_inputs = [box, chatbot, method, *settings_inputs, clock], [chatbot, method,
                                                                                      *settings_inputs, clock]
+        # the step inspector follows each event that sets the steps (not a .change on the State:
+        # Gradio would hash the whole last reply's steps before and after every streamed update,
+        # measured at a quarter of a core, holding the interpreter the engine decodes in)
+        inspect = dict(fn=page.inspect, inputs=[slider, steps_state], outputs=[step_tree, step_info], queue=False,
+                       **hidden)
         gr.on([box.submit, send.click], page.respond, send_inputs, [box, *outputs], trigger_mode="once",
               **engine, js=stamp_js(len(send_inputs)), api_name="respond",
-              api_visibility="undocumented")
+              api_visibility="undocumented").then(**inspect)
         retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", **engine,
-                    js=stamp_js(len(retry_inputs)), **hidden)
+                    js=stamp_js(len(retry_inputs)), **hidden).then(**inspect)
         stop.click(page.stop, clock, None, queue=False, js=stamp_js(1), **hidden)
-        clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden)
-        slider.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
-        steps_state.change(page.inspect, [slider, steps_state], [step_tree, step_info], queue=False, **hidden)
+        clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden).then(**inspect)
+        slider.change(**inspect)
         trace_file.upload(page.load_trace, trace_file, [loaded, replay_status, trace_file], queue=False, **hidden)
         trace_file.clear(page.load_trace, None, [loaded, replay_status, trace_file], queue=False, **hidden)
         replaying = replay.click(page.replay, [loaded, steps_state, speed], [step_tree, step_info, replay_text,
