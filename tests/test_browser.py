@@ -382,8 +382,11 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     page.send("Explain in two sentences why the sky is blue.")  # 16 tokens: several steps
     page.wait_done(1)
     page.set_number("replay-speed", 20)
+    page.set_number("step-slider", 0)
     page.find("#replay").click()
     _wait_until(lambda: "✔ replayed the last reply" in "".join(page.texts("#replay-status")), 60, "the replay")
+    slider = page.find("#step-slider input[type=range]")
+    assert slider.get_property("value") == slider.get_attribute("max") != "0"  # the slider followed the replay
     info = "".join(page.texts("#step-info"))
     assert "▶ replay · step" in info and page.tree_points("step-tree") >= 1
     assert page.texts("#replay-text .specui-prov")

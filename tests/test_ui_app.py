@@ -377,12 +377,14 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     assert f"step {len(steps)} of {len(steps)}" in frames[-2][1] and "step 0" in frames[0][0].layout.title.text
     shown = [html.unescape(re.sub("<[^>]+>", "", f[2])) for f in frames[:-1]]  # the coloured reply text
     assert all(b.startswith(a) for a, b in zip(shown, shown[1:])) and shown[-1].endswith(reply)
+    assert [f[4]["value"] for f in frames[:-1]] == list(range(len(steps)))  # the step slider follows
 
     loaded, status, box = page.load_trace(export)  # the page's own export, loaded back
     assert loaded == steps and f"{len(steps)} steps (speculative)" in status and box == gr.skip()
     again = list(page.replay(loaded, [], 20))
     assert "the loaded trace" in again[0][3] and len(again) == len(steps) + 1
     assert [f[1] for f in again[:-1]] == [f[1] for f in frames[:-1]]
+    assert all(f[4] == gr.skip() for f in again)  # the slider keeps to the last reply
 
 
 def test_replay_of_nothing_or_a_bad_file_says_so_and_changes_nothing(page, tmp_path, monkeypatch):

@@ -203,11 +203,11 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     js=stamp_js(len(retry_inputs)), **hidden).then(**inspect)
         stop.click(page.stop, clock, None, queue=False, js=stamp_js(1), **hidden)
         clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **hidden).then(**inspect)
-        slider.change(**inspect)
+        slider.input(**inspect)  # a person moving it (a replay moves it along with the step it shows)
         trace_file.upload(page.load_trace, trace_file, [loaded, replay_status, trace_file], queue=False, **hidden)
         trace_file.clear(page.load_trace, None, [loaded, replay_status, trace_file], queue=False, **hidden)
         replaying = replay.click(page.replay, [loaded, steps_state, speed], [step_tree, step_info, replay_text,
-                                 replay_status], concurrency_id="replay", concurrency_limit=8, **hidden)
+                                 replay_status, slider], concurrency_id="replay", concurrency_limit=8, **hidden)
         stop_replay.click(None, None, None, cancels=[replaying], queue=False, **hidden)
         clear.click(lambda: "", None, replay_text, queue=False, **hidden)
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)

@@ -101,11 +101,14 @@ class ReplyPanels:
     @staticmethod
     def replay(loaded: list[dict], steps: list[dict], speed) -> Iterator[tuple]:
         """Animate a reply step by step at `speed` steps per second: the loaded trace if there is
-        one, else the last reply. Yields (inspector tree, step numbers, reply text, status)."""
+        one, else the last reply. Yields (inspector tree, step numbers, reply text, status, step
+        slider): replaying the last reply, the slider follows the step shown (it keeps to the
+        last reply, so a loaded trace's replay leaves it)."""
         source, name = (loaded, "the loaded trace") if loaded else (steps, "the last reply")
+        skip = gr.skip()
         if not source:
             gr.Warning(NOTHING_TO_REPLAY)
-            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ {NOTHING_TO_REPLAY}"
+            yield skip, skip, skip, f"⚠️ {NOTHING_TO_REPLAY}", skip
             return
         rate = min(max(float(speed or SPEEDS[2]), SPEEDS[0]), SPEEDS[1])
         status = f"▶ replaying {name}: {len(source)} steps at {rate:g} per second"
@@ -113,14 +116,15 @@ class ReplyPanels:
         try:
             for frame in frames(source):
                 time.sleep(max(0.0, due - time.perf_counter()))
-                yield frame.tree, frame.markdown, frame.html, status if frame.index == 0 else gr.skip()
+                slider = skip if loaded else gr.update(value=frame.index)
+                yield frame.tree, frame.markdown, frame.html, status if frame.index == 0 else skip, slider
                 due = time.perf_counter() + 1.0 / rate
         except Exception as e:  # noqa: BLE001 - a trace the reader let through must not take the page down
             log.exception("replay failed")
             gr.Warning(f"The replay stopped: a step could not be drawn ({type(e).__name__}).")
-            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ the replay stopped: a step could not be drawn ({e})"
+            yield skip, skip, skip, f"⚠️ the replay stopped: a step could not be drawn ({e})", skip
             return
-        yield gr.skip(), gr.skip(), gr.skip(), f"✔ replayed {name}: {len(source)} steps"
+        yield skip, skip, skip, f"✔ replayed {name}: {len(source)} steps", skip
 
 
 log = logging.getLogger("specui.ui")
