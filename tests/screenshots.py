@@ -1,5 +1,5 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd|quant]   (only that method's panel)"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd|quant|replay]   (only that method's panel)"""
 
 from __future__ import annotations
 
@@ -65,6 +65,19 @@ def mcsd_fork(page: tb.Page) -> None:
     shoot_panel(page, "mcsd-choices", "#choices")
 
 
+def replay(page: tb.Page) -> None:
+    """The step inspector replaying a reply: stopped at step 4, the slider with it."""
+    answer(page, "opt-tree", "Explain in three sentences how a rainbow forms.", max_new_tokens=60)
+    page.set_number("replay-speed", 1)
+    page.find("#replay").click()
+    tb._wait_until(lambda: "▶ replay · step 4 of" in page.find("#step-info").text, 60, "step 4 of the replay")
+    page.find("#stop-replay").click()
+    time.sleep(1)
+    page.driver.execute_script("document.querySelector('#step-slider').scrollIntoView()")
+    time.sleep(1)
+    shoot(page, "replay")
+
+
 def ems_sd_batch(page: tb.Page, url: str) -> None:
     """Two tabs decoding together with ems-sd: the batch size and every row's accepted length."""
     other = tb.Page(url)
@@ -103,6 +116,9 @@ def main() -> None:
             return
         if sys.argv[1:] == ["quant"]:
             quantization_options(page)
+            return
+        if sys.argv[1:] == ["replay"]:
+            replay(page)
             return
         if sys.argv[1:] == ["ems-sd"]:
             ems_sd_batch(page, url)

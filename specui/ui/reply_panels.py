@@ -129,6 +129,7 @@ class ReplyPanels:
 
 log = logging.getLogger("specui.ui")
 REPLAY_LAST = "▶ Replay plays the last reply; load a trace JSON (Export trace) to replay that instead."
+REPLAY_STOPPED = "■ replay stopped: the inspector and the step slider stay on the step it reached."
 NOTHING_TO_REPLAY = "Nothing to replay yet: send a message, or load a trace JSON."
 
 
