@@ -164,7 +164,10 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
     if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
-    pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision)
+    progress = print_progress if target.stand_in else None  # a stand-in takes a while to build
+    pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision, progress=progress)
+    if progress:
+        progress(1.0, f"target: stand-in {target.stand_in} ready")
     pair.capture = args.capture
     if settings.method == "specdec++" and pair.head.head is None:
         raise SpecUIError(f"specdec++ needs an acceptance head: {pair.head.problem}")

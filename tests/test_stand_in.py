@@ -139,6 +139,36 @@ def test_loading_a_stand_in_from_a_folder_and_refusing_its_source_as_draft(tiny_
     assert pair.draft is not None
 
 
+def test_building_a_stand_in_reports_its_progress(tiny_size, tmp_path):
+    """A stand-in takes a while to build (25 s for 1.7b in int4 on a 2-core CPU): the load says
+    where it is, tensor by tensor, then matrix by matrix, in order; the Model tab and the CLI
+    show it."""
+    from specui.service.chat_service import ChatService
+    from specui.service.pair import load_pair
+    from specui.settings import PairChoice
+    from specui.weights.loading import ModelSpec, load_model
+
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=2, hidden=64)
+    heard: list[tuple[float, str]] = []
+    spec = ModelSpec(str(folder), dtype="float32", quantization="int8", stand_in=tiny_size)
+    load_model(spec, "target", progress=lambda f, what: heard.append((f, what)))
+    fractions = [f for f, _ in heard]
+    assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] <= 1
+    said = " | ".join(w for _, w in heard)
+    assert "target: reading" in said and "building stand-in tiny (0 of" in said
+    layers = TINY_BIG.layers
+    assert f"int8, matrix {7 * layers + 1} of {7 * layers + 1}" in said  # 7 per layer and the output head
+
+    service = ChatService(load_pair(ModelSpec(str(folder), dtype="float32"), None))
+    page_heard: list[tuple[float, str]] = []
+    service.load(PairChoice(str(folder), "none", "int8", "cpu", "float32", stand_in=tiny_size, capture="off"),
+                 progress=lambda f, what: page_heard.append((f, what)))
+    page_fractions = [f for f, _ in page_heard]
+    assert page_fractions == sorted(page_fractions)
+    assert any("building stand-in" in w for _, w in page_heard)
+    assert service.pair.target.model.stand_in.size == tiny_size
+
+
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])
 def test_a_bitsandbytes_stand_in_computes_its_quantized_sources_function(monkeypatch, tmp_path, quantization):
     """Padded first, then quantized: nf4's blocks of 64 and int8's rows are the source's own where

@@ -102,8 +102,8 @@ class ChatService:
         if progress:
             progress(0.1, f"loading target {target.source}")
         pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))
-                         if progress else None, head=choice.head,
-                         decision=choice.decision)
+                         if progress else None, head=choice.head, decision=choice.decision,
+                         progress=(lambda f, what: progress(0.1 + 0.5 * f, what)) if progress else None)
         pair.capture = choice.capture
         engine = pair.engine()
         self._hook_long_threads(pair)

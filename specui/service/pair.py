@@ -168,12 +168,13 @@ class ModelPair:
 
 
 def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None, head: str = "default",
-              decision: str = "default") -> ModelPair:
+              decision: str = "default", progress=None) -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
     target's tokenizer; then the draft's SpecDec++ acceptance head (see head_folder; a
     head that cannot be used is recorded, not raised). Raises SpecUIError (and loads
-    nothing) on any problem with the models."""
-    loaded_target = load_model(target, role="target")
+    nothing) on any problem with the models. `progress(fraction, what)` hears the target's slow
+    parts (a stand-in built, matrices quantized)."""
+    loaded_target = load_model(target, role="target", progress=progress)
     if on_target_loaded is not None:
         on_target_loaded()
     return pair_with_draft(loaded_target, draft, head, decision)

@@ -5,6 +5,7 @@ dtype and attention. Every failure becomes a SpecUIError with a clear message.""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -49,11 +50,16 @@ def _quantization_config(quantization: str, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
 
 
+Progress = Callable[[float, str], None]  # (fraction of this model's load done, what it is doing)
+
+
 def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
-                  source: GGUFSource | None = None) -> LoadedModel:
+                  source: GGUFSource | None = None, progress: Progress | None = None) -> LoadedModel:
     """Load with a concrete quantization. `given`: notes to put first (quantization auto's
     choice: then a quantization no kernel serves here loads dequantized, not refused);
-    `source`: the GGUF as gguf_source gave it, if already opened."""
+    `source`: the GGUF as gguf_source gave it, if already opened; `progress` hears the slow
+    parts (reading, building a stand-in, quantizing matrix by matrix)."""
+    say = progress or (lambda _fraction, _what: None)
     where, gguf, local = locate(spec.source)
     if gguf and local:
         source = source or gguf_source(spec)
@@ -73,6 +79,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
                   local_files_only=local)
     if quant is not None and shape is None:  # a stand-in is padded first, then quantized (stand_in.bitsandbytes)
         kwargs.update(quantization_config=quant, device_map={"": device})
+    say(0.0, f"{role}: reading {spec.source}")
     try:
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except torch.cuda.OutOfMemoryError:
@@ -85,7 +92,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     notes: tuple[str, ...] = given
     blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else None
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
-        padded = stand_in.build(model, shape, dtype)
+        padded = stand_in.build(model, shape, dtype, lambda done, total: say(
+            0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"))
         model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
         notes += (f"{role} {shape.label}",)
         if quant is not None:
@@ -97,7 +105,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         model, choice = auto_dtype_model(model)
         notes += (choice.note(role),)
     if spec.quantization in CPU_KERNELS:
-        notes += (_quantize(model, spec, role, source, blocks, chosen=bool(given)),)
+        notes += (_quantize(model, spec, role, source, blocks, chosen=bool(given), progress=lambda done, total: say(
+            0.4 + 0.6 * done / total, f"{role}: {spec.quantization}, matrix {done + 1} of {total}")),)
         long_inputs = use_long_path(model, role)
         notes += (long_inputs,) if long_inputs else ()
     attention = use_measured_attention(model)
@@ -129,7 +138,8 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
 
 
 def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
-              blocks: dict | None = None, chosen: bool = False) -> str:
+              blocks: dict | None = None, chosen: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> str:
     """Put `model`'s matrices on SpecUI's int8 / int4 kernels (a GGUF `source`'s own 4-bit
     blocks where it has them); the note of what went where. Where the kernels serve no
     matrix, an explicit request is refused; a `chosen` one (quantization auto) keeps the
@@ -138,7 +148,7 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     unread = ""
     if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
         unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"
-    counts = quantize_model(model, spec.quantization, blocks)
+    counts = quantize_model(model, spec.quantization, blocks, progress)
     if not counts["int8"] + counts["int4"] and chosen:
         return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"
     if not counts["int8"] + counts["int4"]:

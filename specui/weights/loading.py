@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specui.weights.concrete import load_concrete
+from specui.weights.concrete import Progress, load_concrete
 from specui.weights.quant_choice import choose_quantization
 from specui.weights.sources import (
     BUNDLED,
@@ -37,17 +37,18 @@ __all__ = [
 ]
 
 
-def load_model(spec: ModelSpec, role: str = "model") -> LoadedModel:
+def load_model(spec: ModelSpec, role: str = "model", progress: Progress | None = None) -> LoadedModel:
     """Load one model and its tokenizer as `spec` says (`role` names it in notes).
     Quantization `auto` becomes the one candidate there is, or the fastest of several as
-    measured on this machine (specui.weights.quant_choice; cached)."""
+    measured on this machine (specui.weights.quant_choice; cached). `progress(fraction, what)`
+    hears the slow parts of the load."""
     if spec.quantization != "auto":
-        return load_concrete(spec, role)
+        return load_concrete(spec, role, progress=progress)
     source = gguf_source(spec)
     types = source.types if source is not None and source.types else None
     candidates, note = auto_candidates(spec, resolve_device(spec.device), types, role)
     if len(candidates) > 1:
-        return choose_quantization(spec, candidates, note or "", role, source=source)
-    return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), source)
+        return choose_quantization(spec, candidates, note or "", role, source=source, progress=progress)
+    return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), source, progress)
 
 

@@ -22,7 +22,7 @@ import torch
 from specui.engine.measure import cache_root, cpu_signature, forward_ms
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
-from specui.weights.concrete import load_concrete
+from specui.weights.concrete import Progress, load_concrete
 from specui.weights.dtypes import dtype_name, measured_stamp, read_cache, write_cache
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.sources import (
@@ -42,7 +42,6 @@ CPU_OPTIONS = ("none", "int8", "int4")
 GPU_OPTIONS = ("none", "8bit", "4bit")
 
 Timer = Callable[[torch.nn.Module], tuple[float, float]]  # (ms for 1 token, ms for 4 tokens)
-Progress = Callable[[float, str], None]
 
 
 @dataclass(frozen=True)
@@ -89,11 +88,12 @@ def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
 
 
 def measure_option(spec: ModelSpec, quantization: str, role: str, own: bool, timer: Timer = time_model,
-                   source: GGUFSource | None = None) -> tuple[OptionCost, LoadedModel | None]:
+                   source: GGUFSource | None = None,
+                   progress: Progress | None = None) -> tuple[OptionCost, LoadedModel | None]:
     """Load `spec` with `quantization` and time it; (its cost, the loaded model) or (the
     reason it cannot run here, None). `source`: the GGUF as already opened, if it is one."""
     try:
-        loaded = load_concrete(replace(spec, quantization=quantization), role, source=source)
+        loaded = load_concrete(replace(spec, quantization=quantization), role, source=source, progress=progress)
     except SpecUIError as e:
         return OptionCost(quantization, own_weights=own, problem=str(e)), None
     except Exception as e:  # noqa: BLE001 - a backend failing here is that option's problem, not the app's
@@ -141,7 +141,7 @@ def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], ca
 
 def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: str, role: str,
                         cache_file: Path | None = None, timer: Timer = time_model,
-                        source: GGUFSource | None = None) -> LoadedModel:
+                        source: GGUFSource | None = None, progress: Progress | None = None) -> LoadedModel:
     """Load `spec` with the fastest of `candidates` (most preferred first) as measured here,
     or as the cache says; its notes say what was measured. `source`: the GGUF, if opened."""
     path = cache_file if cache_file is not None else default_cache_file()
@@ -150,12 +150,15 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     if (hit := _cached(cache.get(key), candidates)) is not None:
         chosen, costs = hit
         note = choice_note(role, chosen, reason, costs, cached=True)
-        return load_concrete(replace(spec, quantization=chosen), role, (note,), source)
+        return load_concrete(replace(spec, quantization=chosen), role, (note,), source, progress)
     own = set(candidates)
     costs: list[OptionCost] = []
     kept: LoadedModel | None = None
-    for quantization in candidates:
-        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source)
+    for i, quantization in enumerate(candidates):
+        option = None if progress is None else (
+            lambda f, what, i=i, q=quantization: progress((i + f) / len(candidates),
+                                                          f"{what} (measuring {q}: option {i + 1} of {len(candidates)})"))
+        cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source, option)
         costs.append(cost)
         if loaded is not None and kept is not None and _pick(costs) is cost:
             held = next(i for i, c in enumerate(costs) if c.quantization == kept.spec.quantization)

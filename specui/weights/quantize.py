@@ -212,19 +212,22 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -
 
 
 def quantize_model(model: torch.nn.Module, kind: str = "int8",
-                   groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> dict[str, int]:
+                   groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Swap every Linear a kernel can serve for an Int8Linear (kind "int8", and the output
     head under "int4") or an Int4Linear (kind "int4": the other matrices; from `groups[name]`
     where given, e.g. a GGUF's own blocks, else from the module's weight). A tied output
     head gets its own copy; the input embeddings stay. Returns counts: "int8", "int4",
-    "from_file" (of int4) and "kept" (left as they were)."""
+    "from_file" (of int4) and "kept" (left as they were). `progress(done, total)` as each
+    matrix starts (a stand-in's hundreds take a while)."""
     groups = groups or {}
     learned: dict[tuple[int, int], torch.Tensor] = {}  # int4 packing orders learned on this machine, by shape
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     counts = {"int8": 0, "int4": 0, "from_file": 0, "kept": 0}
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear):
-            continue
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for done, (name, module) in enumerate(linears):
+        if progress is not None:
+            progress(done, len(linears))
         fast, used = None, "int8"
         if kind == "int4" and module is not head:
             given = groups.get(name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,8 +133,10 @@ def _pad(src: torch.Tensor, shape: torch.Size, dtype: torch.dtype, scale: float 
     return out
 
 
-def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype) -> PreTrainedModel:
-    """The zero-padded copy of `model` (on the CPU, in `dtype`) with `model.stand_in = shape`."""
+def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
+          progress: Callable[[int, int], None] | None = None) -> PreTrainedModel:
+    """The zero-padded copy of `model` (on the CPU, in `dtype`) with `model.stand_in = shape`;
+    `progress(done, total)` as each tensor starts."""
     config = copy.deepcopy(model.config)
     norm_scale = math.sqrt(shape.source_hidden / shape.hidden)
     config.hidden_size, config.intermediate_size = shape.hidden, shape.intermediate
@@ -147,7 +150,10 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype) -> PreTrai
         padded = type(model)(config)
     source = model.state_dict()
     state = {}
-    for name, meta in padded.state_dict().items():
+    metas = padded.state_dict()
+    for done, (name, meta) in enumerate(metas.items()):
+        if progress is not None:
+            progress(done, len(metas))
         src = source.get(name)
         if src is None:  # an appended layer: all zeros, the identity on the residual stream
             state[name] = torch.zeros(meta.shape, dtype=dtype)
