@@ -419,3 +419,26 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
     time.sleep(4.5)  # 2 more steps' worth at 0.5 per second
     assert "".join(page.texts("#step-info")).split("\n")[0] == reached
     assert "replay stopped" in "".join(page.texts("#replay-status"))
+
+
+def test_a_narrow_window_scrolls_the_tree_instead_of_piling_its_labels(page):
+    """On a phone-wide window the tree chart keeps the width its labels are laid out for and
+    scrolls sideways: still no label on another."""
+    from specui.ui.live_panels import TREE_MIN_PX
+
+    page.driver.set_window_size(420, 1900)
+    try:
+        page.clear_chat()
+        page.choose("method", "opt-tree")
+        page.set_number("set-max_new_tokens", 24)
+        page.send("Name three colours of the rainbow.")
+        page.wait_done(1)
+        _wait_until(lambda: page.tree_points() >= 2, 20, "the tree")
+        drawn = page.driver.execute_script(LABEL_BOXES_JS, "#tree")
+        assert drawn["texts"] and overlaps(drawn["texts"]) == []
+        width = page.driver.execute_script(
+            "return document.querySelector('#tree .js-plotly-plot').getBoundingClientRect().width")
+        assert width >= TREE_MIN_PX > page.driver.execute_script("return window.innerWidth")
+    finally:
+        page.driver.set_window_size(1500, 1900)
+        page.choose("method", "speculative")

@@ -195,3 +195,12 @@ def test_the_step_inspector_shows_whitespace_tokens_as_the_tree_does():
                      new_from_draft=[True], new_text=" the", text=" the")
     table = step_markdown(step)
     assert "`␣the`" in table and "`↵`" in table
+
+
+def test_the_page_keeps_the_tree_charts_as_wide_as_their_layout():
+    """The page's CSS floor for the tree charts is the width the labels are laid out for
+    (VIEW_W of axis plus the margins), so the two cannot drift apart."""
+    from specui.ui import tree_figure
+    from specui.ui.live_panels import PAGE_CSS, TREE_MIN_PX
+
+    assert TREE_MIN_PX >= tree_figure.VIEW_W + 24 and f"min-width: {TREE_MIN_PX}px" in PAGE_CSS
