@@ -15,7 +15,7 @@ from specui.service.fair import FairGate
 from specui.service.runner import MainThreadRunner
 from specui.service.sharing import Access, Credentials, parse_credentials
 from specui.settings import RANGES
-from specui.weights.threads import choose_threads
+from specui.weights.threads import ThreadChoice, choose_threads
 
 SHARED_THREADS = 100  # Gradio's worker threads on a shared app: every waiting turn holds one
 
@@ -60,6 +60,16 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _service(args: argparse.Namespace) -> tuple[ChatService, ThreadChoice]:
+    """The service on the pair `args` name, and the app's thread count, chosen before the engine
+    is made: `--capture auto` reads the choice recorded for that count and compiles kernels for
+    it (kernels built for every core would take the browser's too). No caller keeps the pair:
+    a reload must be able to free it."""
+    pair = load_from_args(args)
+    threads = choose_threads(pair.target.model, local_browser=not args.share, requested=args.threads)
+    return ChatService(pair), threads
+
+
 def launch(args: argparse.Namespace) -> int:
     from specui.ui.chat_ui import build_ui
     from specui.ui.live_panels import PAGE_CSS
@@ -71,11 +81,7 @@ def launch(args: argparse.Namespace) -> int:
     print("loading models…", file=sys.stderr)
     if args.threads < 0:
         raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
-    pair = load_from_args(args)
-    # the thread count before the engine: `--capture auto` reads the choice recorded for it and
-    # compiles kernels for it (kernels built for every core would take the browser's too)
-    threads = choose_threads(pair.target.model, local_browser=not args.share, requested=args.threads)
-    service = ChatService(pair)
+    service, threads = _service(args)
     if access.shared:
         service.gate = FairGate()
     service.threads_note = f"torch threads: {threads.reason}"
