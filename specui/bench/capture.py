@@ -22,7 +22,8 @@ from specui.weights.loading import ModelSpec
 
 def main(argv: list[str] | None = None) -> int:
     ap = common_parser(__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=0, help="measure this torch thread count only (0: every core, and one fewer)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="measure this torch thread count only (0: every core, and one fewer)")
     args = ap.parse_args(argv)
     cores = torch.get_num_threads()
     counts = [args.threads] if args.threads > 0 else sorted({cores, max(1, cores - 1)}, reverse=True)
@@ -31,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {cores} cores")
-    print(f"{'model':8} {'dtype':10} {'threads':>7} {'eager ms/token':>15} {'compiled ms/token':>18} {'compile s':>10}  "
-          "auto chooses")
+    print(f"{'model':8} {'dtype':10} {'threads':>7} {'eager ms/token':>15} {'compiled ms/token':>18} "
+          f"{'compile s':>10}  auto chooses")
     for threads in counts:
         torch.set_num_threads(threads)
         for role, loaded in (("target", pair.target), ("draft", pair.draft)):

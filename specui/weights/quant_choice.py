@@ -155,9 +155,9 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     costs: list[OptionCost] = []
     kept: LoadedModel | None = None
     for i, quantization in enumerate(candidates):
+        n = len(candidates)
         option = None if progress is None else (
-            lambda f, what, i=i, q=quantization: progress((i + f) / len(candidates),
-                                                          f"{what} (measuring {q}: option {i + 1} of {len(candidates)})"))
+            lambda f, what, i=i, q=quantization: progress((i + f) / n, f"{what} (measuring {q}: option {i + 1} of {n})"))
         cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source, option)
         costs.append(cost)
         if loaded is not None and kept is not None and _pick(costs) is cost:
