@@ -154,10 +154,10 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     own = set(candidates)
     costs: list[OptionCost] = []
     kept: LoadedModel | None = None
+    n = len(candidates)
     for i, quantization in enumerate(candidates):
-        n = len(candidates)
         option = None if progress is None else (
-            lambda f, what, i=i, q=quantization: progress((i + f) / n, f"{what} (measuring {q}: option {i + 1} of {n})"))
+            lambda f, what, i=i, q=quantization: progress((i + f) / n, f"{what} (measuring {q}, {i + 1} of {n})"))
         cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source, option)
         costs.append(cost)
         if loaded is not None and kept is not None and _pick(costs) is cost:
