@@ -424,7 +424,7 @@ def test_replay_animates_the_last_reply_and_a_loaded_trace(page, tmp_path):
 def test_a_narrow_window_scrolls_the_tree_instead_of_piling_its_labels(page):
     """On a phone-wide window the tree chart keeps the width its labels are laid out for and
     scrolls sideways: still no label on another."""
-    from specui.ui.live_panels import TREE_MIN_PX
+    from specui.ui.tree_figure import CHART_MIN_W
 
     page.driver.set_window_size(420, 1900)
     try:
@@ -438,7 +438,7 @@ def test_a_narrow_window_scrolls_the_tree_instead_of_piling_its_labels(page):
         assert drawn["texts"] and overlaps(drawn["texts"]) == []
         width = page.driver.execute_script(
             "return document.querySelector('#tree .js-plotly-plot').getBoundingClientRect().width")
-        assert width >= TREE_MIN_PX > page.driver.execute_script("return window.innerWidth")
+        assert width >= CHART_MIN_W > page.driver.execute_script("return window.innerWidth")
     finally:
         page.driver.set_window_size(1500, 1900)
         page.choose("method", "speculative")

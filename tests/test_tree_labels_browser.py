@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHR
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
 TREES = ("mcsd-baseline", "opt-tree-25", "dsbd-w4", "mcsd-fork-w4")
-NARROWEST = tf.VIEW_W + 24  # the chart's width in px where the tree's x-axis is one unit a pixel
+NARROWEST = tf.CHART_MIN_W  # the chart's width in px where the tree's x-axis is one unit a pixel
 PANEL = 598  # the tree panel's width on the app's page in a 1500 px window (the inspector's: 1188)
 
 

@@ -201,6 +201,6 @@ def test_the_page_keeps_the_tree_charts_as_wide_as_their_layout():
     """The page's CSS floor for the tree charts is the width the labels are laid out for
     (VIEW_W of axis plus the margins), so the two cannot drift apart."""
     from specui.ui import tree_figure
-    from specui.ui.live_panels import PAGE_CSS, TREE_MIN_PX
+    from specui.ui.live_panels import PAGE_CSS
 
-    assert TREE_MIN_PX >= tree_figure.VIEW_W + 24 and f"min-width: {TREE_MIN_PX}px" in PAGE_CSS
+    assert tree_figure.CHART_MIN_W >= tree_figure.VIEW_W + 24 and f"min-width: {tree_figure.CHART_MIN_W}px" in PAGE_CSS

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from specui.ui.tree_figure import CHART_MIN_W
+
 CARRIER_ID = "live-figures"
 
 # Gradio marks every output of a running event "generating" and pulses its border with an endless
@@ -24,12 +26,11 @@ CARRIER_ID = "live-figures"
 # Measured in headless Chromium on a 2-core CPU: its compositor thread took 0.48 of a core for as
 # long as a reply streamed, panels on or off. The reply's own growing text shows progress. Passed
 # to every `launch` of the page.
-# the tree charts never narrower than the width their labels are laid out for (tree_figure.VIEW_W
-# plus the margins): a narrower window (a phone) scrolls them sideways instead of piling labels up
-TREE_MIN_PX = 544
+# the tree charts never narrower than the width their labels are laid out for (CHART_MIN_W):
+# a narrower window (a phone) scrolls them sideways instead of piling labels up
 PAGE_CSS = (".generating { animation: none !important; }\n"
             "#tree, #step-tree { overflow-x: auto; }\n"
-            f"#tree .js-plotly-plot, #step-tree .js-plotly-plot {{ min-width: {TREE_MIN_PX}px; }}")
+            f"#tree .js-plotly-plot, #step-tree .js-plotly-plot {{ min-width: {CHART_MIN_W}px; }}")
 
 # `payload`: {"<elem_id of a gr.Plot>": <plotly figure JSON>, ...}. Layout as Gradio's own Plot
 # sets it (autosize, margins that grow for a title), so a live chart looks like the final one.

@@ -28,6 +28,7 @@ MAX_DEPTH = 16  # deeper nodes fold into a count on their ancestor at this depth
 MAX_NODES, MAX_ROWS = 600, 150  # drawn nodes or rows beyond these: counts per depth instead of the tree
 MAX_LAID_OUT = 50_000  # nodes beyond this are not even laid out
 MARGIN = dict(l=12, r=12, b=36)  # the top margin holds the title and the legend: palette.top_margin
+CHART_MIN_W = VIEW_W + MARGIN["l"] + MARGIN["r"]  # px: the chart's width where the x-axis is one unit a pixel
 MONO = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 COMMITTED = {"accepted", "resampled", "bonus", "target", "filled"}
 OPACITY = {"rejected": 0.75, "dropped": 0.75, "unverified": 0.4}  # the rest: 1
