@@ -12,6 +12,7 @@ from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
 from specui.service.chat_service import ChatService
 from specui.service.fair import FairGate
+from specui.service.pair import ModelPair
 from specui.service.runner import MainThreadRunner
 from specui.service.sharing import Access, Credentials, parse_credentials
 from specui.settings import RANGES
@@ -60,14 +61,21 @@ def _log_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
+def serve_pair(pair: ModelPair, local_browser: bool, requested: int = 0) -> tuple[ChatService, ThreadChoice]:
+    """The service on `pair` with the app's thread count (specui.weights.threads), chosen before
+    the engine is made: `--capture auto` reads the choice recorded for that count and compiles
+    kernels for it (kernels built for every core would take the browser's too); long inputs get
+    their own count. The app and the web UI bench both start this way."""
+    threads = choose_threads(pair.target.model, local_browser=local_browser, requested=requested)
+    service = ChatService(pair)
+    service.use_long_threads(threads.long_threads)
+    return service, threads
+
+
 def _service(args: argparse.Namespace) -> tuple[ChatService, ThreadChoice]:
-    """The service on the pair `args` name, and the app's thread count, chosen before the engine
-    is made: `--capture auto` reads the choice recorded for that count and compiles kernels for
-    it (kernels built for every core would take the browser's too). No caller keeps the pair:
-    a reload must be able to free it."""
-    pair = load_from_args(args)
-    threads = choose_threads(pair.target.model, local_browser=not args.share, requested=args.threads)
-    return ChatService(pair), threads
+    """serve_pair on the pair `args` name. No caller keeps the pair: a reload must be able to
+    free it."""
+    return serve_pair(load_from_args(args), local_browser=not args.share, requested=args.threads)
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -85,7 +93,6 @@ def launch(args: argparse.Namespace) -> int:
     if access.shared:
         service.gate = FairGate()
     service.threads_note = f"torch threads: {threads.reason}"
-    service.use_long_threads(threads.long_threads)
     print(service.threads_note, file=sys.stderr)
     runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/service/runner.py
     demo = build_ui(service, settings_from_args(args), submit=runner.submit, access=access).queue(

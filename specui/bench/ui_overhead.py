@@ -25,8 +25,8 @@ from specui.service.runner import MainThreadRunner
 from specui.settings import ChatSettings
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui
 from specui.ui.live_panels import PAGE_CSS
+from specui.webapp import serve_pair
 from specui.weights.loading import BUNDLED, ModelSpec
-from specui.weights.threads import choose_threads
 
 
 def settings_for(spec: str, max_new_tokens: int) -> ChatSettings:
@@ -118,13 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = ModelSpec(BUNDLED, dtype=args.dtype, device="auto", quantization=args.quantization)
     pair = load_pair(spec, spec.with_source(default_draft_source()))
     pair.capture = args.capture
-    threads = None
-    if args.threads != "0":  # before the engine, as the app does
-        threads = choose_threads(pair.target.model, True, 0 if args.threads == "auto" else int(args.threads))
+    if args.threads == "0":  # torch's default
+        service = ChatService(pair)
+    else:  # as the app starts
+        service, threads = serve_pair(pair, True, 0 if args.threads == "auto" else int(args.threads))
         print(f"torch threads: {threads.reason}")
-    service = ChatService(pair)
-    if threads is not None:
-        service.use_long_threads(threads.long_threads)
     port = _free_port()
     runner = MainThreadRunner()
     meter = JobMeter()  # CPU shares while each reply decodes
