@@ -165,7 +165,8 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     progress = print_progress if target.stand_in else None  # a stand-in takes a while to build
-    pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision, progress=progress)
+    pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision, progress=progress,
+                     speculate=METHODS[settings.method].uses_draft)
     if progress:
         progress(1.0, f"target: stand-in {target.stand_in} ready")
     pair.capture = args.capture

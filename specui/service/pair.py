@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from specui.errors import SpecUIError
 from specui.heads.acceptance import TRAIN_COMMAND, load_head
 from specui.heads.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
 from specui.heads.decision import DecisionModels, load_decision_models
+from specui.service.joint import choose_with_draft
 from specui.settings import PairChoice
 from specui.weights.draft import is_specui_draft, load_draft
 from specui.weights.dtypes import choice_key, choose_dtype
@@ -24,6 +26,8 @@ from specui.weights.loading import (
     LoadedModel,
     ModelSpec,
     check_same_tokenizer,
+    gguf_source,
+    load_concrete,
     load_model,
     measures_dtype,
     resolve_dtype,
@@ -168,16 +172,33 @@ class ModelPair:
 
 
 def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None, head: str = "default",
-              decision: str = "default", progress=None) -> ModelPair:
+              decision: str = "default", progress=None, speculate: bool = True) -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
     target's tokenizer; then the draft's SpecDec++ acceptance head (see head_folder; a
     head that cannot be used is recorded, not raised). Raises SpecUIError (and loads
     nothing) on any problem with the models. `progress(fraction, what)` hears the target's slow
-    parts (a stand-in built, matrices quantized)."""
+    parts (a stand-in built, matrices quantized). With target quantization auto and a draft,
+    `speculate` (the methods to come use the draft) makes quantization and method one choice
+    (specui.service.joint): the target may be reloaded with the option that commits more
+    tokens per second with speculation."""
     loaded_target = load_model(target, role="target", progress=progress)
     if on_target_loaded is not None:
         on_target_loaded()
-    return pair_with_draft(loaded_target, draft, head, decision)
+    pair = pair_with_draft(loaded_target, draft, head, decision)
+    verdict = choose_with_draft(pair, draft) if speculate and draft is not None else None
+    if verdict is None:
+        return pair
+    chosen, note = verdict
+    if chosen == loaded_target.spec.quantization:
+        loaded_target.notes += (note,)
+        return pair
+    options, notes = loaded_target.options, loaded_target.notes
+    del pair, loaded_target  # at most one target in memory
+    gc.collect()
+    reloaded = load_concrete(replace(target, quantization=chosen), "target", notes + (note,), gguf_source(target),
+                             progress)
+    reloaded.options = options
+    return pair_with_draft(reloaded, draft, head, decision)
 
 
 def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "default",

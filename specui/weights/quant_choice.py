@@ -71,7 +71,7 @@ def default_cache_file() -> Path:
     return cache_root() / "quantization_choices.json"
 
 
-def _identity(spec: ModelSpec) -> str:
+def identity(spec: ModelSpec) -> str:
     """The model's files (path, size, mtime) where it is local, else its source."""
     where, gguf, local = locate(spec.source)
     path = Path(where) / gguf if gguf else Path(where)
@@ -82,7 +82,7 @@ def _identity(spec: ModelSpec) -> str:
 
 
 def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
-    raw = json.dumps([_identity(spec), spec.dtype, spec.device, list(candidates), cpu_signature(),
+    raw = json.dumps([identity(spec), spec.dtype, spec.device, list(candidates), cpu_signature(),
                       torch.get_num_threads(), torch.__version__] + ([spec.stand_in] if spec.stand_in else []))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
@@ -150,7 +150,9 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     if (hit := _cached(cache.get(key), candidates)) is not None:
         chosen, costs = hit
         note = choice_note(role, chosen, reason, costs, cached=True)
-        return load_concrete(replace(spec, quantization=chosen), role, (note,), source, progress)
+        loaded = load_concrete(replace(spec, quantization=chosen), role, (note,), source, progress)
+        loaded.options = tuple(costs)
+        return loaded
     own = set(candidates)
     costs: list[OptionCost] = []
     kept: LoadedModel | None = None
@@ -175,6 +177,7 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     cache[key] = {"chosen": best.quantization, "costs": [c.to_dict() for c in costs], "measured": measured_stamp()}
     write_cache(path, cache)
     kept.notes = (choice_note(role, best.quantization, reason, costs, cached=False),) + kept.notes
+    kept.options = tuple(costs)
     return kept
 
 

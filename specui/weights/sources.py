@@ -50,6 +50,7 @@ class LoadedModel:
     device: torch.device
     label: str  # what to show the user
     notes: tuple[str, ...] = ()  # what loading chose and why (e.g. dtype auto's measurement)
+    options: tuple = ()  # quantization auto: every option as measured (quant_choice.OptionCost), else ()
 
     @property
     def memory_bytes(self) -> int:
