@@ -150,3 +150,25 @@ def test_no_probe_without_a_choice_to_make(tiny_dirs, monkeypatch):
     monkeypatch.setattr(joint, "probe_pair", lambda pair: pytest.fail("probed"))
     pair = load_pair(ModelSpec(str(target), quantization="auto", dtype="float32"), ModelSpec(str(draft)))
     assert pair.target.options == () and not any("with the draft" in n for n in pair.notes)
+
+
+def test_an_option_that_fails_to_reload_leaves_the_first_one(two_options, monkeypatch):
+    from specui.errors import SpecUIError
+    from specui.service import pair as pair_module
+
+    spec, draft = two_options
+    _forge_probe([STEEP, FLAT], draft, alpha=0.9)
+    real = pair_module.load_concrete
+    seen: list[str] = []
+
+    def refuse_none(spec, *args, **kwargs):
+        seen.append(spec.quantization)
+        if spec.quantization == "none":
+            raise SpecUIError("not enough memory for none")
+        return real(spec, *args, **kwargs)
+    monkeypatch.setattr(pair_module, "load_concrete", refuse_none)
+    heard: list[str] = []
+    pair = load_pair(spec, draft, progress=lambda f, what: heard.append(what))
+    assert seen == ["none", "int8"] and _quantization_of(pair) == "int8"
+    assert any("none did not load (not enough memory for none), so int8 stays" in n for n in pair.notes)
+    assert any("a short reply with the draft on int8" in what for what in heard)

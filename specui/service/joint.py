@@ -151,13 +151,16 @@ def cached_probe(pair, options: list[OptionCost], draft: ModelSpec, cache_file: 
     return probe
 
 
-def choose_with_draft(pair, draft: ModelSpec) -> tuple[str, str] | None:
+def choose_with_draft(pair, draft: ModelSpec, progress=None) -> tuple[str, str] | None:
     """(the target's quantization to use with this draft, why), or None where there is no
-    choice to make (no draft, or quantization auto had a single option to measure)."""
+    choice to make (no draft, or quantization auto had a single option to measure).
+    `progress(fraction, what)` hears the probe begin."""
     options = [o for o in pair.target.options if o.ms_token]
     current = pair.target.spec.quantization
     if pair.draft is None or len(options) < 2:
         return None
+    if progress is not None:
+        progress(1.0, f"target quantization auto: a short reply with the draft on {current} (cached after)")
     try:
         probe = cached_probe(pair, options, draft)
     except Exception as e:  # noqa: BLE001 - the pair as loaded still works; the note says why it stays

@@ -185,18 +185,25 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
     if on_target_loaded is not None:
         on_target_loaded()
     pair = pair_with_draft(loaded_target, draft, head, decision)
-    verdict = choose_with_draft(pair, draft) if speculate and draft is not None else None
+    verdict = choose_with_draft(pair, draft, progress) if speculate and draft is not None else None
     if verdict is None:
         return pair
     chosen, note = verdict
-    if chosen == loaded_target.spec.quantization:
+    first = loaded_target.spec.quantization
+    if chosen == first:
         loaded_target.notes += (note,)
         return pair
     options, notes = loaded_target.options, loaded_target.notes
     del pair, loaded_target  # at most one target in memory
     gc.collect()
-    reloaded = load_concrete(replace(target, quantization=chosen), "target", notes + (note,), gguf_source(target),
-                             progress)
+    try:
+        reloaded = load_concrete(replace(target, quantization=chosen), "target", notes + (note,),
+                                 gguf_source(target), progress)
+    except (SpecUIError, MemoryError) as e:  # the option that loaded first still does
+        gc.collect()
+        why = f"target quantization auto with the draft: {chosen} did not load ({e}), so {first} stays"[:400]
+        reloaded = load_concrete(replace(target, quantization=first), "target", notes + (why,),
+                                 gguf_source(target), progress)
     reloaded.options = options
     return pair_with_draft(reloaded, draft, head, decision)
 
