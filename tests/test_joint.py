@@ -17,8 +17,9 @@ from specui.weights.quant_choice import default_cache_file as quant_cache_file
 from specui.weights.quantize import Int8Linear
 from specui.weights.sources import ModelSpec
 
-STEEP = OptionCost("int8", ms_token=4.0, ms_four=16.0, dtype="float32", own_weights=True)  # grows with k
-FLAT = OptionCost("none", ms_token=6.0, ms_four=6.3, dtype="float32", own_weights=True)  # about flat
+# int8 grows with the tokens scored, none is about flat
+STEEP = OptionCost("int8", ms_token=4.0, ms_four=16.0, weight_bytes=2**20, dtype="float32", own_weights=True)
+FLAT = OptionCost("none", ms_token=6.0, ms_four=6.3, weight_bytes=2**21, dtype="float32", own_weights=True)
 
 
 def _by_hand(one: float, four: float, alpha: float, draft_ms: float, gammas: int = 6) -> tuple[float, int]:
@@ -172,3 +173,20 @@ def test_an_option_that_fails_to_reload_leaves_the_first_one(two_options, monkey
     assert seen == ["none", "int8"] and _quantization_of(pair) == "int8"
     assert any("none did not load (not enough memory for none), so int8 stays" in n for n in pair.notes)
     assert any("a short reply with the draft on int8" in what for what in heard)
+
+
+def test_the_model_tabs_table_of_options_predicts_each_with_the_draft(tiny_dirs):
+    from specui.service.chat_service import ChatService
+    from specui.weights.quant_choice import options_table
+
+    target, draft, _ = tiny_dirs
+    service = ChatService(load_pair(ModelSpec(str(target), dtype="float32"), ModelSpec(str(draft), dtype="float32")))
+    table = service.quantization_options()
+    assert " With the draft: auto's chain model at alpha " in table
+    assert "| quantization | weights | ms / token | ms / 4 tokens | tokens/s | with the draft (predicted) |" in table
+    for q in ("none", "int8", "int4"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {q} | "))
+        assert " tok/s, autoregressive |" in row or " tok/s, speculative gamma " in row, row
+    # without a draft: no such column
+    alone = options_table([STEEP, FLAT])
+    assert "with the draft" not in alone and alone.splitlines()[2].count("|") == 7

@@ -17,6 +17,7 @@ from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
 from specui.service.batch_loop import BatchLoop
+from specui.service.joint import predicted_with_draft
 from specui.service.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.settings import ChatSettings, PairChoice, check_settings
 from specui.weights.loading import DTYPES, QUANTIZATIONS
@@ -138,10 +139,11 @@ class ChatService:
 
         with self.engine.lock:
             costs = measure_options(self.pair.target.spec, "target", progress)
+            with_draft, how = predicted_with_draft(self.pair, costs)
         where = cpu_model() if self.pair.target.device.type == "cpu" else torch.cuda.get_device_name()
         threads = torch.get_num_threads()
         return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
-                f"forward, after {CONTEXT} cached tokens.\n\n" + options_table(costs))
+                f"forward, after {CONTEXT} cached tokens.{how}\n\n" + options_table(costs, with_draft))
 
     def doctor_report(self) -> str:
         """`--doctor`'s block (machine, packages, kernel self-checks, cached choices), run while

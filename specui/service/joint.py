@@ -166,3 +166,22 @@ def choose_with_draft(pair, draft: ModelSpec, progress=None) -> tuple[str, str] 
     except Exception as e:  # noqa: BLE001 - the pair as loaded still works; the note says why it stays
         return current, f"target quantization auto with the draft: kept {current}, the probe failed ({e})"[:300]
     return joint_choice(options, current, probe)
+
+
+def predicted_with_draft(pair, options: list[OptionCost]) -> tuple[dict[str, str] | None, str]:
+    """For the Model tab's table of options: (quantization -> its predicted best with the
+    loaded draft, a sentence on where alpha and the draft's cost came from), or (None, "")
+    without a draft or where the probe fails."""
+    measured = [o for o in options if o.ms_token]
+    if pair.draft is None or not measured:
+        return None, ""
+    try:
+        probe = cached_probe(pair, measured, pair.draft.spec)
+    except Exception:  # noqa: BLE001 - the table stands without the column
+        return None, ""
+    cells = {}
+    for option in measured:
+        best = predict(option, probe)
+        cells[option.quantization] = f"{1000 * best.rate:.1f} tok/s, {best.method}"
+    return cells, (f" With the draft: auto's chain model at alpha {probe.alpha:.2f} and {probe.draft_ms:.1f} ms a "
+                   f"draft token (a short reply on the loaded pair).")
