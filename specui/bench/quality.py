@@ -6,7 +6,7 @@ For autoregressive sampling, speculative, beam sampling W = 1..4 and DSBD over a
 (gamma, W_L, W_S, t, W_min) with memory mode: tokens/s (rows interleaved prompt by prompt,
 as the throughput bench) and the replies' mean log-likelihood per token under the target
 (scored afterwards by one plain forward over prompt + reply; perplexity = exp(-that)).
-Writes results.json and quality.html (a plotly throughput-vs-quality plot with each
+Writes results.json, quality.html and quality.png (a plotly throughput-vs-quality plot with each
 family's Pareto front) under --out.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specui.bench.png import save_figure
 from specui.bench.prompts import HELDOUT
 from specui.bench.run import Row, bench_prompts, ours
 from specui.engine import make_method
@@ -175,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"header": header, "points": [p.__dict__ for p in points]}, indent=1))
-    figure(points, "DSBD: throughput vs quality").write_html(out / "quality.html", include_plotlyjs=True)
-    print(f"\nwrote {out / 'results.json'} and {out / 'quality.html'}")
+    title = "DSBD: throughput vs quality" + (f" (A STAND-IN: {pair.target.label})" if args.stand_in else "")
+    written = save_figure(figure(points, title), out, "quality")
+    print(f"\nwrote {out / 'results.json'} and " + " and ".join(str(p) for p in written))
     return 0
 
 
