@@ -37,3 +37,43 @@ def test_a_corrupt_record_is_ignored(tmp_path, monkeypatch):
     for text in ("not json", json.dumps([1, 2]), json.dumps({capture_choice.choice_key(model): {"choice": "maybe"}})):
         path.write_text(text)
         assert capture_choice.cached_choice(model) is None
+
+
+def test_compiled_forwards_attend_as_the_record_says_and_eager_ones_as_loaded(tmp_path, monkeypatch):
+    """Grouped matmul attention compiles into fused kernels where SDPA stays one call a layer,
+    so the record may choose it for compiled forwards only: a compiled session attends grouped,
+    an eager one of the same model as the load chose, and both compute the same logits."""
+    from specui.engine import attention
+    from specui.engine.attention import GROUPED_KEY
+    from specui.engine.session import ModelSession
+
+    path = tmp_path / "capture_choices.json"
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: path)
+    model = tiny_llama(0, layers=2, dtype=torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    monkeypatch.setattr(attention, "measure_attention", lambda *a: (torch.float32, 0, "attention: float32, SDPA"))
+    attention.use_measured_attention(model)  # the load's choice: SDPA (grouped limit 0)
+    configs = attention.routed_attention(model)
+    assert configs and all(getattr(c, GROUPED_KEY) == 0 for c in configs)
+    assert capture_choice.cached_attention(model) is None
+    path.write_text(json.dumps({capture_choice.choice_key(model): {"choice": "on", "attention": "grouped"}}))
+    assert capture_choice.cached_attention(model) == capture_choice.GROUPED
+
+    seen: list[str] = []
+    for name in ("_grouped", "_sdpa"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, real=real, name=name: seen.append(name) or real(*a))
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="on")  # compiles in the forward
+    runner = engine.target.runner
+    assert runner.grouped == (configs, capture_choice.GROUPED)
+    assert any("grouped matmuls for up to 16 queries" in n for n in runner.notes)
+    ids = [1, 5, 9, 13, 7, 21, 4, 8, 3, 11]
+    compiled = [engine.target.advance(ids[:n], need=2).float() for n in (6, 8, 10)]
+    assert "_grouped" in seen and runner.compiled_runs > 0
+    assert all(getattr(c, GROUPED_KEY) == 0 for c in configs)  # restored after each compiled forward
+    seen.clear()
+    eager = ModelSession(model)  # no capture: the load's attention
+    plain = [eager.advance(ids[:n], need=2).float() for n in (6, 8, 10)]
+    assert seen and set(seen) == {"_sdpa"}
+    for got, want in zip(compiled, plain, strict=True):
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()

@@ -33,15 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair(target, draft)
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {cores} cores")
     print(f"{'model':8} {'dtype':10} {'threads':>7} {'eager ms/token':>15} {'compiled ms/token':>18} "
-          f"{'compile s':>10}  auto chooses")
+          f"{'grouped attention':>18} {'compile s':>10}  auto chooses")
     for threads in counts:
         torch.set_num_threads(threads)
         for role, loaded in (("target", pair.target), ("draft", pair.draft)):
             if loaded is None:
                 continue
             entry = measure(loaded.model)
+            grouped = entry["ms"].get("on+grouped")
+            chosen = entry["choice"] + (", grouped attention" if entry["choice"] == "on" and
+                                        entry["attention"] == "grouped" else "")
             print(f"{role:8} {entry['dtype']:10} {threads:7} {entry['ms']['off']:15.2f} {entry['ms']['on']:18.2f} "
-                  f"{entry['compile_s']:10.1f}  {entry['choice']}" + (f" ({entry['note']})" if "note" in entry else ""))
+                  f"{'-' if grouped is None else f'{grouped:.2f}':>18} {entry['compile_s']:10.1f}  {chosen}"
+                  + (f" ({entry['note']})" if "note" in entry else ""))
     torch.set_num_threads(cores)
     print(f"recorded in {cache_file()}: `--capture auto` reads it on this machine")
     return 0

@@ -17,6 +17,8 @@ masks are SDPA's: the attention is registered with SDPA's mask function.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -171,3 +173,23 @@ def cache_dtype(config) -> torch.dtype | None:
     """The KV cache dtype the measurement chose for a model of this config (None: its own)."""
     name = getattr(config, CACHE_KEY, None)
     return getattr(torch, name) if name else None
+
+
+def routed_attention(model: PreTrainedModel) -> list:
+    """The configs through which `model` attends with `specui_attention` (half precision on
+    a CPU, as measured at load), else []."""
+    return [c for c in attention_configs(model) if getattr(c, "_attn_implementation", None) == ATTENTION]
+
+
+@contextmanager
+def grouped_attention(configs: list, limit: int):
+    """Queries up to `limit` attend with grouped matmuls through these configs (routed_attention's)
+    while inside; what they said before is restored after."""
+    before = [getattr(c, GROUPED_KEY, 0) for c in configs]
+    for c in configs:
+        setattr(c, GROUPED_KEY, limit)
+    try:
+        yield
+    finally:
+        for c, value in zip(configs, before, strict=True):
+            setattr(c, GROUPED_KEY, value)

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine.attention import grouped_attention, routed_attention
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup, compile_cache_dir
 from specui.errors import SpecUIError
@@ -110,11 +112,13 @@ class StaticForward:
     """Runs one model over its StaticKVCache; `notes` says what happened to captures."""
 
     def __init__(self, model: PreTrainedModel, cache: StaticKVCache, mode: str, graphs=None,
-                 compiled: bool = False, background: bool = False) -> None:
+                 compiled: bool = False, background: bool = False, grouped: int | None = None) -> None:
         """`graphs`: what captures a forward (CudaGraphs on a GPU; a test passes a stand-in
         whose replay re-runs the forward on the same static inputs); `compiled`: the padded
         shapes run through torch.compile; `background` (with `compiled`, outside CUDA graphs):
-        compiles happen on a Warmup thread, never in a forward."""
+        compiles happen on a Warmup thread, never in a forward; `grouped`: compiled forwards
+        attend with grouped matmuls up to that many queries (engine/capture_choice.py measured
+        it faster here), eager ones as the load chose."""
         if mode not in MODES:
             raise SpecUIError(f"forward mode must be one of {', '.join(MODES)}")
         if mode == "graphs" and graphs is None:
@@ -126,6 +130,7 @@ class StaticForward:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.failed: dict[tuple[int, int], str] = {}
         self.fn = _compiled(model) if compiled else model  # what the padded shapes run
+        self.grouped = (routed_attention(model), grouped) if compiled and grouped else None
         self.compile_problem = ""
         self._generation = cache.generation
         self.replays = 0  # forwards that ran as a replayed graph
@@ -140,6 +145,9 @@ class StaticForward:
         notes = [f"{b} tokens over {w} slots: eager ({why})" for (b, w), why in sorted(self.failed.items())]
         if self.warmup is not None and self.warmup.note:
             notes.append(self.warmup.note)
+        if self.grouped and self.fn is not self.model:
+            notes.append(f"compiled attention: grouped matmuls for up to {self.grouped[1]} queries (measured faster "
+                         "here than SDPA compiled; python -m specui.bench.capture)")
         return notes + ([f"not compiled: {self.compile_problem}"] if self.compile_problem else [])
 
     @property
@@ -241,7 +249,8 @@ class StaticForward:
                     torch._dynamo.maybe_mark_dynamic(kw[name], dim)
             torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)  # the window: a size, not a constant
             try:
-                out = self._compiled_call(kw)
+                with grouped_attention(*self.grouped) if self.grouped else nullcontext():
+                    out = self._compiled_call(kw)
             except torch.OutOfMemoryError:
                 raise  # the forward's, not the compiler's
             except Exception as e:  # noqa: BLE001 - the compiler fails in many types (dynamo asserts too)

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.capture_choice import cached_choice
+from specui.engine.capture_choice import cached_attention, cached_choice
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
@@ -190,21 +190,23 @@ class Engine:
 
 
 def _draft_session(draft: PreTrainedModel, vocab: int, target: ModelSession, capture: str,
-                   background: bool) -> ModelSession:
+                   background: bool, grouped: int | None) -> ModelSession:
     """A draft that reads the target's features gets a session that passes them on (its
     forwards take the target's states as an input, so they stay eager)."""
     if reads_features(draft.config):
         return FeatureDraftSession(draft, vocab, target)
-    return ModelSession(draft, vocab, capture, background)
+    return ModelSession(draft, vocab, capture, background, grouped)
 
 
-def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool]:
-    """(capture, background): `auto` on a CPU becomes `on` compiled in the background for a
-    model whose compiled forwards measured faster on this machine (engine/capture_choice.py),
-    so no reply waits for a compile; every other case stays as asked (`on` waits)."""
-    if capture == "auto" and next(model.parameters()).device.type == "cpu" and cached_choice(model) == "on":
-        return "on", True
-    return capture, False
+def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool, int | None]:
+    """(capture, background, grouped): `auto` on a CPU becomes `on` compiled in the
+    background for a model whose compiled forwards measured faster on this machine
+    (engine/capture_choice.py), so no reply waits for a compile; every other case stays as
+    asked (`on` waits). Compiled on a CPU, attention as that measurement chose (`grouped`)."""
+    cpu = next(model.parameters()).device.type == "cpu"
+    if capture == "auto" and cpu and cached_choice(model) == "on":
+        return "on", True, cached_attention(model)
+    return capture, False, cached_attention(model) if capture == "on" and cpu else None
 
 
 def _context_len(model: PreTrainedModel) -> int:

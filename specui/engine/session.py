@@ -97,7 +97,7 @@ class ModelSession:
     a thread of their own and a forward never waits for one (StaticForward's Warmup)."""
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, capture: str = "off",
-                 background: bool = False) -> None:
+                 background: bool = False, grouped: int | None = None) -> None:
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
@@ -109,7 +109,8 @@ class ModelSession:
             context = int(getattr(model.config, "max_position_embeddings", 0) or STATIC_SLOTS)
             self.cache = StaticKVCache(model.config, round_up(min(context, STATIC_SLOTS) + 64), self.device,
                                        activation_dtype(model))
-            self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on", background=background)
+            self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on", background=background,
+                                        grouped=grouped if self.device.type == "cpu" else None)
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache

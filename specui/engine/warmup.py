@@ -177,7 +177,7 @@ class Warmup:
                                               runner.cache.store_dtype)
             scratch = self._scratch
             probe = type(runner)(runner.model, scratch, "buckets")
-            probe.fn = runner.fn
+            probe.fn, probe.grouped = runner.fn, runner.grouped
             # kernels for the thread count the pair was loaded with (inductor would read this
             # thread's at compile time); the store an inference tensor, as the decoding thread's is
             with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
