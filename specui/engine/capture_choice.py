@@ -24,10 +24,11 @@ from specui.engine.session import ModelSession
 MARGIN = 0.95  # compiled must be at least 5% faster to be chosen (and grouped attention than SDPA)
 CONTEXT, TOKENS, ROUNDS = 48, 24, 2
 # compiled, attention as matmuls and a softmax (engine/attention.py's `grouped`) up to this many
-# queries: inductor fuses them where SDPA stays one opaque kernel call a layer. Measured on a
-# 2-core Zen 4 EPYC (bundled target, bf16 on int4 blocks, 128 cached): 11.3-11.7 ms a token
-# against 12.2-12.6 with SDPA, four tokens 15.7-16.0 against 17.9-19.4; eager it is the other
-# way round (the load's measurement keeps SDPA there)
+# queries: inductor can fuse them where SDPA stays one opaque kernel call a layer; timed beside
+# compiled SDPA, recorded only where it is MARGIN faster. On a 2-core Zen 4 EPYC (bundled
+# target, bf16 on int4 blocks) the two were level, taking turns over 3 rounds at 1 / 2 / 4 / 8
+# tokens after 48 and 256 cached (e.g. 12.2-12.6 against 12.0-12.5 ms for one token), so there
+# the record keeps the load's SDPA; eager, grouped is slower there (the load's measurement)
 GROUPED = 16
 
 
