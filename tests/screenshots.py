@@ -94,7 +94,7 @@ def quantization_options(page: tb.Page) -> None:
     """The Model tab's measured quantization options."""
     [b for b in page.driver.find_elements(tb.By.CSS_SELECTOR, "button[role=tab]") if b.text == "model"][0].click()
     page.find("#measure-quant").click()
-    tb._wait_until(lambda: "ms / token" in "".join(page.texts("#quant-options")), 180, "the options table")
+    tb._wait_until(lambda: "ms for 1 / 4 tokens" in "".join(page.texts("#quant-options")), 180, "the options table")
     page.driver.execute_script("document.querySelector('#quant-options').scrollIntoView()")
     time.sleep(1)
     shoot(page, "quantization-options", "#quant-options")

@@ -342,9 +342,9 @@ def test_model_panel_bad_path_keeps_the_pair(page):
     assert "/no/such/model" in status and "previous pair stays loaded" in status
     assert "".join(page.texts("#header")) == before
     page.find("#measure-quant").click()  # each quantization of the loaded target, loaded and timed in turn
-    table = _wait_until(lambda: "ms / token" in (t := "".join(page.texts("#quant-options"))) and t, 180,
+    table = _wait_until(lambda: "ms for 1 / 4 tokens" in (t := "".join(page.texts("#quant-options"))) and t, 180,
                         "the quantization options table")
-    assert all(q in table for q in ("none", "int8", "int4", "Measured on", "MB"))
+    assert all(q in table for q in ("none", "int8", "int4", "Measured on", "MB", "with the draft (predicted)"))
     [b for b in page.driver.find_elements(By.CSS_SELECTOR, "button[role=tab]") if b.text == "method"][0].click()
     page.clear_chat()
     page.set_number("set-max_new_tokens", 16)

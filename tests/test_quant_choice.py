@@ -102,7 +102,7 @@ def test_an_option_that_cannot_run_says_why_in_the_table(folder, monkeypatch):
     monkeypatch.setattr(quantize.Int4Linear, "from_groups", classmethod(lambda *a, **k: None))
     costs = measure_options(ModelSpec(str(folder)), timer=lambda m: (1.0, 1.0))
     assert [c.ms_token for c in costs] == [1.0, None, None] and "serve none" in costs[1].problem
-    assert "| int4 | | | | | cannot run here: --quantization int4" in options_table(costs)
+    assert "| int4 | | | | cannot run here: --quantization int4" in options_table(costs)
 
 
 @pytest.mark.bundled

@@ -182,6 +182,6 @@ def predicted_with_draft(pair, options: list[OptionCost]) -> tuple[dict[str, str
     cells = {}
     for option in measured:
         best = predict(option, probe)
-        cells[option.quantization] = f"{1000 * best.rate:.1f} tok/s, {best.method}"
+        cells[option.quantization] = f"{1000 * best.rate:.1f} tok/s, " + (f"gamma {best.gamma}" if best.gamma else "AR")
     return cells, (f" With the draft: auto's chain model at alpha {probe.alpha:.2f} and {probe.draft_ms:.1f} ms a "
                    f"draft token (a short reply on the loaded pair).")

@@ -30,7 +30,10 @@ CARRIER_ID = "live-figures"
 # a narrower window (a phone) scrolls them sideways instead of piling labels up
 PAGE_CSS = (".generating { animation: none !important; }\n"
             "#tree, #step-tree { overflow-x: auto; }\n"
-            f"#tree .js-plotly-plot, #step-tree .js-plotly-plot {{ min-width: {CHART_MIN_W}px; }}")
+            f"#tree .js-plotly-plot, #step-tree .js-plotly-plot {{ min-width: {CHART_MIN_W}px; }}\n"
+            # the options table keeps whole words in a narrow column and scrolls sideways instead
+            "#quant-options { overflow-x: auto; }\n"
+            "#quant-options th, #quant-options td { word-break: normal; overflow-wrap: normal; }")
 
 # `payload`: {"<elem_id of a gr.Plot>": <plotly figure JSON>, ...}. Layout as Gradio's own Plot
 # sets it (autosize, margins that grow for a title), so a live chart looks like the final one.

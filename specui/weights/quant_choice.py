@@ -215,20 +215,21 @@ def measure_options(spec: ModelSpec, role: str = "target", progress: Progress | 
 
 
 def options_table(costs: list[OptionCost], with_draft: dict[str, str] | None = None) -> str:
-    """A markdown table of measured options (weights, ms, what they compute with); with
+    """A markdown table of measured options (weight MB, ms for one token and for four in one
+    forward, what they compute with), narrow enough for the Model tab's column; with
     `with_draft` (quantization -> what it is predicted to reach with the loaded draft) a
     column for that."""
     extra = " with the draft (predicted) |" if with_draft else ""
-    rows = ["| quantization | weights | ms / token | ms / 4 tokens | tokens/s |" + extra + " computes with |",
-            "|---|---|---|---|---|" + ("---|" if with_draft else "") + "---|"]
+    rows = ["| option | MB | ms for 1 / 4 tokens | tok/s |" + extra + " computes with |",
+            "|---|---|---|---|" + ("---|" if with_draft else "") + "---|"]
     for c in costs:
         if c.ms_token is None:
             gap = " |" if with_draft else ""
-            rows.append(f"| {c.quantization} | | | | |{gap} cannot run here: {c.problem} |")
+            rows.append(f"| {c.quantization} | | | |{gap} cannot run here: {c.problem} |")
             continue
-        what = "the model's own weights" if c.own_weights else "a new rounding of the weights"
+        what = "its own weights" if c.own_weights else "a new rounding of the weights"
         kernel = " (the kernel's matmuls in bfloat16)" if c.quantization in ("int8", "int4") else ""
         predicted = f" {with_draft.get(c.quantization, '')} |" if with_draft else ""
-        rows.append(f"| {c.quantization} | {c.weight_bytes / 2**20:,.0f} MB | {c.ms_token:.1f} | {c.ms_four:.1f} "
+        rows.append(f"| {c.quantization} | {c.weight_bytes / 2**20:,.0f} | {c.ms_token:.1f} / {c.ms_four:.1f} "
                     f"| {1000 / c.ms_token:.0f} |{predicted} {what}; the rest in {c.dtype}{kernel} |")
     return "\n".join(rows)
