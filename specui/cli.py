@@ -195,7 +195,14 @@ def run_quantization_options(args: argparse.Namespace) -> int:
     from specui.engine.profile import cpu_model
     from specui.weights.quant_choice import CONTEXT, measure_options, options_table
 
-    target, _ = specs_from_args(args)
+    target, draft = specs_from_args(args)
+    if draft is not None:  # the Model tab's table: each option also predicted with this draft
+        from specui.service.chat_service import options_report
+
+        table, costs = options_report(load_pair(target, draft, speculate=False), print_progress)
+        print_progress(1.0, "done")
+        print(f"{target.source}: {table}")
+        return 0 if any(c.ms_token is not None for c in costs) else 1
     costs = measure_options(target, "target", print_progress)
     print_progress(1.0, "done")
     print(f"{target.source} on {cpu_model()}, one token and four in one forward after {CONTEXT} cached tokens:")

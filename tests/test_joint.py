@@ -192,3 +192,12 @@ def test_the_model_tabs_table_of_options_predicts_each_with_the_draft(tiny_dirs)
     # without a draft: no such column
     alone = options_table([STEEP, FLAT])
     assert "with the draft" not in alone and alone.splitlines()[2].count("|") == 6
+
+
+def test_the_cli_table_of_options_has_the_draft_column_when_a_draft_is_named(tiny_dirs, capsys):
+    from app import main
+
+    target, draft, _ = tiny_dirs
+    assert main(["--quantization-options", "--target", str(target), "--draft", str(draft), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "with the draft (predicted)" in out and all(f"| {q} | " in out for q in ("none", "int8", "int4"))

@@ -134,16 +134,8 @@ class ChatService:
     def quantization_options(self, progress=None) -> str:
         """Each quantization of the loaded target loaded and timed in turn (no generation runs
         meanwhile): a markdown table, and what it was measured on."""
-        from specui.engine.profile import cpu_model
-        from specui.weights.quant_choice import CONTEXT, measure_options, options_table
-
         with self.engine.lock:
-            costs = measure_options(self.pair.target.spec, "target", progress)
-            with_draft, how = predicted_with_draft(self.pair, costs)
-        where = cpu_model() if self.pair.target.device.type == "cpu" else torch.cuda.get_device_name()
-        threads = torch.get_num_threads()
-        return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
-                f"forward, after {CONTEXT} cached tokens.{how}\n\n" + options_table(costs, with_draft))
+            return options_report(self.pair, progress)[0]
 
     def doctor_report(self) -> str:
         """`--doctor`'s block (machine, packages, kernel self-checks, cached choices), run while
@@ -322,3 +314,16 @@ def _compile_state(state: dict) -> str:
             f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply interrupts it, "
             "it starts again when idle")
 
+
+def options_report(pair: ModelPair, progress=None) -> tuple[str, list]:
+    """(the table of the target's quantization options as measured here, each option also
+    predicted with the pair's draft, and what it was measured on; the options' costs)."""
+    from specui.engine.profile import cpu_model
+    from specui.weights.quant_choice import CONTEXT, measure_options, options_table
+
+    costs = measure_options(pair.target.spec, "target", progress)
+    with_draft, how = predicted_with_draft(pair, costs)
+    where = cpu_model() if pair.target.device.type == "cpu" else torch.cuda.get_device_name()
+    threads = torch.get_num_threads()
+    return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
+            f"forward, after {CONTEXT} cached tokens.{how}\n\n" + options_table(costs, with_draft)), costs
