@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -176,22 +176,39 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
     return padded.eval()
 
 
-def pad_groups(groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               padded: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """A GGUF's 4-bit groups (q, scale, low) for the source's matrices, padded to the stand-in's:
-    padded groups are exact zeros (q = 0, low = 0; scale 1)."""
-    out = {}
-    for name, (q, scale, low) in groups.items():
-        weight = padded.get_submodule(name).weight
-        n, k = weight.shape
+Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class PaddedGroups(Mapping):
+    """A GGUF's 4-bit groups (q, scale, low) for the source's matrices, each padded to the
+    stand-in's matrix when it is read (padded groups are exact zeros: q = 0, low = 0; scale 1).
+    Lazily: all of a 7b stand-in's padded groups at once would take about 8 GiB (a byte per
+    weight for q, float32 scales and lows) beside the model they quantize."""
+
+    def __init__(self, groups: dict[str, Groups], padded: torch.nn.Module) -> None:
+        self.groups, self.padded = groups, padded
+
+    def __getitem__(self, name: str) -> Groups:
+        q, scale, low = self.groups[name]
+        n, k = self.padded.get_submodule(name).weight.shape
         q2 = torch.zeros((n, k), dtype=q.dtype)
         q2[: q.shape[0], : q.shape[1]] = q
         s2 = torch.ones((n, k // (q.shape[1] // scale.shape[1])), dtype=scale.dtype)
         s2[: scale.shape[0], : scale.shape[1]] = scale
         l2 = torch.zeros_like(s2, dtype=low.dtype)
         l2[: low.shape[0], : low.shape[1]] = low
-        out[name] = (q2, s2, l2)
-    return out
+        return q2, s2, l2
+
+    def __iter__(self):
+        return iter(self.groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+def pad_groups(groups: dict[str, Groups], padded: torch.nn.Module) -> PaddedGroups:
+    """The GGUF's groups as the stand-in's quantization reads them, one matrix at a time."""
+    return PaddedGroups(groups, padded)
 
 
 def draft_embeddings(target: PreTrainedModel) -> torch.nn.Embedding:
