@@ -236,3 +236,20 @@ def test_a_stand_in_never_reads_its_sources_cached_quantization_choice(tiny_size
                                                                       stand_in="1.7b"), ("int4", "none")),
             choice_key(ModelSpec(str(tmp_path), quantization="auto", stand_in="7b"), ("int4", "none"))}
     assert len(keys) == 3
+
+
+def test_an_int4_stand_in_counts_the_bfloat16_build_and_its_kernel_copy(tiny_size, tmp_path, monkeypatch):
+    """Built in bfloat16 and quantized matrix by matrix, an int4 stand-in peaks at about 3 bytes
+    a parameter (a 6.74B one: 20.4 GB resident): refused below that, with the figures."""
+    from specui.weights.concrete import plan_stand_in
+    from specui.weights.loading import ModelSpec
+
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=2, hidden=64)
+    spec = ModelSpec(str(folder), quantization="int4", stand_in=tiny_size)
+    shape = plan(tiny_llama(0, layers=2, hidden=64).config, tiny_size)
+    monkeypatch.setattr(stand_in, "free_memory", lambda device: int(2.5 * shape.params / 0.9))  # 2.5 bytes a param
+    with pytest.raises(SpecUIError, match=r"needs about .* GiB \(built in bfloat16, then put on the int4 kernel"):
+        plan_stand_in(spec, str(folder), None, True, torch.bfloat16, torch.device("cpu"), None)
+    monkeypatch.setattr(stand_in, "free_memory", lambda device: int(3.5 * shape.params / 0.9))
+    fits = plan_stand_in(spec, str(folder), None, True, torch.bfloat16, torch.device("cpu"), None)
+    assert fits.params == shape.params
