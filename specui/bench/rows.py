@@ -198,8 +198,8 @@ PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("wid
 def parse_method(spec: str) -> tuple[str, dict]:
     """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4;
     'opt-tree:25@adaptive': a node budget chosen per step from the cost profile, at most 25."""
+    spec, _, extra = spec.partition("@")  # 'auto@0.2' has no ':'
     name, _, value = spec.partition(":")
-    value, _, extra = value.partition("@")
     params: dict = {"adaptive_nodes": True} if extra == "adaptive" else {"confidence": float(extra)} if extra else {}
     if value and name in PARAM_OF:
         key, kind = PARAM_OF[name]
