@@ -51,19 +51,28 @@ def read(path: Path | None = None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def recorded(model: PreTrainedModel, path: Path | None = None) -> dict:
+    """This machine's record for `model` ({} where none, or not a record)."""
+    entry = read(path).get(choice_key(model))
+    return entry if isinstance(entry, dict) else {}
+
+
 def cached_choice(model: PreTrainedModel, path: Path | None = None) -> str | None:
     """"on" or "off" as measured on this machine for this model, or None (never measured, or
     a corrupt entry)."""
-    entry = read(path).get(choice_key(model))
-    choice = entry.get("choice") if isinstance(entry, dict) else None
+    choice = recorded(model, path).get("choice")
     return choice if choice in ("on", "off") else None
 
 
+def attention_limit(entry: dict) -> int | None:
+    """The longest query a record says to attend with grouped matmuls when compiled (None: as
+    the load chose)."""
+    return GROUPED if entry.get("attention") == "grouped" else None
+
+
 def cached_attention(model: PreTrainedModel, path: Path | None = None) -> int | None:
-    """The longest query to attend with grouped matmuls when compiled, where this machine
-    measured that faster for this model (else None: as the load chose)."""
-    entry = read(path).get(choice_key(model))
-    return GROUPED if isinstance(entry, dict) and entry.get("attention") == "grouped" else None
+    """attention_limit of this machine's record for `model`."""
+    return attention_limit(recorded(model, path))
 
 
 def token_ms(model: PreTrainedModel, capture: str) -> tuple[float, float]:
@@ -99,8 +108,8 @@ def measure(model: PreTrainedModel, path: Path | None = None) -> dict:
     compiled, first = token_ms(model, "on")
     ms = {"off": round(eager, 2), "on": round(compiled, 2)}
     attention = "as loaded"
-    if routed_attention(model):
-        with grouped_attention(routed_attention(model), GROUPED):
+    if configs := routed_attention(model):
+        with grouped_attention(configs, GROUPED):
             grouped, grouped_first = token_ms(model, "on")
         ms["on+grouped"] = round(grouped, 2)
         if grouped <= MARGIN * compiled:

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.capture_choice import cached_attention, cached_choice
+from specui.engine.capture_choice import attention_limit, recorded
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
@@ -203,10 +203,12 @@ def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool, int | No
     background for a model whose compiled forwards measured faster on this machine
     (engine/capture_choice.py), so no reply waits for a compile; every other case stays as
     asked (`on` waits). Compiled on a CPU, attention as that measurement chose (`grouped`)."""
-    cpu = next(model.parameters()).device.type == "cpu"
-    if capture == "auto" and cpu and cached_choice(model) == "on":
-        return "on", True, cached_attention(model)
-    return capture, False, cached_attention(model) if capture == "on" and cpu else None
+    if next(model.parameters()).device.type != "cpu" or capture not in ("auto", "on"):
+        return capture, False, None
+    entry = recorded(model)  # one read of the record for both answers
+    if capture == "auto":
+        return ("on", True, attention_limit(entry)) if entry.get("choice") == "on" else (capture, False, None)
+    return capture, False, attention_limit(entry)
 
 
 def _context_len(model: PreTrainedModel) -> int:
