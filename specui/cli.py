@@ -197,7 +197,7 @@ def run_quantization_options(args: argparse.Namespace) -> int:
 
     target, draft = specs_from_args(args)
     if draft is not None:  # the Model tab's table: each option also predicted with this draft
-        from specui.service.chat_service import options_report
+        from specui.service.reports import options_report
 
         table, costs = options_report(load_pair(target, draft, speculate=False), print_progress)
         print_progress(1.0, "done")

@@ -7,17 +7,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
+from functools import partial
 
 from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
 from specui.service.chat_service import ChatService
 from specui.service.fair import FairGate
 from specui.service.pair import ModelPair
-from specui.service.runner import MainThreadRunner
+from specui.service.remote import RemoteService
+from specui.service.runner import MainThreadRunner, run_in_new_thread
 from specui.service.sharing import Access, Credentials, parse_credentials
 from specui.settings import RANGES
 from specui.weights.threads import ThreadChoice, choose_threads
 
+RESTART_WAIT_S = 30  # between tries to start a failed engine process again
 SHARED_THREADS = 100  # Gradio's worker threads on a shared app: every waiting turn holds one
 
 
@@ -78,6 +82,34 @@ def _service(args: argparse.Namespace) -> tuple[ChatService, ThreadChoice]:
     return serve_pair(load_from_args(args), local_browser=not args.share, requested=args.threads)
 
 
+def engine_service(args: argparse.Namespace) -> ChatService:
+    """The app's ChatService, made where the engine runs (this process, or the engine's own:
+    specui.service.engine_process), with its thread count said."""
+    if args.threads < 0:
+        raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
+    service, threads = _service(args)
+    service.threads_note = f"torch threads: {threads.reason}"
+    print(service.threads_note, file=sys.stderr)
+    return service
+
+
+def _serve_engine_process(service: RemoteService) -> None:
+    """The app's main thread while the engine runs in its own process: wait, and start the
+    engine again (on the launch's models) if its process ends under the app."""
+    while True:
+        service.engine_process.process.join(1.0)
+        if service.engine_process.process.is_alive():
+            continue
+        print(f"warning: the engine process ended (exit code {service.engine_process.process.exitcode}); "
+              "starting it again with the launch's models", file=sys.stderr, flush=True)
+        try:
+            service.restart()
+        except SpecUIError as e:  # the page stays up and says the engine is gone; try again later
+            print(f"warning: could not start the engine again ({e}); retrying in {RESTART_WAIT_S} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(RESTART_WAIT_S)
+
+
 def launch(args: argparse.Namespace) -> int:
     from specui.ui.chat_ui import build_ui
     from specui.ui.live_panels import PAGE_CSS
@@ -86,16 +118,17 @@ def launch(args: argparse.Namespace) -> int:
     credentials = parse_credentials(args.auth)
     auth = credentials.pairs if credentials else None
     access = access_from_args(args, credentials)  # before loading anything: a refusal is at once
-    print("loading models…", file=sys.stderr)
     if args.threads < 0:
         raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
-    service, threads = _service(args)
+    print("loading models…", file=sys.stderr)
+    runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/service/runner.py
+    if args.engine_process:
+        service, submit = RemoteService(partial(engine_service, args)), run_in_new_thread
+    else:
+        service, submit = engine_service(args), runner.submit
     if access.shared:
         service.gate = FairGate()
-    service.threads_note = f"torch threads: {threads.reason}"
-    print(service.threads_note, file=sys.stderr)
-    runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/service/runner.py
-    demo = build_ui(service, settings_from_args(args), submit=runner.submit, access=access).queue(
+    demo = build_ui(service, settings_from_args(args), submit=submit, access=access).queue(
         max_size=args.queue, default_concurrency_limit=1)
     kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True, css=PAGE_CSS)
     if access.shared:
@@ -114,9 +147,11 @@ def launch(args: argparse.Namespace) -> int:
                   f"or a firewall blocking Gradio's tunnel); the app is running locally at {demo.local_url}",
                   file=sys.stderr, flush=True)
     try:
-        runner.serve()
+        _serve_engine_process(service) if args.engine_process else runner.serve()
     except KeyboardInterrupt:
         print("\nstopping", file=sys.stderr)
     finally:
         demo.close()
+        if args.engine_process:
+            service.engine_process.close()
     return 0

@@ -50,6 +50,21 @@ def stop_app(proc: subprocess.Popen) -> None:
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (Linux /proc)."""
+    """Resident memory of a process and every process under it (Linux /proc): the app and its
+    engine's process."""
     with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        own = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return own + sum(_alive_rss(child) for child in children)
+
+
+def _alive_rss(pid: int) -> int:
+    try:
+        return rss_bytes(pid)
+    except (OSError, StopIteration):  # ended meanwhile
+        return 0

@@ -16,7 +16,7 @@ from specui.engine import Engine, GenerationRequest, capture_choice, make_method
 from specui.engine import capture as capture_module
 from specui.engine import warmup as warmup_module
 from specui.engine.session import ModelSession
-from specui.service.chat_service import capture_line
+from specui.service.reports import capture_line
 
 SETTLE_S = 300  # a tiny model's shapes compile in well under a minute on 2 cores
 

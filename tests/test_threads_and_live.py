@@ -154,7 +154,7 @@ def test_the_app_chooses_its_threads_before_it_makes_the_engine(tiny_dirs, monke
     before = torch.get_num_threads()
     try:
         with pytest.raises(Stop):
-            webapp.launch(build_parser().parse_args([]))
+            webapp.launch(build_parser().parse_args(["--no-engine-process"]))
     finally:
         torch.set_num_threads(before)
     assert seen == [("threads chosen", 1), ("engine made", 1)]

@@ -19,8 +19,9 @@ from collections import deque
 from specui.bench.cpu_usage import CpuShares, JobMeter
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.bench.run import parse_method
-from specui.service.chat_service import ChatService, capture_line
+from specui.service.chat_service import ChatService
 from specui.service.pair import default_draft_source, load_pair
+from specui.service.reports import capture_line
 from specui.service.runner import MainThreadRunner
 from specui.settings import ChatSettings
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui

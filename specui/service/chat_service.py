@@ -4,21 +4,23 @@ Generation on the loaded pair; converts engine failures into user-facing message
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import inspect
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
 from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
-from specui.service.batch_loop import BatchLoop
-from specui.service.joint import predicted_with_draft
+from specui.service.batch_loop import DONE, BatchLoop, Request, Started
 from specui.service.pair import ModelPair, load_pair, load_presets, pair_specs
+from specui.service.process_memory import release_freed_memory, rss_bytes
+from specui.service.reports import capture_line, options_report
 from specui.settings import ChatSettings, PairChoice, check_settings
 from specui.weights.loading import DTYPES, QUANTIZATIONS
 from specui.weights.threads import use_long_threads
@@ -48,25 +50,10 @@ def validate_settings(settings: ChatSettings, context_len: int | None = None) ->
     return settings
 
 
-def _rss_bytes() -> int | None:
-    """Resident memory of this process (Linux), or None where /proc is not there."""
-    try:
-        with open("/proc/self/status") as status:
-            lines = status.readlines()
-    except OSError:
-        return None
-    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), None)
-
-
-def _release_freed_memory() -> None:
-    """After a model swap: collect the old pair and hand its freed heap back to the system.
-    Without malloc_trim, glibc keeps the old weights' pages (measured: the app stayed ~500 MB
-    above its starting RSS after one reload of the bundled pair; with it, back to the start)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+# what info() carries: the page's view of the loaded pair (specui.service.remote mirrors these)
+INFO_FIELDS = ("methods", "presets", "tree_presets", "quantizations", "dtypes", "stand_in_sizes", "device_label",
+               "target_label", "draft_label", "target_spec", "load_notes", "dtype_names", "capture_setting",
+               "context_len", "threads_note")
 
 
 class ChatService:
@@ -118,7 +105,7 @@ class ChatService:
         if old.draft is not None:
             old.draft.reset()
         del old
-        _release_freed_memory()
+        release_freed_memory()
         return f"loaded target `{self.target_label}` with draft `{self.draft_label}`" + "".join(
             f"; {note}" for note in pair.notes)
 
@@ -152,7 +139,7 @@ class ChatService:
         parts = [f"target weights {self.pair.target.memory_bytes / mb:,.0f} MB"]
         if self.pair.draft is not None:
             parts.append(f"draft weights {self.pair.draft.memory_bytes / mb:,.0f} MB")
-        rss = _rss_bytes()
+        rss = rss_bytes()
         if rss:
             parts.append(f"process RSS {rss / mb:,.0f} MB")
         if self.threads_note:
@@ -163,6 +150,43 @@ class ChatService:
             parts.append(f"GPU allocated {torch.cuda.memory_allocated() / mb:,.0f} MB "
                          f"(peak {torch.cuda.max_memory_allocated() / mb:,.0f} MB)")
         return " · ".join(parts) + "".join(f"  \n{note}" for note in self.pair.notes)
+
+    def info(self) -> dict:
+        """What the page shows of the loaded pair, as plain data (an engine in another process
+        sends this)."""
+        return {name: getattr(self, name) for name in INFO_FIELDS}
+
+    @property
+    def target_spec(self):
+        """The loaded target's ModelSpec (source, dtype, quantization, stand-in)."""
+        return self.pair.target.spec
+
+    @property
+    def load_notes(self) -> list[str]:
+        return list(self.pair.notes)
+
+    @property
+    def dtype_names(self) -> list[str]:
+        return [str(m.model.dtype).replace("torch.", "") for m in self.loaded]
+
+    @property
+    def capture_setting(self) -> str:
+        return self.engine.capture
+
+    @property
+    def context_len(self) -> int:
+        return self.engine.context_len
+
+    def capture_report(self) -> dict:
+        return self.engine.capture_report()
+
+    def settle(self) -> None:
+        """Wait for the background compiles (benchmarks time the settled engine)."""
+        self.engine.settle()
+
+    def compiles_quiet_s(self) -> float | None:
+        """Seconds since the background compiles last settled; None while they run."""
+        return time.monotonic() - self.engine.settled_at() if self.engine.settled() else None
 
     @property
     def loaded(self) -> list:
@@ -244,6 +268,44 @@ class ChatService:
         )
         return self.engine.generate(request, method, cancel), notes
 
+    def run(self, messages: Sequence[Message], settings: ChatSettings, cancel: threading.Event,
+            sink: Callable[[Any], None], submit: Callable[..., Future]) -> None:
+        """Start and run a reply where model work runs (`submit`: the model thread, so a model
+        swap cannot fall between the two), handing `sink` its items in order: a Started, each
+        StepTrace, then DONE, or the exception that ended it. ems-sd replies join the one batch
+        that every chat of that method shares. Returns at once."""
+        if settings.method == "ems-sd":
+            self.join_batch([Request(messages, settings, cancel, sink)], submit)
+            return
+
+        def produce() -> None:
+            try:
+                generation, notes = self.start(messages, settings, cancel, truncate=True)
+                sink(Started(generation, notes))
+                for step in self.stream(generation):
+                    sink(step)
+                sink(DONE)
+            except Exception as e:  # noqa: BLE001 - the reply's own error, handed to its reader
+                sink(e)
+            except BaseException:  # Ctrl+C on the model thread: end the reply, then stop
+                sink(SpecUIError("the app is stopping"))
+                raise
+
+        job = submit(produce)
+        job.add_done_callback(lambda f: f.exception() and sink(f.exception()))  # it never ran
+
+    def join_batch(self, requests: Sequence[Request], submit: Callable[..., Future]) -> None:
+        """ems-sd requests join the shared batch together (each with its own sink)."""
+        self.batch_loop(submit).join(*requests)
+
+    def complete(self, messages: Sequence[Message], settings: ChatSettings) -> tuple[str, float]:
+        """One reply run to its end on the calling thread, as the CLI runs it: (text, engine
+        tokens/s)."""
+        generation, _ = self.start(messages, settings)
+        for _ in self.stream(generation):
+            pass
+        return generation.text, generation.stats.tokens_per_s
+
     def stream(self, generation: Generation) -> Iterator[StepTrace]:
         """Run a generation under the engine lock; out-of-memory becomes a SpecUIError."""
         with self.engine.lock, self._out_of_memory_message():
@@ -278,52 +340,3 @@ class ChatService:
                 "out of GPU memory during generation; lower max new tokens, gamma or beam "
                 "width, or load the target in 4-bit"
             ) from None
-
-
-def capture_line(report: dict) -> str:
-    """The Model tab's line on how forwards run: e.g. "forwards (capture auto): target graphs, 6
-    shapes captured; draft graphs, 3 shapes captured", or while compiling in the background
-    "target compiling in the background: 1, 2, 4 tokens ready (3 of 9 shapes, 12 s), the rest
-    eager until then"."""
-    parts = []
-    for role in ("target", "draft"):
-        state = report.get(role)
-        if state is None:
-            continue
-        if state["mode"] == "off":
-            parts.append(f"{role} eager")
-        elif state.get("background") and state["mode"].endswith("+compiled"):
-            parts.append(f"{role} {_compile_state(state)}")
-        else:
-            parts.append(f"{role} {state['mode']}" + (f", {len(state['captured'])} shapes captured"
-                                                      if state["mode"].startswith("graphs") else ""))
-        parts += [f"{role}: {note}" for note in state["notes"][:3]]
-    return f"forwards (capture {report['setting']}): " + "; ".join(parts)
-
-
-def _compile_state(state: dict) -> str:
-    """A background compile's progress, in words: which token counts run compiled already."""
-    done, waiting = state["compiled"], state["compiling"]
-    buckets = sorted({shape[0] for shape in done})
-    ready = ", ".join(str(b) for b in buckets) or "no"
-    total = len(done) + len(waiting)
-    if not waiting:
-        return (f"compiled ({ready} tokens; {len(done)} shapes compiled in the background in "
-                f"{state['compile_s']:.0f} s)")
-    return (f"compiling in the background: {ready} tokens ready ({len(done)} of {total} shapes, "
-            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply interrupts it, "
-            "it starts again when idle")
-
-
-def options_report(pair: ModelPair, progress=None) -> tuple[str, list]:
-    """(the table of the target's quantization options as measured here, each option also
-    predicted with the pair's draft, and what it was measured on; the options' costs)."""
-    from specui.engine.profile import cpu_model
-    from specui.weights.quant_choice import CONTEXT, measure_options, options_table
-
-    costs = measure_options(pair.target.spec, "target", progress)
-    with_draft, how = predicted_with_draft(pair, costs)
-    where = cpu_model() if pair.target.device.type == "cpu" else torch.cuda.get_device_name()
-    threads = torch.get_num_threads()
-    return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
-            f"forward, after {CONTEXT} cached tokens.{how}\n\n" + options_table(costs, with_draft)), costs

@@ -165,3 +165,6 @@ def add_web_flags(ap: argparse.ArgumentParser) -> None:
     u.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: measured at start when the app serves a browser on this machine, "
                         "torch's default otherwise)")
+    u.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so the web server never holds it up "
+                        "(--no-engine-process: one process, as before)")

@@ -159,11 +159,11 @@ class ChatAPI:
         role, (target, draft) = page.role(request), page.labels(request)
         return {
             "target": target, "draft": draft, "device": service.device_label,
-            "stand_in": service.pair.target.spec.stand_in or None,
-            "capture": service.engine.capture_report(),
-            "dtypes": [str(m.model.dtype).replace("torch.", "") for m in service.loaded],
-            "load_notes": page.visible_notes(service.pair.notes, request),
-            "context_len": service.engine.context_len, "methods": service.methods,
+            "stand_in": service.target_spec.stand_in or None,
+            "capture": service.capture_report(),
+            "dtypes": list(service.dtype_names),
+            "load_notes": page.visible_notes(service.load_notes, request),
+            "context_len": service.context_len, "methods": service.methods,
             "tree_presets": service.tree_presets,
             "defaults": _plain(asdict(page.access.defaults_for(role, page.defaults))),
             "ranges": {name: r.describe() for name, r in RANGES.items()},

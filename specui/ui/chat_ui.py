@@ -121,23 +121,23 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                          **locked, info="fills the fields below; hub presets need internet")
                     preset_info = gr.Markdown()
                     target = gr.Textbox(label="target", elem_id="target", **locked,
-                                        value=service.pair.target.spec.source if owner else page.labels()[0],
+                                        value=service.target_spec.source if owner else page.labels()[0],
                                         info="hub id, local folder, .gguf file, or bundled:smollm2")
                     draft = gr.Textbox(label="draft", value="default", elem_id="draft", **locked,
                                        info="default (the shipped distilled draft), none, hub id, folder or .gguf")
-                    quant = gr.Radio(list(service.quantizations), value=service.pair.target.spec.quantization,
+                    quant = gr.Radio(list(service.quantizations), value=service.target_spec.quantization,
                                      label="quantization (target)", **locked, info="auto: a GGUF's own "
                                      "4-bit weights or its dequantized ones, measured here; int8/int4: CPU kernels; "
                                      "8bit/4bit: bitsandbytes")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device", **locked)
-                    dtype = gr.Dropdown(list(service.dtypes), value=service.pair.target.spec.dtype, label="dtype",
+                    dtype = gr.Dropdown(list(service.dtypes), value=service.target_spec.dtype, label="dtype",
                                         elem_id="dtype", **locked, info="auto: measured on CPU (float32 or "
                                         "bfloat16, each model its own); float32 keeps greedy replies exactly equal")
-                    stand_in = gr.Dropdown(list(service.stand_in_sizes), value=service.pair.target.spec.stand_in,
+                    stand_in = gr.Dropdown(list(service.stand_in_sizes), value=service.target_spec.stand_in,
                                            label="stand-in (for measuring speed)", elem_id="stand-in", **locked,
                                            info="the target zero-padded to a bigger model's cost: the same "
                                            "replies, that size's speed; not a better model")
-                    capture = gr.Dropdown(["auto", "on", "off"], value=service.engine.capture,
+                    capture = gr.Dropdown(["auto", "on", "off"], value=service.capture_setting,
                                           label="captured forwards", elem_id="capture", **locked,
                                           info="static caches at a few shapes: CUDA graphs on a GPU; on a CPU "
                                           "compiled forwards, where `python -m specui.bench.capture` measured "

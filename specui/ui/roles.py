@@ -6,7 +6,6 @@ each role sees it. Never imports torch."""
 from __future__ import annotations
 
 import logging
-import time
 
 import gradio as gr
 
@@ -88,8 +87,8 @@ class Roles:
     def compile_tick(self, request: gr.Request = None):
         """The memory line again while forwards compile in the background, and for two ticks
         after (to say they are ready); nothing otherwise."""
-        engine = self.service.engine
-        if engine.settled() and time.monotonic() - engine.settled_at() > 2 * COMPILE_TICK_S:
+        quiet_s = self.service.compiles_quiet_s()
+        if quiet_s is not None and quiet_s > 2 * COMPILE_TICK_S:
             return gr.skip()
         return self.memory_view(request)
 
@@ -99,7 +98,7 @@ class Roles:
         an owner (an admin user, or --allow-remote-admin) gets the controls back."""
         if self.role(request) == VISITOR:
             return tuple(gr.skip() for _ in range(len(MODEL_CONTROLS) + len(MODEL_BUTTONS) + 5))
-        source = self.service.pair.target.spec.source
+        source = self.service.target_spec.source
         return (gr.update(value="", visible=False), gr.update(value="", visible=False),
                 *(gr.update(interactive=True, **({"value": source} if name == "target" else {}))
                   for name in MODEL_CONTROLS),

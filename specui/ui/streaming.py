@@ -180,9 +180,8 @@ def run_alternatives(
         updates.put((k, item))
 
     seeds = [None if settings.seed is None else (settings.seed + k) % (SEED_MAX + 1) for k in range(n)]
-    service.batch_loop(submit).join(*(
-        Request(messages, replace(settings, seed=seed, replies=1), cancel, lambda item, k=k: sink(k, item))
-        for k, seed in enumerate(seeds)))
+    service.join_batch([Request(messages, replace(settings, seed=seed, replies=1), cancel,
+                                lambda item, k=k: sink(k, item)) for k, seed in enumerate(seeds)], submit)
     running = set(range(n))
     try:
         for items in _arrivals(updates, interval_s, lambda item: False):
@@ -229,24 +228,7 @@ def run_in_background(
                 log.info("reply ended (session %s): %s, %d new tokens", session[:8], how, tokens)
         updates.put(item)
 
-    def produce() -> None:
-        try:
-            generation, notes = service.start(messages, settings, cancel, truncate=True)
-            sink(Started(generation, notes))
-            for step in service.stream(generation):
-                updates.put(step)
-            sink(DONE)
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, raised there
-            sink(e)
-        except BaseException:  # Ctrl+C on the main thread: end the reply, then stop the app
-            sink(SpecUIError("the app is stopping"))
-            raise
-
-    if settings.method == "ems-sd":  # decoded in the one batch every tab's ems-sd chats share
-        service.batch_loop(submit).join(Request(messages, settings, cancel, sink))
-    else:
-        job = submit(produce)
-        job.add_done_callback(lambda f: f.exception() and sink(f.exception()))  # never ran
+    service.run(messages, settings, cancel, sink, submit)
     try:
         for items in _arrivals(updates, interval_s, lambda item: item is DONE or isinstance(item, BaseException)):
             for item in items:

@@ -1,0 +1,31 @@
+"""The app's process memory: what it holds (Linux /proc), and giving a swapped-out pair's
+pages back to the system."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+
+import torch
+
+
+def rss_bytes() -> int | None:
+    """Resident memory of this process (Linux), or None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as status:
+            lines = status.readlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmRSS:")), None)
+
+
+def release_freed_memory() -> None:
+    """After a model swap: collect the old pair and hand its freed heap back to the system.
+    Without malloc_trim, glibc keeps the old weights' pages (measured: the app stayed ~500 MB
+    above its starting RSS after one reload of the bundled pair; with it, back to the start)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -1,0 +1,58 @@
+"""What the Model tab, the CLI and the API print about the loaded pair: how its forwards run
+(compiled, captured, compiling in the background) and its quantization options as measured."""
+
+from __future__ import annotations
+
+import torch
+
+from specui.service.joint import predicted_with_draft
+from specui.service.pair import ModelPair
+
+
+def capture_line(report: dict) -> str:
+    """The Model tab's line on how forwards run: e.g. "forwards (capture auto): target graphs, 6
+    shapes captured; draft graphs, 3 shapes captured", or while compiling in the background
+    "target compiling in the background: 1, 2, 4 tokens ready (3 of 9 shapes, 12 s), the rest
+    eager until then"."""
+    parts = []
+    for role in ("target", "draft"):
+        state = report.get(role)
+        if state is None:
+            continue
+        if state["mode"] == "off":
+            parts.append(f"{role} eager")
+        elif state.get("background") and state["mode"].endswith("+compiled"):
+            parts.append(f"{role} {_compile_state(state)}")
+        else:
+            parts.append(f"{role} {state['mode']}" + (f", {len(state['captured'])} shapes captured"
+                                                      if state["mode"].startswith("graphs") else ""))
+        parts += [f"{role}: {note}" for note in state["notes"][:3]]
+    return f"forwards (capture {report['setting']}): " + "; ".join(parts)
+
+
+def _compile_state(state: dict) -> str:
+    """A background compile's progress, in words: which token counts run compiled already."""
+    done, waiting = state["compiled"], state["compiling"]
+    buckets = sorted({shape[0] for shape in done})
+    ready = ", ".join(str(b) for b in buckets) or "no"
+    total = len(done) + len(waiting)
+    if not waiting:
+        return (f"compiled ({ready} tokens; {len(done)} shapes compiled in the background in "
+                f"{state['compile_s']:.0f} s)")
+    return (f"compiling in the background: {ready} tokens ready ({len(done)} of {total} shapes, "
+            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply interrupts it, "
+            "it starts again when idle")
+
+
+def options_report(pair: ModelPair, progress=None) -> tuple[str, list]:
+    """(the table of the target's quantization options as measured here, each option also
+    predicted with the pair's draft, and what it was measured on; the options' costs)."""
+    from specui.engine.profile import cpu_model
+    from specui.weights.quant_choice import CONTEXT, measure_options, options_table
+
+    costs = measure_options(pair.target.spec, "target", progress)
+    with_draft, how = predicted_with_draft(pair, costs)
+    where = cpu_model() if pair.target.device.type == "cpu" else torch.cuda.get_device_name()
+    threads = torch.get_num_threads()
+    return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
+            f"forward, after {CONTEXT} cached tokens.{how}\n\n" + options_table(costs, with_draft)), costs
