@@ -117,7 +117,9 @@ def test_the_page_over_the_engine_process(remote, local, pair_dirs):
     far.stop(None)
     last = list(replies)[-1]
     assert last[1][-1]["content"].endswith("⏹") and len(last[8]) < 200
-    assert "target weights" in remote.memory_report() and remote.capture_report()["setting"]
+    memory = remote.memory_report()
+    assert "target weights" in memory and "web server RSS" in memory and "engine process RSS" in memory
+    assert remote.capture_report()["setting"]
     profile, note = remote.cost_profile()
     assert isinstance(note, str)
 

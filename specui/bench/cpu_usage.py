@@ -87,3 +87,38 @@ class JobMeter:
 
 def _tree(pid: int | None) -> float | None:
     return None if pid is None else tree_cpu_seconds(pid)
+
+
+def _stat_seconds(path: str) -> float | None:
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class ProcessMeter:
+    """The same shares when the engine runs in a process of its own (the app's default): its
+    model thread is that process's main thread; the app is this process and that one."""
+
+    def __init__(self, engine_pid: int) -> None:
+        self.engine_pid = engine_pid
+        self.client_pid: int | None = None
+        self.shares: CpuShares | None = None
+
+    def _now(self) -> tuple:
+        pid = self.engine_pid
+        return (time.perf_counter(), _stat_seconds(f"/proc/{pid}/task/{pid}/stat") or 0.0,
+                time.process_time() + (_stat_seconds(f"/proc/{pid}/stat") or 0.0), _tree(self.client_pid))
+
+    def wrap(self, fn):
+        def measured(*args):
+            shares, start = self.shares, self._now()
+            try:
+                return fn(*args)
+            finally:
+                end = self._now()
+                if shares is not None:
+                    browser = None if start[3] is None or end[3] is None else end[3] - start[3]
+                    shares.add(end[0] - start[0], end[1] - start[1], end[2] - start[2], browser)
+        return measured

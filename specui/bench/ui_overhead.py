@@ -14,15 +14,16 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
-from collections import deque
+from functools import partial
 
-from specui.bench.cpu_usage import CpuShares, JobMeter
+from specui.bench.cpu_usage import CpuShares, JobMeter, ProcessMeter
 from specui.bench.prompts import HELDOUT, load_prompts
 from specui.bench.run import parse_method
 from specui.service.chat_service import ChatService
 from specui.service.pair import default_draft_source, load_pair
+from specui.service.remote import RemoteService
 from specui.service.reports import capture_line
-from specui.service.runner import MainThreadRunner
+from specui.service.runner import MainThreadRunner, run_in_new_thread
 from specui.settings import ChatSettings
 from specui.ui.chat_ui import SETTING_FIELDS, build_ui
 from specui.ui.live_panels import PAGE_CSS
@@ -42,11 +43,24 @@ def ui_values(settings: ChatSettings) -> list:
     return [values[f] for f in SETTING_FIELDS]
 
 
-def direct(service: ChatService, prompt: str, settings: ChatSettings) -> tuple[float, str, float]:
+def direct(service, prompt: str, settings: ChatSettings) -> tuple[float, str, float]:
+    """The CLI's path: one reply run to its end where the engine runs, no page or server in it."""
     t0 = time.perf_counter()
-    generation, _ = service.start([{"role": "user", "content": prompt}], settings)
-    deque(service.stream(generation), maxlen=0)  # run it to the end
-    return time.perf_counter() - t0, generation.text, generation.stats.tokens_per_s
+    text, tps = service.complete([{"role": "user", "content": prompt}], settings)
+    return time.perf_counter() - t0, text, tps
+
+
+def bench_service(spec: ModelSpec, capture: str, threads: str) -> ChatService:
+    """The engine's ChatService as the app makes it (with --threads auto) or on torch's default
+    thread count; picklable, so the engine's own process can make it."""
+    pair = load_pair(spec, spec.with_source(default_draft_source()))
+    pair.capture = capture
+    if threads == "0":  # torch's default
+        return ChatService(pair)
+    service, choice = serve_pair(pair, True, 0 if threads == "auto" else int(threads))
+    service.threads_note = f"torch threads: {choice.reason}"
+    print(service.threads_note, flush=True)
+    return service
 
 
 def _client_worker(url: str, conn) -> None:
@@ -84,16 +98,20 @@ def _browser_worker(url: str, conn, live_panels: bool) -> None:
         page.close()
 
 
-def through_ui(conn, runner: MainThreadRunner, prompt: str, settings: ChatSettings) -> tuple[float, str, int, float]:
-    """The app's model work runs on this (the main) thread, as in `python app.py`."""
-    conn.send((prompt, settings.method, ui_values(settings)))
-    runner.serve(until=conn.poll)
-    return conn.recv()
+def through_ui(conn, runner: MainThreadRunner | None, prompt: str, settings: ChatSettings) -> tuple:
+    """(wall s, text, updates, engine tok/s) as an API client saw it. With one process the app's
+    model work runs on this (the main) thread (`runner`), as in `python app.py --no-engine-process`."""
+    return _answered(conn, runner, (prompt, settings.method, ui_values(settings)))
 
 
-def through_browser(conn, runner: MainThreadRunner, prompt: str, settings: ChatSettings) -> tuple:
-    conn.send((prompt, settings.method, settings.max_new_tokens))
-    runner.serve(until=conn.poll)
+def through_browser(conn, runner: MainThreadRunner | None, prompt: str, settings: ChatSettings) -> tuple:
+    return _answered(conn, runner, (prompt, settings.method, settings.max_new_tokens))
+
+
+def _answered(conn, runner: MainThreadRunner | None, job: tuple) -> tuple:
+    conn.send(job)
+    if runner is not None:
+        runner.serve(until=conn.poll)
     return conn.recv()
 
 
@@ -115,19 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="auto", help="auto (the app's default), none, int8, int4")
     ap.add_argument("--no-live-panels", action="store_true", help="browser: panels drawn once at the end")
     ap.add_argument("--capture", default="auto", help="the forwards: auto (the app's default), on, off")
+    ap.add_argument("--engine", default="process", choices=("process", "thread"),
+                    help="the engine in a process of its own (the app's default) or in the app's (--no-engine-process)")
     args = ap.parse_args(argv)
     spec = ModelSpec(BUNDLED, dtype=args.dtype, device="auto", quantization=args.quantization)
-    pair = load_pair(spec, spec.with_source(default_draft_source()))
-    pair.capture = args.capture
-    if args.threads == "0":  # torch's default
-        service = ChatService(pair)
-    else:  # as the app starts
-        service, threads = serve_pair(pair, True, 0 if args.threads == "auto" else int(args.threads))
-        print(f"torch threads: {threads.reason}")
+    make = partial(bench_service, spec, args.capture, args.threads)
+    if args.engine == "process":
+        service, runner = RemoteService(make), None
+        meter = ProcessMeter(service.engine_process.process.pid)
+        submit = run_in_new_thread
+    else:
+        service, runner, meter = make(), MainThreadRunner(), JobMeter()
+        submit = lambda fn, *a: runner.submit(meter.wrap(fn), *a)  # noqa: E731
     port = _free_port()
-    runner = MainThreadRunner()
-    meter = JobMeter()  # CPU shares while each reply decodes
-    demo = build_ui(service, submit=lambda fn, *a: runner.submit(meter.wrap(fn), *a)).queue(default_concurrency_limit=1)
+    # the shares while a reply decodes: measured around the job on the model thread (one process),
+    # or around the whole request (the engine's own process)
+    outside = meter.wrap if runner is None else (lambda fn: fn)
+    demo = build_ui(service, submit=submit).queue(default_concurrency_limit=1)
     demo.launch(server_port=port, prevent_thread_lock=True, quiet=True, css=PAGE_CSS)
     url = f"http://127.0.0.1:{port}"
     spawn = mp.get_context("spawn")
@@ -149,17 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         same = True
         for prompt in prompts:
             for _ in range(args.repeats):
-                service.engine.settle()  # background compiles (capture auto) done before timing
+                service.settle()  # background compiles (capture auto) done before timing
                 meter.client_pid, meter.shares = None, cpu["cli"]
                 _, d_text, d_tps = meter.wrap(direct)(service, prompt, settings)
                 meter.client_pid, meter.shares = workers[0].pid, cpu["api"]
-                _, u_text, _, u_tps = through_ui(conn, runner, prompt, settings)
+                _, u_text, _, u_tps = outside(through_ui)(conn, runner, prompt, settings)
                 tps["cli"].append(d_tps)
                 tps["api"].append(u_tps)
                 same &= d_text.strip() == u_text.strip()
                 if args.browser:
                     meter.client_pid, meter.shares = workers[1].pid, cpu["browser"]
-                    _, b_text, _, b_tps = through_browser(bconn, runner, prompt, settings)
+                    _, b_text, _, b_tps = outside(through_browser)(bconn, runner, prompt, settings)
                     tps["browser"].append(b_tps)
         cli = statistics.median(tps["cli"])
         cols = [f"{cli:>8.1f}", f"{statistics.median(tps['api']):>12.1f} ({statistics.median(tps['api']) / cli:.2f}x)"]
@@ -169,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:<18}{''.join(cols)}  {same}", flush=True)
         for channel in ("cli", "api", "browser") if args.browser else ("cli", "api"):
             print(f"{'':<18}{channel}: {cpu[channel].line()}", flush=True)
-    print(f"capture {args.capture}: {capture_line(service.engine.capture_report())}")
+    print(f"capture {args.capture}: {capture_line(service.capture_report())}")
     conn.send(None)
     if args.browser:
         bconn.send(None)
     for worker in workers:
         worker.join(30)
     demo.close()
+    if args.engine == "process":
+        service.engine_process.close()
     return 0
 
 

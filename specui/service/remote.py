@@ -18,6 +18,7 @@ from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Request, Started
 from specui.service.chat_service import INFO_FIELDS, ChatService
 from specui.service.engine_process import engine_main
+from specui.service.process_memory import rss_bytes
 
 CANCEL_POLL_S = 0.05  # how soon a Stop reaches the engine
 
@@ -241,7 +242,11 @@ class RemoteService:
         return self._call("quantization_options", progress=progress)
 
     def memory_report(self) -> str:
-        return self._call("memory_report")
+        """The engine's report (its process holds the weights), with this process's memory beside."""
+        report = self._call("memory_report")
+        rss = rss_bytes()
+        here = f"web server RSS {rss / (1 << 20):,.0f} MB · engine " if rss else "engine "
+        return report.replace("process RSS", here + "process RSS", 1)
 
     def doctor_report(self) -> str:
         return self._call("doctor_report")
