@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from specui.bench.browser_driver import wait_until
+from specui.bench.cpu_usage import child_pids
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,13 +55,7 @@ def rss_bytes(pid: int) -> int:
     engine's process."""
     with open(f"/proc/{pid}/status") as status:
         own = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return own + sum(_alive_rss(child) for child in children)
+    return own + sum(_alive_rss(child) for child in child_pids(pid))
 
 
 def _alive_rss(pid: int) -> int:

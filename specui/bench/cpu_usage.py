@@ -12,7 +12,8 @@ from pathlib import Path
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started that are still alive (Linux /proc)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -34,7 +35,7 @@ def tree_cpu_seconds(pid: int) -> float | None:
         except OSError:
             continue  # ended meanwhile
         total += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
-        todo += _children(p)
+        todo += child_pids(p)
     return total
 
 
