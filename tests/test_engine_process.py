@@ -183,3 +183,26 @@ def test_what_crosses_the_pipe():
     sent = portable(Local("x", 1))
     assert isinstance(sent, SpecUIError) and "Local" in str(sent)
     assert isinstance(portable(ValueError("v")), ValueError)
+
+
+def test_the_engine_side_answers_every_waiter_even_when_a_message_fails():
+    """A call it has not got, a reply whose start raises, a batch join that raises: each waiter
+    hears an error (nothing waits forever), and the host goes on."""
+    from specui.service.engine_process import EngineHost
+    from specui.service.runner import MainThreadRunner
+
+    class Broken:
+        def run(self, *args):
+            raise RuntimeError("no engine here")
+
+        def join_batch(self, *args):
+            raise RuntimeError("no batch here")
+
+    sent: list[tuple] = []
+    host = EngineHost(Broken(), MainThreadRunner(), sent.append)
+    host.receive(("call", 1, "no_such_call", (), False, False))
+    host.receive(("run", 2, MESSAGES, ChatSettings()))
+    host.receive(("join", [(3, MESSAGES, ChatSettings(method="ems-sd")), (4, MESSAGES, ChatSettings(method="ems-sd"))]))
+    host.receive(("cancel", 99))  # nothing running under that id: nothing to do
+    assert [m[:2] for m in sent] == [("error", 1), ("failed", 2), ("failed", 3), ("failed", 4)]
+    assert "no_such_call" in str(sent[0][2]) and "no engine here" in str(sent[1][2])

@@ -116,11 +116,18 @@ class EngineHost:
                 message = conn.recv()
             except (EOFError, OSError):
                 os._exit(0)
-            try:
-                self.handle(message)
-            except Exception as e:  # noqa: BLE001 - a bad message must not stop the engine
-                if message and message[0] == "call":
-                    self.send(("error", message[1], portable(e)))
+            self.receive(message)
+
+    def receive(self, message: tuple) -> None:
+        """Act on one message; an error in doing so goes to whoever waits on it."""
+        try:
+            self.handle(message)
+        except Exception as e:  # noqa: BLE001 - a bad message must not stop the engine; its waiters hear why
+            kind = message[0] if message else ""
+            if kind == "call":
+                self.send(("error", message[1], portable(e)))
+            for gid in [message[1]] if kind == "run" else [m[0] for m in message[1]] if kind == "join" else []:
+                self._relay(gid)(e)
 
     def handle(self, message: tuple) -> None:
         kind = message[0]
