@@ -428,3 +428,17 @@ def test_no_state_of_the_page_is_watched_for_changes(page):
     respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
     followers = [fn for fn in demo.fns.values() if fn.trigger_after == respond._id]
     assert any(fn.fn == page.inspect for fn in followers)
+
+
+def test_a_live_update_does_not_say_how_the_reply_ended(page):
+    """The last step already carries the finish reason; only the final update (which brings the
+    steps for the inspector and replay) says it, so a line reading "length" means it is all there."""
+    generation, _ = page.service.start([{"role": "user", "content": "w1 w2"}],
+                                       ChatSettings(method="speculative", max_new_tokens=6))
+    for _ in page.service.stream(generation):
+        pass
+    assert generation.stats.finish_reason
+    live = page._live([], generation, generation.steps[-1], [])
+    assert live.stats.endswith("· running") and not live.stats.endswith(generation.stats.finish_reason)
+    final = page._final([{"role": "assistant", "content": ""}], generation, [])
+    assert final.stats.endswith(generation.stats.finish_reason) and final.steps

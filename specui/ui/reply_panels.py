@@ -43,7 +43,10 @@ class ReplyPanels:
     def _live(history, generation, step: StepTrace, notes: list[str]) -> Outputs:
         """The panels mid-reply, redrawn in place by the page (see specui/ui/live_panels.py)."""
         steps = list(generation.steps)  # a snapshot: the generation thread keeps appending
-        return Outputs(history, stats=stats_line(generation.stats.to_dict(), notes + step.notes),
+        # how the reply ended is said by the final update only (with the steps it sends): the last
+        # step already carries it, and a line saying "length" over half-sent panels misleads
+        stats = {**generation.stats.to_dict(), "finish_reason": ""}
+        return Outputs(history, stats=stats_line(stats, notes + step.notes),
                        provenance=provenance_html(steps), live=live_payload(_figures(steps, step)))
 
     def _final(self, history, generation, notes: list[str]) -> Outputs:
