@@ -5,8 +5,11 @@ take fair turns at the engine (specui.service.fair)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
 from functools import partial
 
@@ -151,7 +154,20 @@ def launch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nstopping", file=sys.stderr)
     finally:
-        demo.close()
-        if args.engine_process:
-            service.engine_process.close()
+        with _no_interrupts():  # a second Ctrl+C while closing (bounded: joins with timeouts) prints no traceback
+            demo.close()
+            if args.engine_process:
+                service.engine_process.close()
     return 0
+
+
+@contextlib.contextmanager
+def _no_interrupts():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -163,6 +163,9 @@ def test_an_engine_that_dies_is_reported_and_started_again(pair_dirs):
         service.restart()
         _, items = collect(service, ChatSettings(method="autoregressive", max_new_tokens=4))
         assert items[-1] is DONE
+        started = time.monotonic()
+        service.engine_process.close()  # asked to stop, it ends at once and cleanly
+        assert service.engine_process.process.exitcode == 0 and time.monotonic() - started < 5
     finally:
         service.engine_process.close()
 

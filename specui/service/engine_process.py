@@ -6,7 +6,7 @@ the CLI's tokens/s on a 2-core EPYC; here the engine's process runs the pair on 
 
 One duplex pipe, plain tuples both ways:
   app -> engine: ("call", id, name, args, on_model_thread, with_progress), ("run", gid, messages,
-                 settings), ("join", [(gid, messages, settings), ...]), ("cancel", gid)
+                 settings), ("join", [(gid, messages, settings), ...]), ("cancel", gid), ("stop",)
   engine -> app: ("ready", info) or ("not loaded", error) once it tried to load; ("result", id, value),
                  ("error", id, error), ("progress", id, fraction, text); for a reply: ("started",
                  gid, notes, state), ("step", gid, trace, state), ("done", gid, state), ("failed",
@@ -15,6 +15,8 @@ The app's side is specui.service.remote."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -31,6 +33,7 @@ from specui.service.runner import MainThreadRunner, run_in_new_thread
 CALLS = frozenset({"memory_report", "cost_profile", "quantization_options", "doctor_report", "load", "info",
                    "capture_report", "compiles_quiet_s", "complete", "settle"})
 ON_MODEL_THREAD = frozenset({"load", "complete"})
+EXIT_WAIT_S = 10.0  # how long the app waits for this process to end when asked
 
 
 def portable(error: BaseException) -> Exception:
@@ -66,7 +69,7 @@ class _Sender:
             with self._lock:
                 self._conn.send(message)
         except (OSError, EOFError, ValueError):  # the app is gone: nothing is waiting for this process
-            os._exit(0)
+            _exit_now()
         except pickle.PicklingError as e:
             raise SpecUIError(f"could not send {message[0]} to the app: {e}") from None
 
@@ -110,12 +113,14 @@ class EngineHost:
         self._lock = threading.Lock()
 
     def listen(self, conn) -> None:
-        """Read the app's messages until it goes away; then this process ends."""
+        """Read the app's messages until it says stop or goes away; then this process ends."""
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                os._exit(0)
+                message = ("stop",)
+            if message[0] == "stop":
+                _exit_now()
             self.receive(message)
 
     def receive(self, message: tuple) -> None:
@@ -167,6 +172,17 @@ class EngineHost:
             error = future.exception()
             self.send(("result", cid, future.result()) if error is None else ("error", cid, portable(error)))
         job.add_done_callback(answer)
+
+
+def _exit_now() -> None:
+    """End this process at once, whatever runs (a reply, a background compile: the app is gone,
+    and an interpreter shutting down under torch's compiler threads prints their errors), after
+    what a normal exit of a multiprocessing child runs: its finalizers (they release the
+    semaphores tqdm's lock and the compile pools registered, which the resource tracker would
+    otherwise report as leaked) and its own child processes."""
+    with contextlib.suppress(Exception):
+        multiprocessing.util._exit_function()
+    os._exit(0)
 
 
 def engine_main(conn, make_service: Callable[[], Any]) -> None:

@@ -11,13 +11,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from specui.engine.trace import GenerationStats
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Request, Started
 from specui.service.chat_service import INFO_FIELDS, ChatService
-from specui.service.engine_process import engine_main
+from specui.service.engine_process import EXIT_WAIT_S, engine_main
 from specui.service.process_memory import rss_bytes
 
 CANCEL_POLL_S = 0.05  # how soon a Stop reaches the engine
@@ -69,18 +70,22 @@ class EngineProcess:
             self.process.join(5)
             raise SpecUIError(f"the engine process ended while loading (exit code {self.process.exitcode})") from None
         except BaseException:
-            self.close()
+            self.close(wait=False)
             raise
         if kind != "ready":
-            self.close()
+            self.close(wait=False)
             raise payload
         self.info: dict = payload
         threading.Thread(target=self._read, name="specui-engine-reader", daemon=True).start()
         threading.Thread(target=self._forward_cancels, name="specui-engine-cancels", daemon=True).start()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Ask the engine's process to end (it finishes the job under way), then make sure; without
+        `wait` (it is still loading, or never loaded) at once."""
+        if wait and not self.ended and self.process.is_alive():
+            self._send(("stop",))
+            self.process.join(EXIT_WAIT_S + 1)
         self._conn.close()
-        self.process.join(5)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
@@ -179,8 +184,7 @@ class EngineProcess:
             for gid, reply in stopped:
                 reply.cancel_sent = True
                 self._send(("cancel", gid))
-            self.process.join(CANCEL_POLL_S)
-            if not self.process.is_alive():
+            if mp_wait([self.process.sentinel], CANCEL_POLL_S):  # the process ended (reaping it is the app's)
                 self._end()
 
     def _end(self) -> None:
@@ -188,7 +192,7 @@ class EngineProcess:
         with self._lock:
             if self.ended:
                 return
-            self.process.join(1)
+            mp_wait([self.process.sentinel], 1)
             self.ended = (f"the engine process stopped (exit code {self.process.exitcode}); the app starts it "
                           "again with the models it was launched with")
             calls, self._calls = self._calls, {}
