@@ -28,6 +28,7 @@ from specui.ui.figures import (
     timing_figure,
     tree_figure,
 )
+from specui.ui.reply_panels import REPLAY_STOPPED
 from specui.ui.tree_figure import is_forest
 from specui.ui.tree_layout import token_label
 from specui.weights.loading import ModelSpec
@@ -442,3 +443,15 @@ def test_a_live_update_does_not_say_how_the_reply_ended(page):
     assert live.stats.endswith("· running") and not live.stats.endswith(generation.stats.finish_reason)
     final = page._final([{"role": "assistant", "content": ""}], generation, [])
     assert final.stats.endswith(generation.stats.finish_reason) and final.steps
+
+
+def test_stop_replay_ends_the_replay_after_the_frame_it_shows(page):
+    """■ Stop replay ends the running replay itself (its event is not cancelled, which left
+    Gradio's "Error" in the inspector): the status says stopped and no later frame comes."""
+    reply = list(page.respond(None, "w1 w2", [], "speculative", *values(max_new_tokens=12)))[-1]
+    replay = page.replay([], reply[8], 0.5)
+    first = next(replay)
+    assert first[1]  # the first step's numbers
+    assert page.stop_replay(None) == REPLAY_STOPPED
+    assert [frame[3] for frame in replay] == [REPLAY_STOPPED]
+    assert len(list(page.replay([], reply[8], 20))) == len(reply[8]) + 1  # the next replay runs whole

@@ -37,7 +37,7 @@ from specui.ui.figures import (
 from specui.ui.live_panels import CARRIER_ID, DRAW_JS
 from specui.ui.model_tab import ModelTab
 from specui.ui.replay import SPEEDS
-from specui.ui.reply_panels import REPLAY_LAST, REPLAY_STOPPED, ReplyPanels
+from specui.ui.reply_panels import REPLAY_LAST, ReplyPanels
 from specui.ui.roles import COMPILE_TICK_S, MODEL_BUTTONS, MODEL_CONTROLS, Roles
 from specui.ui.streaming import ENGINE, SHARED_ENGINE
 
@@ -68,6 +68,7 @@ class ChatPage(ChatHandlers, ReplyPanels, ModelTab, Roles):
         self._stopped_at: dict[str, float] = {}  # per session: the browser's clock at the last Stop / Clear
         self._cleared_at: dict[str, float] = {}
         self._paused: set[str] = set()  # sessions whose live panels are paused (drawn once at the end)
+        self._replay_stops: dict[str, threading.Event] = {}  # per session: ■ Stop replay pressed
         self._trace_dir = Path(tempfile.gettempdir()) / "specui-traces"
 
 
@@ -206,9 +207,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
         slider.input(**inspect)  # a person moving it (a replay moves it along with the step it shows)
         trace_file.upload(page.load_trace, trace_file, [loaded, replay_status, trace_file], queue=False, **hidden)
         trace_file.clear(page.load_trace, None, [loaded, replay_status, trace_file], queue=False, **hidden)
-        replaying = replay.click(page.replay, [loaded, steps_state, speed], [step_tree, step_info, replay_text,
+        replay.click(page.replay, [loaded, steps_state, speed], [step_tree, step_info, replay_text,
                                  replay_status, slider], concurrency_id="replay", concurrency_limit=8, **hidden)
-        stop_replay.click(lambda: REPLAY_STOPPED, None, replay_status, cancels=[replaying], queue=False, **hidden)
+        stop_replay.click(page.stop_replay, None, replay_status, queue=False, **hidden)
         clear.click(lambda: "", None, replay_text, queue=False, **hidden)
         method.change(page.method_changed, method, [method, *settings_inputs], queue=False, **hidden)
         show_prov.change(lambda on: gr.update(visible=on), show_prov, prov, queue=False, **hidden)

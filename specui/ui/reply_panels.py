@@ -6,6 +6,7 @@ Reads step traces (plain data) only and never imports torch."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from specui.ui.figures import (
 from specui.ui.live_panels import live_payload
 from specui.ui.outputs import Outputs, stats_line
 from specui.ui.replay import SPEEDS, TraceError, frames, read_trace
-from specui.ui.streaming import STOPPED_MARK
+from specui.ui.streaming import STOPPED_MARK, session_key
 
 
 class ReplyPanels:
@@ -101,8 +102,16 @@ class ReplyPanels:
         return steps, f"Loaded a trace of {len(steps)} steps ({method}): ▶ Replay plays it (remove the file " \
                       "to replay the last reply).", gr.skip()
 
-    @staticmethod
-    def replay(loaded: list[dict], steps: list[dict], speed) -> Iterator[tuple]:
+    def stop_replay(self, request: gr.Request = None) -> str:
+        """■ Stop replay: the session's running replay ends after the frame it shows (the replay
+        itself says so; cancelling its event instead left Gradio's "Error" in the inspector)."""
+        self._replay_stop(request).set()
+        return REPLAY_STOPPED
+
+    def _replay_stop(self, request) -> threading.Event:
+        return self._replay_stops.setdefault(session_key(request), threading.Event())
+
+    def replay(self, loaded: list[dict], steps: list[dict], speed, request: gr.Request = None) -> Iterator[tuple]:
         """Animate a reply step by step at `speed` steps per second: the loaded trace if there is
         one, else the last reply. Yields (inspector tree, step numbers, reply text, status, step
         slider): replaying the last reply, the slider follows the step shown (it keeps to the
@@ -115,10 +124,13 @@ class ReplyPanels:
             return
         rate = min(max(float(speed or SPEEDS[2]), SPEEDS[0]), SPEEDS[1])
         status = f"▶ replaying {name}: {len(source)} steps at {rate:g} per second"
-        due = time.perf_counter()
+        due, stop = time.perf_counter(), self._replay_stop(request)
+        stop.clear()
         try:
             for frame in frames(source):
-                time.sleep(max(0.0, due - time.perf_counter()))
+                if stop.wait(max(0.0, due - time.perf_counter())):
+                    yield skip, skip, skip, REPLAY_STOPPED, skip
+                    return
                 slider = skip if loaded else gr.update(value=frame.index)
                 yield frame.tree, frame.markdown, frame.html, status if frame.index == 0 else skip, slider
                 due = time.perf_counter() + 1.0 / rate
