@@ -87,9 +87,7 @@ def _service(args: argparse.Namespace) -> tuple[ChatService, ThreadChoice]:
 
 def engine_service(args: argparse.Namespace) -> ChatService:
     """The app's ChatService, made where the engine runs (this process, or the engine's own:
-    specui.service.engine_process), with its thread count said."""
-    if args.threads < 0:
-        raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
+    specui.service.engine_process), with its thread count said (launch has checked the flags)."""
     service, threads = _service(args)
     service.threads_note = f"torch threads: {threads.reason}"
     print(service.threads_note, file=sys.stderr)
@@ -157,7 +155,7 @@ def launch(args: argparse.Namespace) -> int:
         with _no_interrupts():  # a second Ctrl+C while closing (bounded: joins with timeouts) prints no traceback
             demo.close()
             if args.engine_process:
-                service.engine_process.close()
+                service.close()
     return 0
 
 

@@ -203,7 +203,7 @@ def test_the_engine_side_answers_every_waiter_even_when_a_message_fails():
 
     sent: list[tuple] = []
     host = EngineHost(Broken(), MainThreadRunner(), sent.append)
-    host.receive(("call", 1, "no_such_call", (), False, False))
+    host.receive(("call", 1, "no_such_call", (), False))
     host.receive(("run", 2, MESSAGES, ChatSettings()))
     host.receive(("join", [(3, MESSAGES, ChatSettings(method="ems-sd")), (4, MESSAGES, ChatSettings(method="ems-sd"))]))
     host.receive(("cancel", 99))  # nothing running under that id: nothing to do

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.join(30)
     demo.close()
     if args.engine == "process":
-        service.engine_process.close()
+        service.close()
     return 0
 
 

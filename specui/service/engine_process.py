@@ -5,7 +5,7 @@ the CLI's tokens/s on a 2-core EPYC; here the engine's process runs the pair on 
 (specui/service/runner.py says why that thread) and the app's process only serves pages.
 
 One duplex pipe, plain tuples both ways:
-  app -> engine: ("call", id, name, args, on_model_thread, with_progress), ("run", gid, messages,
+  app -> engine: ("call", id, name, args, with_progress), ("run", gid, messages,
                  settings), ("join", [(gid, messages, settings), ...]), ("cancel", gid), ("stop",)
   engine -> app: ("ready", info) or ("not loaded", error) once it tried to load; ("result", id, value),
                  ("error", id, error), ("progress", id, fraction, text); for a reply: ("started",
@@ -45,6 +45,13 @@ def portable(error: BaseException) -> Exception:
         return error if isinstance(error, Exception) else SpecUIError(str(error))
     except Exception:  # noqa: BLE001 - any error that does not survive pickling is described instead
         return SpecUIError(f"{type(error).__name__}: {error}")
+
+
+def reply_ids(message: tuple) -> list[int]:
+    """The replies an app -> engine message starts ("run", "join"): whoever to tell if it fails."""
+    if message[0] == "run":
+        return [message[1]]
+    return [gid for gid, _, _ in message[1]] if message[0] == "join" else []
 
 
 def edit(old, new) -> tuple[int, Any]:
@@ -128,10 +135,9 @@ class EngineHost:
         try:
             self.handle(message)
         except Exception as e:  # noqa: BLE001 - a bad message must not stop the engine; its waiters hear why
-            kind = message[0] if message else ""
-            if kind == "call":
+            if message[0] == "call":
                 self.send(("error", message[1], portable(e)))
-            for gid in [message[1]] if kind == "run" else [m[0] for m in message[1]] if kind == "join" else []:
+            for gid in reply_ids(message):
                 self._relay(gid)(e)
 
     def handle(self, message: tuple) -> None:
@@ -160,13 +166,13 @@ class EngineHost:
                 self._cancels.pop(g, None)
         return _Relay(self.send, gid, ended)
 
-    def _call(self, cid: int, name: str, args: tuple, on_model_thread: bool, with_progress: bool) -> None:
+    def _call(self, cid: int, name: str, args: tuple, with_progress: bool) -> None:
         if name not in CALLS:
             raise SpecUIError(f"the engine has no call '{name}'")
         fn = getattr(self.service, name)
         if with_progress:
             args = (*args, lambda fraction, text="": self.send(("progress", cid, fraction, text)))
-        job = (self.runner.submit if on_model_thread else run_in_new_thread)(fn, *args)
+        job = (self.runner.submit if name in ON_MODEL_THREAD else run_in_new_thread)(fn, *args)
 
         def answer(future) -> None:
             error = future.exception()

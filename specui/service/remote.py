@@ -18,7 +18,7 @@ from specui.engine.trace import GenerationStats
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Request, Started
 from specui.service.chat_service import INFO_FIELDS, ChatService
-from specui.service.engine_process import EXIT_WAIT_S, engine_main
+from specui.service.engine_process import EXIT_WAIT_S, engine_main, reply_ids
 from specui.service.process_memory import rss_bytes
 
 CANCEL_POLL_S = 0.05  # how soon a Stop reaches the engine
@@ -90,12 +90,14 @@ class EngineProcess:
             self.process.terminate()
             self.process.join(5)
 
-    def call(self, name: str, *args: Any, on_model_thread: bool = False, progress: Callable | None = None) -> Any:
+    def call(self, name: str, *args: Any, progress: Callable | None = None) -> Any:
+        """The engine's ChatService.`name`(*args[, progress]), answered (on the model thread
+        where engine_process.ON_MODEL_THREAD says)."""
         cid = next(self._ids)
         future: Future = Future()
         with self._lock:
             self._calls[cid] = (future, progress)
-        self._send(("call", cid, name, args, on_model_thread, progress is not None))
+        self._send(("call", cid, name, args, progress is not None))
         return future.result()
 
     def run(self, items: Sequence[tuple[list, Any, threading.Event, Callable]], join: bool) -> None:
@@ -129,7 +131,7 @@ class EngineProcess:
                 future, _ = self._calls.pop(message[1], (None, None))
             if future is not None:
                 future.set_exception(error)
-        for gid in [message[1]] if message[0] == "run" else [e[0] for e in message[1]] if message[0] == "join" else []:
+        for gid in reply_ids(message):
             with self._lock:
                 reply = self._replies.pop(gid, None)
             if reply is not None:
@@ -222,8 +224,11 @@ class RemoteService:
         self.engine_process.close()
         self.engine_process = EngineProcess(self._make)
 
-    def _call(self, name: str, *args: Any, **how: Any) -> Any:
-        return self.engine_process.call(name, *args, **how)
+    def close(self) -> None:
+        self.engine_process.close()
+
+    def _call(self, name: str, *args: Any, progress: Callable | None = None) -> Any:
+        return self.engine_process.call(name, *args, progress=progress)
 
     def run(self, messages, settings, cancel: threading.Event, sink, submit=None) -> None:
         self.engine_process.run([(messages, settings, cancel, sink)], join=settings.method == "ems-sd")
@@ -232,12 +237,12 @@ class RemoteService:
         self.engine_process.run([(r.messages, r.settings, r.cancel, r.sink) for r in requests], join=True)
 
     def load(self, choice, progress=None) -> str:
-        message = self._call("load", choice, on_model_thread=True, progress=progress)
+        message = self._call("load", choice, progress=progress)
         self.engine_process.info = self._call("info")
         return message
 
     def complete(self, messages, settings) -> tuple[str, float]:
-        return self._call("complete", messages, settings, on_model_thread=True)
+        return self._call("complete", messages, settings)
 
     def cost_profile(self, measure: bool = False, progress=None) -> tuple[dict | None, str]:
         return self._call("cost_profile", measure, progress=progress)
