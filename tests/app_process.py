@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specui.bench.browser_driver import wait_until
 from specui.bench.cpu_usage import child_pids
+from specui.service.process_memory import rss_bytes as process_rss
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,14 +53,5 @@ def stop_app(proc: subprocess.Popen) -> None:
 
 def rss_bytes(pid: int) -> int:
     """Resident memory of a process and every process under it (Linux /proc): the app and its
-    engine's process."""
-    with open(f"/proc/{pid}/status") as status:
-        own = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-    return own + sum(_alive_rss(child) for child in child_pids(pid))
-
-
-def _alive_rss(pid: int) -> int:
-    try:
-        return rss_bytes(pid)
-    except (OSError, StopIteration):  # ended meanwhile
-        return 0
+    engine's process (0 for one that ended meanwhile)."""
+    return (process_rss(pid) or 0) + sum(rss_bytes(child) for child in child_pids(pid))

@@ -30,13 +30,21 @@ def tree_cpu_seconds(pid: int) -> float | None:
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+        seconds = _stat_seconds(f"/proc/{p}/stat")
+        if seconds is None:
             continue  # ended meanwhile
-        total += (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+        total += seconds
         todo += child_pids(p)
     return total
+
+
+def _stat_seconds(path: str) -> float | None:
+    """user + system CPU seconds from a /proc stat file (a process's or a thread's); None if gone."""
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
 @dataclass
@@ -72,14 +80,18 @@ class JobMeter:
         self.client_pid: int | None = None
         self.shares: CpuShares | None = None
 
+    def _now(self, client_pid: int | None) -> tuple:
+        """(wall, model thread CPU, app CPU, client tree CPU) seconds: the job runs on the calling thread."""
+        return time.perf_counter(), time.thread_time(), time.process_time(), _tree(client_pid)
+
     def wrap(self, fn):
         def measured(*args):
             pid, shares = self.client_pid, self.shares
-            start = (time.perf_counter(), time.thread_time(), time.process_time(), _tree(pid))
+            start = self._now(pid)
             try:
                 return fn(*args)
             finally:
-                end = (time.perf_counter(), time.thread_time(), time.process_time(), _tree(pid))
+                end = self._now(pid)
                 if shares is not None:
                     browser = None if start[3] is None or end[3] is None else end[3] - start[3]
                     shares.add(end[0] - start[0], end[1] - start[1], end[2] - start[2], browser)
@@ -90,36 +102,16 @@ def _tree(pid: int | None) -> float | None:
     return None if pid is None else tree_cpu_seconds(pid)
 
 
-def _stat_seconds(path: str) -> float | None:
-    try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-class ProcessMeter:
+class ProcessMeter(JobMeter):
     """The same shares when the engine runs in a process of its own (the app's default): its
-    model thread is that process's main thread; the app is this process and that one."""
+    model thread is that process's main thread; the app is this process and that one. Wraps
+    the whole request, not a job on the model thread."""
 
     def __init__(self, engine_pid: int) -> None:
+        super().__init__()
         self.engine_pid = engine_pid
-        self.client_pid: int | None = None
-        self.shares: CpuShares | None = None
 
-    def _now(self) -> tuple:
+    def _now(self, client_pid: int | None) -> tuple:
         pid = self.engine_pid
         return (time.perf_counter(), _stat_seconds(f"/proc/{pid}/task/{pid}/stat") or 0.0,
-                time.process_time() + (_stat_seconds(f"/proc/{pid}/stat") or 0.0), _tree(self.client_pid))
-
-    def wrap(self, fn):
-        def measured(*args):
-            shares, start = self.shares, self._now()
-            try:
-                return fn(*args)
-            finally:
-                end = self._now()
-                if shares is not None:
-                    browser = None if start[3] is None or end[3] is None else end[3] - start[3]
-                    shares.add(end[0] - start[0], end[1] - start[1], end[2] - start[2], browser)
-        return measured
+                time.process_time() + (_stat_seconds(f"/proc/{pid}/stat") or 0.0), _tree(client_pid))

@@ -10,10 +10,11 @@ import gc
 import torch
 
 
-def rss_bytes() -> int | None:
-    """Resident memory of this process (Linux), or None where /proc is not there."""
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """Resident memory of this process (or `pid`; Linux), or None where /proc is not there (or
+    the process ended)."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             lines = status.readlines()
     except OSError:
         return None
