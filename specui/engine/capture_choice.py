@@ -51,28 +51,24 @@ def read(path: Path | None = None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def recorded(model: PreTrainedModel, path: Path | None = None) -> dict:
-    """This machine's record for `model` ({} where none, or not a record)."""
+def cached(model: PreTrainedModel, path: Path | None = None) -> tuple[str | None, int | None]:
+    """This machine's record for `model`, read once: ("on" or "off" as measured, or None: never
+    measured, or a corrupt entry; the longest query to attend with grouped matmuls when
+    compiled, where that measured faster, else None: as the load chose)."""
     entry = read(path).get(choice_key(model))
-    return entry if isinstance(entry, dict) else {}
+    entry = entry if isinstance(entry, dict) else {}
+    choice = entry.get("choice")
+    return (choice if choice in ("on", "off") else None), (GROUPED if entry.get("attention") == "grouped" else None)
 
 
 def cached_choice(model: PreTrainedModel, path: Path | None = None) -> str | None:
-    """"on" or "off" as measured on this machine for this model, or None (never measured, or
-    a corrupt entry)."""
-    choice = recorded(model, path).get("choice")
-    return choice if choice in ("on", "off") else None
-
-
-def attention_limit(entry: dict) -> int | None:
-    """The longest query a record says to attend with grouped matmuls when compiled (None: as
-    the load chose)."""
-    return GROUPED if entry.get("attention") == "grouped" else None
+    """The capture choice of cached()."""
+    return cached(model, path)[0]
 
 
 def cached_attention(model: PreTrainedModel, path: Path | None = None) -> int | None:
-    """attention_limit of this machine's record for `model`."""
-    return attention_limit(recorded(model, path))
+    """The attention of cached()."""
+    return cached(model, path)[1]
 
 
 def token_ms(model: PreTrainedModel, capture: str) -> tuple[float, float]:

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.capture_choice import attention_limit, recorded
+from specui.engine.capture_choice import cached
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
@@ -205,10 +205,10 @@ def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool, int | No
     asked (`on` waits). Compiled on a CPU, attention as that measurement chose (`grouped`)."""
     if next(model.parameters()).device.type != "cpu" or capture not in ("auto", "on"):
         return capture, False, None
-    entry = recorded(model)  # one read of the record for both answers
+    choice, attention = cached(model)  # one read of the record for both answers
     if capture == "auto":
-        return ("on", True, attention_limit(entry)) if entry.get("choice") == "on" else (capture, False, None)
-    return capture, False, attention_limit(entry)
+        return ("on", True, attention) if choice == "on" else (capture, False, None)
+    return capture, False, attention
 
 
 def _context_len(model: PreTrainedModel) -> int:
