@@ -144,6 +144,10 @@ def test_close_cancels_what_is_left():
     model = tiny_llama(5, layers=1, dtype=torch.float32, hidden=48)  # shapes no other test compiled
     session = ModelSession(model, capture="on", background=True)
     warmup = session.runner.warmup
-    warmup.cancel()
+    with warmup._cond:  # what finished before the cancel (a warm disk cache compiles fast) is not counted
+        done = len(warmup.compiled)
+        waiting = len(warmup.queue)
+        warmup.cancel()
     assert warmup.wait(SETTLE_S)
-    assert len(warmup.compiled) <= 1 and not warmup.queue
+    assert waiting > 1 or done > 0  # there was something to cancel
+    assert len(warmup.compiled) <= done + 1 and not warmup.queue  # at most the shape under way finished
