@@ -95,3 +95,53 @@ def test_long_message_keeps_its_beginning_and_its_end():
     assert len(render_ids(tok, messages)) <= 300
     short, note = fit_last_message(tok, [{"role": "user", "content": "w1 w2"}], budget=300)
     assert note == "" and short[-1]["content"] == "w1 w2"
+
+
+def _grow_and_check(decode, ids, seed):
+    """Feed GrowingText the ids as a reply would grow: a few tokens a step, now and then a few
+    taken back (rejected drafts, a beam rewritten); every answer equals a full decode."""
+    import random
+
+    from specui.engine.detok import GrowingText
+
+    rng = random.Random(seed)
+    grown, n, calls = GrowingText(decode), 0, 0
+    while n < len(ids):
+        n = max(0, n - rng.randint(1, 6)) if rng.random() < 0.1 else min(len(ids), n + rng.randint(1, 4))
+        assert grown(ids[:n]) == decode(ids[:n]), (seed, n)
+        calls += 1
+    return calls
+
+
+def test_growing_text_equals_a_full_decode_on_the_bundled_tokenizer(bundled_pair):
+    import random
+
+    tok = bundled_pair.target.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731 - as Engine.decode does
+    text = ("Déjà vu: naïve café — 東京の天気は晴れ 🌸🎉 a\tb\n\n  def f(x):\n    return x ** 2  # ok\n"
+            "«quoted» 😀👍🏽 Ελληνικά, русский, עברית, ﷺ and 1,234.56 ...!? ")
+    ids = tok.encode(text, add_special_tokens=False)
+    assert decode(ids) == text
+    for seed in range(4):
+        _grow_and_check(decode, ids * 3, seed)
+    rng = random.Random(0)  # ids a model might emit in any order: split characters, special tokens
+    noise = [rng.randrange(len(tok)) for _ in range(400)]
+    for seed in range(4):
+        _grow_and_check(decode, noise, seed)
+
+
+def test_growing_text_stays_exact_where_a_decode_rewrites_the_joint():
+    """A decode whose cleanup joins across tokens (" ." -> ".") or drops the first token's space:
+    the incremental text falls back to a full decode where it must, and always equals it."""
+    words = {i: w for i, w in enumerate([" a", " .", " b", "c", " ,", "\u00e9"[:1], " d", " "])}
+
+    def decode(ids):
+        text = "".join(words[i] for i in ids).replace(" .", ".").replace(" ,", ",")
+        return text[1:] if text.startswith(" ") else text
+
+    import random
+
+    rng = random.Random(1)
+    ids = [rng.randrange(len(words)) for _ in range(300)]
+    for seed in range(6):
+        _grow_and_check(decode, ids, seed)

@@ -38,6 +38,8 @@ class Sample:
     achieved: list[int] = field(default_factory=list)  # A per step
     lengths: list[int] = field(default_factory=list)  # tokens each step committed (accepted length histograms)
     prefill_s: float = 0.0  # of `seconds`, the prompt's prefill (our methods)
+    decode_s: float = 0.0  # of `seconds`, the steps after the prefill (our methods)
+    forward_s: float | None = None  # of `decode_s`, inside the models' forwards (our methods, CPU)
     cache_mb: float = 0.0  # KV-cache buffers held at the end, target + draft (our methods)
     joules: float | None = None  # GPU energy of the reply (NVML, CUDA only)
     peak_mb: float | None = None  # peak device memory allocated during the reply (CUDA only)
@@ -97,6 +99,14 @@ class Row:
         return draft, verify, sum(s.step_ms for s in self.all_samples) / steps - draft - verify
 
     @property
+    def outside_share(self) -> float | None:
+        """The share of the decoding time (after the prefills) spent outside the models'
+        forwards: our own Python per step (our methods on a CPU only)."""
+        samples = [s for s in self.all_samples if s.forward_s is not None]
+        decode = sum(s.decode_s for s in samples)
+        return max(0.0, 1.0 - sum(s.forward_s for s in samples) / decode) if samples and decode > 0 else None
+
+    @property
     def joules_per_token(self) -> float | None:
         samples = self.all_samples
         if not samples or any(s.joules is None for s in samples):
@@ -129,6 +139,7 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
             gen = engine.generate(request, make_method(method, **params)).run()
         s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps),
                    gen.stats.drafted, gen.stats.accepted, gen.stats.max_draft_len, prefill_s=gen.stats.prefill_s,
+                   decode_s=gen.stats.decode_s, forward_s=gen.stats.forward_s,
                    cache_mb=sum(m.cache.nbytes() for m in (engine.target, engine.draft) if m is not None) / 2**20)
         for step in gen.steps:
             s.draft_ms += step.draft_ms

@@ -99,7 +99,8 @@ def bench(rows: list[Row], prompts: list[list[int]], n: int, repeats: int,
 def table(rows: list[Row], n_prompts: int) -> str:
     base = next((r for r in rows if r.name == AR), rows[0])
     lines = [f"{'method':34} {'dtype':16} {'tokens':>6} {'tok/s median (min-max)':>24} {'vs AR (min-max)':>18} "
-             f"{'tok/fwd':>7} {'D/N':>5} {'V/N':>5} {'draft/verify/other ms per step':>31} {'differs from AR':>15}"]
+             f"{'tok/fwd':>7} {'D/N':>5} {'V/N':>5} {'draft/verify/other ms per step':>31} {'outside fwd':>11} "
+             f"{'differs from AR':>15}"]
     for row in rows:
         rates = row.rates
         ratios = [a / b for a, b in zip(rates, base.rates)]
@@ -111,8 +112,9 @@ def table(rows: list[Row], n_prompts: int) -> str:
         differs = "-" if row is base else f"{row.divergent(base)}/{n_prompts}"
         dv = row.rates_dv()
         dv_s = f"{dv[0]:5.2f} {dv[1]:5.2f}" if dv else f"{'-':>5} {'-':>5}"
+        outside = "-" if row.outside_share is None else f"{100 * row.outside_share:.1f}%"
         lines.append(f"{row.name:34} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} {dv_s} "
-                     f"{split_s:>31} {differs:>15}")
+                     f"{split_s:>31} {outside:>11} {differs:>15}")
     for row in rows:
         xs = [x for s in row.all_samples for x in s.expected]
         if xs:
@@ -136,7 +138,7 @@ def to_json(rows: list[Row]) -> list[dict]:
                         speedup_min=min(ratios), speedup_max=max(ratios),
                         tokens_per_target_forward=row.per_forward, acceptance_rate=row.acceptance_rate,
                         draft_ms_per_step=split[0] if split else None, verify_ms_per_step=split[1] if split else None,
-                        other_ms_per_step=split[2] if split else None,
+                        other_ms_per_step=split[2] if split else None, outside_forwards_share=row.outside_share,
                         differs_from_autoregressive=None if row is base else row.divergent(base),
                         joules_per_token=row.joules_per_token, peak_memory_mb=row.peak_mb,
                         rounds=[[asdict(s) | {"output": None} for s in samples] for samples in row.rounds]))

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention, routed_attention
 from specui.engine.static_cache import StaticKVCache
+from specui.engine.timing import ForwardClock
 from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup, compile_cache_dir
 from specui.errors import SpecUIError
 
@@ -133,6 +134,8 @@ class StaticForward:
         self.grouped = (routed_attention(model), grouped) if compiled and grouped else None
         self.compile_problem = ""
         self._generation = cache.generation
+        self.clock = ForwardClock(cache.device)  # time inside the forwards (the session reads it)
+        self._causal: torch.Tensor | None = None  # every causal mask is a slice of this (see _mask)
         self.replays = 0  # forwards that ran as a replayed graph
         self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
         self.compiled_runs = 0  # padded forwards that ran compiled
@@ -184,15 +187,15 @@ class StaticForward:
             ids = torch.cat([ids, ids.new_zeros(width - m)])
         cache.prepare(start, window)
         if bucket is not None and self.mode == "graphs" and (bucket, window) not in self.failed:
-            logits = self._replay(bucket, window, ids, positions_t, mask)
+            logits = self.clock.run(self._replay, bucket, window, ids, positions_t, mask)
         else:
             kw = dict(input_ids=ids[None], position_ids=positions_t[None], attention_mask=mask[None, None],
                       past_key_values=cache, use_cache=True, **extra)
             if bucket is None:
                 self.eager += 1
-                logits = self.model(logits_to_keep=keep, **kw).logits[0]
+                logits = self.clock.run(self.model, logits_to_keep=keep, **kw).logits[0]
             else:
-                logits = self._padded(**kw).logits[0]
+                logits = self.clock.run(self._padded, **kw).logits[0]
         cache.set_length(start + m)
         rows = logits[:m]
         return rows[-keep:] if keep else rows
@@ -200,6 +203,8 @@ class StaticForward:
     def _mask(self, start: int, m: int, width: int, window: int, attend: torch.Tensor | None) -> torch.Tensor:
         """Additive mask (width, window): causal rows (the padded ones too), the real rows'
         own pattern where `attend` gives one; slots past a row's reach are hidden."""
+        if attend is None:
+            return self._causal_mask(start, width, window)
         device = self.cache.device
         cols = self.cache.offsets[:window]
         reach = start + torch.arange(width, device=device)
@@ -208,6 +213,20 @@ class StaticForward:
             allowed[:m, : start + m] = attend.to(device, non_blocking=True)
         lowest = torch.finfo(self.mask_dtype).min
         return torch.zeros((width, window), dtype=self.mask_dtype, device=device).masked_fill_(~allowed, lowest)
+
+    def _causal_mask(self, start: int, width: int, window: int) -> torch.Tensor:
+        """The causal mask (row i sees slots <= start + i) as one copy of a slice of a template
+        built once per capacity: template[i, c] = 0 where c <= i + capacity, so columns from
+        capacity - start on are the mask (a decoding step made it in 6 small ops before)."""
+        capacity = self.cache.capacity
+        template = self._causal
+        if template is None or template.shape[1] != 2 * capacity or template.shape[0] < width:
+            rows = max(width, BUCKETS[-1])
+            i = torch.arange(rows, device=self.cache.device)[:, None]
+            c = torch.arange(2 * capacity, device=self.cache.device)[None, :]
+            template = torch.zeros((rows, 2 * capacity), dtype=self.mask_dtype, device=self.cache.device)
+            self._causal = template.masked_fill_(c > i + capacity, torch.finfo(self.mask_dtype).min)
+        return template[:width, capacity - start: capacity - start + window].contiguous()
 
     # -- CUDA graphs -------------------------------------------------------------------
     def _replay(self, bucket: int, window: int, ids: torch.Tensor, positions: torch.Tensor,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from specui.engine.costs import EngineCosts
+from specui.engine.detok import GrowingText
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
 from specui.engine.sampling import SamplingConfig, make_generator
 from specui.engine.session import ModelSession
@@ -42,6 +43,7 @@ class Generation:
         self.method = method
         self.request = request
         self.decode = decode
+        self._text_of = GrowingText(decode)  # decode(reply ids), from what the step added
         self.cancel = cancel or threading.Event()
         self.steps: list[StepTrace] = []
         self.output_ids: list[int] = []
@@ -73,6 +75,9 @@ class Generation:
         t0 = time.perf_counter()
         self.method.begin(ctx)
         stats.prefill_s = time.perf_counter() - t0
+        # time inside the forwards: where every session keeps a clock (not an EMS-SD batch's rows)
+        clocks = [getattr(s, "clock", None) for s in (ctx.target, ctx.draft) if s is not None]
+        start = None if any(c is None or c.seconds is None for c in clocks) else sum(c.seconds for c in clocks)
         t_decode = time.perf_counter()
         while not stats.finish_reason:
             reason = self.stop_reason()
@@ -85,6 +90,8 @@ class Generation:
             step_ms = (time.perf_counter() - t_step) * 1000.0
             trace = self.commit_step(result, step_ms)
             stats.decode_s = time.perf_counter() - t_decode
+            if start is not None:
+                stats.forward_s = sum(c.seconds for c in clocks) - start
             yield trace
         stats.decode_s = time.perf_counter() - t_decode
 
@@ -121,7 +128,10 @@ class Generation:
         if ctx.draft is not None and self.method.uses_draft:
             ctx.draft.commit(ctx.ids)
 
-        text = self.decode(self.output_ids)
+        n_drafted = next((i for i, d in enumerate(from_draft) if not d), len(from_draft))
+        # the text up to the accepted drafts first (for the new text's draft share), then the whole
+        drafted = self._text_of(base + tokens[:n_drafted]) if 0 < n_drafted < len(tokens) else None
+        text = self._text_of(self.output_ids)
         if not reason:
             text = text.rstrip("\ufffd")  # hold back a half-decoded multi-byte character
         for stop in self.request.stop_strings:
@@ -133,7 +143,7 @@ class Generation:
         previous = "" if result.replace else self.text
         new_text = text[len(previous):] if text.startswith(previous) else text
         self.text = text
-        draft_chars = self._draft_chars(base, tokens, from_draft, previous, new_text)
+        draft_chars = _draft_chars(n_drafted, len(tokens), drafted, previous, new_text)
 
         stats.target_forwards += 1
         stats.drafted += result.drafted
@@ -180,17 +190,16 @@ class Generation:
         self.steps.append(trace)
         return trace
 
-    def _draft_chars(self, base: list[int], tokens: list[int], from_draft: list[bool], previous: str,
-                     new_text: str) -> int:
-        """Characters of this step's new text that came from accepted draft tokens (they lead
-        the step's tokens; the target's own token follows)."""
-        n = next((i for i, d in enumerate(from_draft) if not d), len(from_draft))
-        if n == 0:
-            return 0
-        if n == len(tokens):
-            return len(new_text)
-        drafted = self.decode(base + tokens[:n]).rstrip("\ufffd")
-        return max(0, min(len(new_text), len(drafted) - len(previous)))
+
+def _draft_chars(n: int, n_tokens: int, drafted: str | None, previous: str, new_text: str) -> int:
+    """Characters of this step's new text that came from its `n` accepted draft tokens (they
+    lead the step's `n_tokens`; the target's own token follows); `drafted`: the reply's text up
+    to them (where some but not all of the step's tokens were drafted)."""
+    if n == 0:
+        return 0
+    if n == n_tokens or drafted is None:
+        return len(new_text)
+    return max(0, min(len(new_text), len(drafted.rstrip("\ufffd")) - len(previous)))
 
 
 def _partial_stop(text: str, stops: tuple[str, ...]) -> int:

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.engine.timing import ForwardClock
 from specui.errors import SpecUIError
 
 
@@ -36,10 +37,13 @@ class PendingNode:
 
 
 class RowSession:
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None,
+                 clock: ForwardClock | None = None) -> None:
+        """`clock`: where the time inside the model's forwards adds up (the model's session's)."""
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
+        self.clock = clock or ForwardClock(self.device)
         self.cache = GrowingCache(config=model.config)
         if not all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
             raise SpecUIError("beam rows need a model whose layers all use full attention")
@@ -57,8 +61,8 @@ class RowSession:
         if self.length or self.rows != 1:
             raise RuntimeError("prefill starts a fresh session")
         if ids:
-            self.model(input_ids=torch.tensor([list(ids)], device=self.device), past_key_values=self.cache,
-                       use_cache=True, logits_to_keep=1)
+            self.clock.run(self.model, input_ids=torch.tensor([list(ids)], device=self.device),
+                           past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.length = len(ids)
 
     @torch.inference_mode()
@@ -95,8 +99,8 @@ class RowSession:
         dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         try:
-            out = self.model(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
-                             attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
+            out = self.clock.run(self.model, input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
+                                 attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
         except BaseException:
             self._drop_pending()
             raise

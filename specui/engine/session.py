@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from specui.engine.capture import StaticForward, capture_mode, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache
+from specui.engine.timing import ForwardClock
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
 
@@ -81,6 +82,8 @@ def activation_dtype(model: PreTrainedModel) -> torch.dtype:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):  # the usual case (decoding appends), compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
@@ -111,6 +114,8 @@ class ModelSession:
                                        activation_dtype(model))
             self.runner = StaticForward(model, self.cache, mode, compiled=capture == "on", background=background,
                                         grouped=grouped if self.device.type == "cpu" else None)
+        # seconds inside the model's forward calls (CPU; None on a GPU): the step's other time is ours
+        self.clock = ForwardClock(self.device) if self.runner is None else self.runner.clock
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache
@@ -295,7 +300,8 @@ class ModelSession:
             mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
             extra = dict(extra, attention_mask=mask[None, None].to(self.device),
                          position_ids=torch.tensor([positions], device=self.device))
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep, **extra)
+        out = self.clock.run(self.model, input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=keep, **extra)
         return out.logits[0]
 
     @torch.inference_mode()

@@ -35,3 +35,22 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm
     if not warm_up and 1 < len(times) < 3:
         times = times[1:]
     return statistics.median(times)
+
+
+class ForwardClock:
+    """Seconds spent inside a model's own forward calls (the time a step's Python, masks,
+    sampling and bookkeeping are measured against). CPU only: on a GPU a forward returns once
+    its kernels are queued, so the clock there says nothing and stays `None`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.seconds: float | None = 0.0 if device.type == "cpu" else None
+
+    def run(self, fn: Callable[..., object], *args, **kwargs):
+        """`fn(*args, **kwargs)`, its wall time added to the clock."""
+        if self.seconds is None:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0

@@ -103,6 +103,8 @@ class GenerationStats:
     decode_s: float = 0.0
     finish_reason: str = ""
     mean_batch_size: float = 0.0  # ems-sd: sequences decoded together per step, averaged over this one's steps
+    # of decode_s, the seconds inside the models' forward calls (CPU; None where not measured: a GPU, EMS-SD)
+    forward_s: float | None = None
 
     @property
     def mean_accepted_length(self) -> float:
@@ -135,6 +137,14 @@ class GenerationStats:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
+    def outside_share(self) -> float | None:
+        """The share of the decode's time spent outside the models' forwards (our Python:
+        masks, sampling, acceptance, bookkeeping, detokenizing), or None where not measured."""
+        if self.forward_s is None or self.decode_s <= 0:
+            return None
+        return max(0.0, 1.0 - self.forward_s / self.decode_s)
+
+    @property
     def wall_s(self) -> float:
         return self.prefill_s + self.decode_s
 
@@ -148,6 +158,7 @@ class GenerationStats:
             verification_rate=round(self.verification_rate, 4),
             tokens_per_s=round(self.tokens_per_s, 3),
             wall_s=round(self.wall_s, 4),
+            outside_share=None if self.outside_share is None else round(self.outside_share, 4),
         )
         return d
 

@@ -30,19 +30,22 @@ def draft_chain(
     """Draw up to gamma tokens from the draft's warped q~, stopping after an EOS or after a
     token the draft itself gave less than `confidence` (its softmax probability; the stop
     depends on the draft alone, so verification stays lossless).
-    Returns (tokens, q~ rows (n, V), raw draft logits (n, V))."""
+    Returns (tokens, q~ rows (n, V), raw draft logits (n, V)); greedy: the logits (float32)
+    stand in for q~'s one-hot rows (only their argmax is read, and building those rows cost
+    more than the argmax on a 49k vocabulary)."""
     tokens: list[int] = []
     q_rows, logit_rows = [], []
     for _ in range(gamma):
         logits = draft.advance(ids + tokens, need=1)[-1]
-        q = warp(logits, cfg)
-        token = int(logits.argmax()) if cfg.greedy else sample(q, generator)
+        row = logits.float()
+        q = row if cfg.greedy else warp(logits, cfg)
+        token = int(row.argmax()) if cfg.greedy else sample(q, generator)
         tokens.append(token)
         q_rows.append(q)
         logit_rows.append(logits)
         if token in eos_ids:
             break
-        if confidence is not None and float(logits.float().softmax(-1)[token]) < confidence:
+        if confidence is not None and float(row.softmax(-1)[token]) < confidence:
             break
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
 
@@ -62,10 +65,11 @@ def verify_chain(
     generator: torch.Generator | None,
 ) -> ChainVerdict:
     """q: warped draft rows (n, V); p: warped target rows (n + 1, V). Greedy: accept while
-    the target's argmax agrees."""
+    the target's argmax agrees (p's rows may then be the logits themselves)."""
     if cfg.greedy:
-        n = next((t for t, x in enumerate(drafts) if int(p[t].argmax()) != x), len(drafts))
-        return ChainVerdict(accepted=n, next_token=int(p[n].argmax()), bonus=n == len(drafts))
+        best = p.argmax(-1).tolist()  # one call for every row
+        n = next((t for t, x in enumerate(drafts) if best[t] != x), len(drafts))
+        return ChainVerdict(accepted=n, next_token=best[n], bonus=n == len(drafts))
     n, end = accept_chain(drafts, q, p, generator)
     return ChainVerdict(accepted=n, next_token=sample(end, generator), bonus=n == len(drafts))
 
@@ -123,9 +127,9 @@ def chain_step(drafts: list[int], q: torch.Tensor | None, q_logits: torch.Tensor
                cfg: SamplingConfig, generator: torch.Generator, gamma: int) -> StepResult:
     """Verify a drafted chain against the target's logits (len(drafts) + 1, V) and build the
     step's result: accepted drafts, then the correction or bonus token (Speculative, EMS-SD)."""
-    p = warp(p_logits, cfg)
+    p = p_logits.float() if cfg.greedy else warp(p_logits, cfg)  # greedy reads the argmax only
     verdict = verify_chain(drafts, q, p, cfg, generator)
-    p_shown = shown_probs(p_logits, p, cfg)
+    p_shown = p.softmax(-1) if cfg.greedy else p
     q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
     return StepResult(
         tokens=drafts[: verdict.accepted] + [verdict.next_token],

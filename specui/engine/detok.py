@@ -1,0 +1,38 @@
+"""A reply's text as it grows: `decode(ids)` at a cost set by the tokens a step adds, not by
+the reply's length (a full decode each step costs 0.22 us a token with the bundled tokenizer:
+0.5 ms a step, twice for a speculative step, at 2,048 tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class GrowingText:
+    """Call with the reply's ids each step; returns what `decode(ids)` returns. It keeps the
+    text of the last ids whose text ended on a whole character and decodes only from a few
+    tokens before their end: the text of ids = that text + what the new tokens add to the
+    decode of those few (`decode(tail)` minus `decode(its first part)`). Where that cannot
+    hold (ids that do not extend the kept ones, a decode that rewrites the joint: spaces a
+    cleanup moves), it decodes all of them."""
+
+    CONTEXT = 4  # tokens decoded again before the new ones: a word split over tokens, a space rule
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []  # ids whose text ends on a whole character
+        self._text = ""  # decode(self._ids)
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        n = len(self._ids)
+        text = None
+        if n and len(ids) >= n and ids[:n] == self._ids:
+            start = max(0, n - self.CONTEXT)
+            head, whole = self._decode(self._ids[start:]), self._decode(ids[start:])
+            if whole.startswith(head):
+                text = self._text + whole[len(head):]
+        if text is None:
+            text = self._decode(ids)
+        if not text.endswith("\ufffd"):  # a character still to complete: keep the older point
+            self._ids, self._text = ids, text
+        return text

@@ -1,0 +1,90 @@
+"""The time a decode spends outside the models' forwards (issue 43's "time outside the forwards
+at most 5% of a step"): each session's ForwardClock counts the seconds inside the model's own
+forward calls, and GenerationStats.forward_s / outside_share report them for a reply. Shown with
+models whose forward takes a known time and a tokenizer whose decode takes a known time."""
+
+import time
+
+import pytest
+import torch
+from conftest import EOS, TinyTokenizer, tiny_llama
+
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.engine.session import ModelSession
+
+FORWARD_S = 0.01  # every forward sleeps this long on top of its work
+DECODE_S = 0.004  # every detokenization sleeps this long
+
+
+class SlowTokenizer(TinyTokenizer):
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        time.sleep(DECODE_S)
+        return super().decode(ids, skip_special_tokens)
+
+
+def slow(model):
+    model.register_forward_pre_hook(lambda *_: time.sleep(FORWARD_S))
+    return model
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "dsbd", "beam", "opt-tree"])
+def test_the_clock_counts_the_forwards_and_only_them(method):
+    target, draft = slow(tiny_llama(0)), slow(tiny_llama(1))
+    engine = Engine(target, SlowTokenizer(), draft=draft, eos_ids=[EOS])
+    forwards = []
+    for model in (target, draft):
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    gen = engine.generate(GenerationRequest([1, 5, 9, 13], 12), make_method(method))
+    begin = gen.method.begin
+
+    def begin_then_count(ctx):  # the prefill is not part of the decode
+        begin(ctx)
+        forwards.clear()
+
+    gen.method.begin = begin_then_count
+    steps = sum(1 for _ in gen)
+    stats = gen.stats
+    assert stats.forward_s is not None and 0 < stats.forward_s < stats.decode_s
+    decode_forwards = len(forwards)
+    assert stats.forward_s >= decode_forwards * FORWARD_S * 0.99  # every forward of the decode is counted
+    outside = stats.decode_s - stats.forward_s
+    assert outside >= steps * DECODE_S * 0.99  # each step detokenizes at least once, outside the forwards
+    assert stats.outside_share == pytest.approx(outside / stats.decode_s)
+    assert stats.to_dict()["outside_share"] == round(stats.outside_share, 4)
+
+
+def test_a_static_cache_session_counts_its_forwards_too():
+    model = slow(tiny_llama(2, dtype=torch.float32))
+    session = ModelSession(model, capture="on")
+    session.runner.fn = session.runner.model  # padded shapes, eagerly (no compile in this test)
+    ids = list(range(5, 15))
+    before = session.clock.seconds
+    session.advance(ids, 1)
+    session.advance(ids + [7], 1)
+    assert session.clock.seconds - before >= 2 * FORWARD_S
+
+
+def test_no_clock_on_a_gpu_device():
+    from specui.engine.timing import ForwardClock
+
+    clock = ForwardClock(torch.device("cuda"))
+    assert clock.seconds is None and clock.run(lambda x: x + 1, 1) == 2
+
+
+@pytest.mark.parametrize("capacity", [256, 512])
+def test_the_causal_mask_from_its_template_equals_the_rule(capacity):
+    """A static-cache forward's causal mask is a slice of one template per capacity: row i of a
+    forward starting at slot `start` sees slots <= start + i, in every bucket and window."""
+    from specui.engine.capture import StaticForward
+    from specui.engine.static_cache import StaticKVCache
+
+    model = tiny_llama(3, dtype=torch.float32)
+    runner = StaticForward(model, StaticKVCache(model.config, capacity, torch.device("cpu"), torch.float32), "buckets")
+    lowest = torch.finfo(torch.float32).min
+    for start, width, window in [(0, 1, 256), (5, 4, 256), (255, 1, 256), (200, 64, 512), (300, 16, 512)]:
+        if window > capacity:
+            continue
+        mask = runner._mask(start, width, width, window, None)
+        rule = torch.arange(window)[None, :] <= start + torch.arange(width)[:, None]
+        assert mask.shape == (width, window) and mask.is_contiguous()
+        assert torch.equal(mask, torch.zeros(width, window).masked_fill(~rule, lowest))
