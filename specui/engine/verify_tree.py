@@ -32,16 +32,18 @@ def verify_tree(
     draft_rows: dict[int, torch.Tensor] | None = None,
 ) -> TreeVerdict:
     """draft_rows: q~ used to draw each node's children i.i.d. (MCSD); None means the
-    children were chosen deterministically."""
+    children were chosen deterministically. Greedy: the rows' argmax is all that counts (the
+    logits themselves will do)."""
     path: list[int] = []
     rejected: list[int] = []
     node = -1
+    best = rows.argmax(-1).tolist() if cfg.greedy else None  # one call for every row
     while True:
         kids = tree.children(node)
         p = rows[node + 1]
         if cfg.greedy or draft_rows is None:
             # the target's own token (argmax, or one honest draw from p~); descend if it is a child
-            x = int(p.argmax()) if cfg.greedy else sample(p, generator)
+            x = best[node + 1] if best is not None else sample(p, generator)
             match = next((c for c in kids if tree.tokens[c] == x), None)
             if match is None:
                 rejected += kids
