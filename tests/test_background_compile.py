@@ -65,10 +65,15 @@ def test_a_shape_first_met_while_decoding_is_compiled_next():
     capacity = session.cache.capacity
     ids = [(3 * i) % 40 + 5 for i in range(capacity - 2)]  # a prefill longer than a bucket: exact, eager
     session.advance(ids, 1)
+    ran = session.runner.compiled_runs
     decode(session, ids, 4)  # the cache grows past its capacity: a new shape, eager until compiled
     assert session.cache.capacity > capacity
     assert warmup.wait(SETTLE_S)
-    assert len(warmup.compiled) > asked and any(shape[2] == session.cache.capacity for shape in warmup.compiled)
+    compiled_next = len(warmup.compiled) > asked and any(shape[2] == session.cache.capacity
+                                                         for shape in warmup.compiled)
+    # or no compile was needed: a graph another test in this process compiled already takes
+    # the new capacity as a dynamic size (dynamo shares a forward's graphs across models)
+    assert compiled_next or session.runner.compiled_runs > ran
     before = session.runner.compiled_runs
     got = decode(session, ids, 2)
     assert session.runner.compiled_runs == before + 2
