@@ -29,6 +29,22 @@ def last_logits(model, ids):
 
 
 # --- RowSession -------------------------------------------------------------------------------
+def test_a_commit_that_keeps_some_rows_in_place_moves_only_the_others(tiny_target):
+    prefix = [1, 5, 9, 13]
+    rows = RowSession(tiny_target)
+    rows.prefill(prefix)
+    rows.commit([(0, []), (0, []), (0, [])])
+    rows.forward([[(7, -1)], [(8, -1)], [(9, -1)]])
+    rows.commit([(2, [0]), (1, [0]), (0, [0])])  # row 1 stays; rows 0 and 2 swap
+    rows.forward([[(10, -1)], [(11, -1)], [(12, -1)]])
+    rows.commit([(0, [0]), (0, [0]), (2, [0])])  # row 0 stays; row 1 copies it; row 2 keeps its own
+    for r, beam in enumerate([[9, 10], [9, 10], [7, 12]]):
+        fresh = RowSession(tiny_target)
+        fresh.prefill(prefix + beam)
+        for (k, v), (fk, fv) in zip(rows.kv(), fresh.kv()):
+            assert torch.allclose(k[r], fk[0], atol=1e-10) and torch.allclose(v[r], fv[0], atol=1e-10)
+
+
 def test_row_forests_equal_per_path_forwards_and_commit_equals_prefill(tiny_target):
     prefix = [1, 5, 9, 13]
     rows = RowSession(tiny_target)

@@ -93,16 +93,21 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             return
         m = tail.shape[1]
-        b, h, _, d = self._kbuf.shape
-        identity = len(rows) == b and bool((rows == torch.arange(b, device=rows.device)).all())
-        index = tail[:, None, :, None].expand(len(rows), h, m, d)
+        b = self._kbuf.shape[0]
+        order = rows.tolist()
+        # rows that take another row's entries: only those are copied, and only their valid
+        # prefix (a beam step moves each copied row's whole cache: memory-bound, outside the forwards)
+        moved = [i for i, src in enumerate(order) if src != i] if len(order) == b else []
+        dst = torch.tensor(moved, dtype=torch.long, device=rows.device)
         for name in ("_kbuf", "_vbuf"):
             buf = getattr(self, name)
-            picked = buf if identity else buf.index_select(0, rows)
-            src = buf[..., : self._len, :] if identity else picked[..., : self._len, :]
-            kept = src.gather(2, index)  # read the tail before writing over it
-            picked[..., prefix:prefix + m, :] = kept
-            setattr(self, name, picked)
+            kept = buf[rows[:, None], :, tail].transpose(1, 2)  # (rows, h, m, d): read before any write
+            if len(order) != b:  # fewer or more rows: a buffer of the new size
+                buf = buf.index_select(0, rows)
+            elif moved:
+                buf[dst, :, :prefix] = buf[rows[dst], :, :prefix]  # the right side is read whole first
+            buf[:, :, prefix:prefix + m] = kept
+            setattr(self, name, buf)
         self._len = prefix + m
 
     def tile_to(self, length: int, capacity: int) -> None:
