@@ -28,7 +28,7 @@ import torch
 
 from specui.engine.method import DecodeContext, StepResult
 from specui.engine.methods.fork import ChainCheck, Fork, ForkDrafter, ForkMask, check_chains, tree_forward
-from specui.engine.methods.tree import DraftedTree, TreeMethod, draft_probs, expected_accept, top_tokens
+from specui.engine.methods.tree import DraftedTree, TreeMethod, draft_probs, expected_accept, top_tokens_rows
 from specui.engine.sampling import sample, shown_probs, warp
 from specui.engine.trace import ACCEPTED, DROPPED, REJECTED, TARGET, UNVERIFIED, NodeTrace
 from specui.engine.tree import TokenTree
@@ -126,9 +126,11 @@ class MCSD(TreeMethod):
         parents = [-1]
         for depth in range(1, depth_cap + 1):
             start, k = len(tree), self.ks[depth - 1]
-            for parent in parents:
-                if cfg.greedy:
-                    for q_tok, tok in top_tokens(draft_probs(logits[parent], cfg), k):
+            tops = top_tokens_rows(draft_probs(torch.stack([logits[p] for p in parents]), cfg), k) \
+                if cfg.greedy else None  # the layer's rows ranked at once
+            for i, parent in enumerate(parents):
+                if tops is not None:
+                    for q_tok, tok in tops[i]:
                         tree.add(tok, parent, q_tok)
                 else:
                     q = warp(logits[parent], cfg)

@@ -62,8 +62,8 @@ def draft_adaptive(
         return 1.0 - keep > threshold
 
     while True:
-        q = warp(logits, cfg)
-        token = int(logits.argmax()) if cfg.greedy else sample(q, generator)
+        q = logits.float() if cfg.greedy else warp(logits, cfg)  # greedy: only the argmax counts (draft_chain's)
+        token = int(q.argmax()) if cfg.greedy else sample(q, generator)
         chain.tokens.append(token)
         chain.q_rows.append(q)
         chain.logit_rows.append(logits)
@@ -120,9 +120,9 @@ class SpecDecPP(Method):
         q = torch.stack(chain.q_rows) if drafts else None
         with ctx.timer.phase("verify"):
             p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
-            p = warp(p_logits, cfg)
+            p = p_logits.float() if cfg.greedy else warp(p_logits, cfg)
             verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
-        p_shown = shown_probs(p_logits, p, cfg)
+        p_shown = p.softmax(-1) if cfg.greedy else p
         q_shown = shown_probs(torch.stack(chain.logit_rows), q, cfg) if drafts else p_shown
         nodes = chain_nodes(drafts, verdict, q_shown, p_shown)
         for node, a, risk in zip(nodes, chain.accept, chain.risk):
