@@ -92,3 +92,26 @@ def shown_probs(logits: torch.Tensor, warped: torch.Tensor, cfg: SamplingConfig)
     """Probabilities to display in traces: the warped ones when sampling, plain softmax
     when greedy (the one-hot greedy 'distribution' says nothing)."""
     return logits.float().softmax(-1) if cfg.greedy else warped
+
+
+def scored(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits (..., V) -> (the rows verification reads, the probabilities a trace shows).
+    Sampling: warp's p~, both. Greedy: the logits in float32, whose argmax is all verification
+    reads (warp's one-hot rows cost more than that argmax on a 49k vocabulary, and an argmax over
+    bfloat16 twice one over float32, on a CPU), and their softmax."""
+    if cfg.greedy:
+        rows = logits.float()
+        return rows, rows.softmax(-1)
+    p = warp(logits, cfg)
+    return p, p
+
+
+def drawn(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    """One drafted position's (q~ row, token) from the draft's logits (V,): sampling, warp's q~
+    and one draw from it; greedy, the logits in float32 stand in for q~'s one-hot row (only
+    their argmax is read, as in `scored`) and the token is that argmax."""
+    if cfg.greedy:
+        row = logits.float()
+        return row, int(row.argmax())
+    q = warp(logits, cfg)
+    return q, sample(q, generator)

@@ -20,7 +20,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.speculative import Speculative, chain_nodes, verify_chain
-from specui.engine.sampling import SamplingConfig, sample, shown_probs, warp
+from specui.engine.sampling import SamplingConfig, drawn, scored, shown_probs
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.heads.acceptance import AcceptanceHead
@@ -62,8 +62,7 @@ def draft_adaptive(
         return 1.0 - keep > threshold
 
     while True:
-        q = logits.float() if cfg.greedy else warp(logits, cfg)  # greedy: only the argmax counts (draft_chain's)
-        token = int(q.argmax()) if cfg.greedy else sample(q, generator)
+        q, token = drawn(logits, cfg, generator)
         chain.tokens.append(token)
         chain.q_rows.append(q)
         chain.logit_rows.append(logits)
@@ -120,9 +119,8 @@ class SpecDecPP(Method):
         q = torch.stack(chain.q_rows) if drafts else None
         with ctx.timer.phase("verify"):
             p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
-            p = p_logits.float() if cfg.greedy else warp(p_logits, cfg)
+            p, p_shown = scored(p_logits, cfg)
             verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
-        p_shown = p.softmax(-1) if cfg.greedy else p
         q_shown = shown_probs(torch.stack(chain.logit_rows), q, cfg) if drafts else p_shown
         nodes = chain_nodes(drafts, verdict, q_shown, p_shown)
         for node, a, risk in zip(nodes, chain.accept, chain.risk):

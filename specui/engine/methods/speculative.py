@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
-from specui.engine.sampling import SamplingConfig, residual, sample, shown_probs, uniform, warp
+from specui.engine.sampling import SamplingConfig, drawn, residual, sample, scored, shown_probs, uniform
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
 from specui.errors import SpecUIError
@@ -31,21 +31,18 @@ def draft_chain(
     token the draft itself gave less than `confidence` (its softmax probability; the stop
     depends on the draft alone, so verification stays lossless).
     Returns (tokens, q~ rows (n, V), raw draft logits (n, V)); greedy: the logits (float32)
-    stand in for q~'s one-hot rows (only their argmax is read, and building those rows cost
-    more than the argmax on a 49k vocabulary)."""
+    stand in for q~'s one-hot rows (sampling.drawn)."""
     tokens: list[int] = []
     q_rows, logit_rows = [], []
     for _ in range(gamma):
         logits = draft.advance(ids + tokens, need=1)[-1]
-        row = logits.float()
-        q = row if cfg.greedy else warp(logits, cfg)
-        token = int(row.argmax()) if cfg.greedy else sample(q, generator)
+        q, token = drawn(logits, cfg, generator)
         tokens.append(token)
         q_rows.append(q)
         logit_rows.append(logits)
         if token in eos_ids:
             break
-        if confidence is not None and float(row.softmax(-1)[token]) < confidence:
+        if confidence is not None and float(logits.float().softmax(-1)[token]) < confidence:
             break
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
 
@@ -127,9 +124,8 @@ def chain_step(drafts: list[int], q: torch.Tensor | None, q_logits: torch.Tensor
                cfg: SamplingConfig, generator: torch.Generator, gamma: int) -> StepResult:
     """Verify a drafted chain against the target's logits (len(drafts) + 1, V) and build the
     step's result: accepted drafts, then the correction or bonus token (Speculative, EMS-SD)."""
-    p = p_logits.float() if cfg.greedy else warp(p_logits, cfg)  # greedy reads the argmax only
+    p, p_shown = scored(p_logits, cfg)
     verdict = verify_chain(drafts, q, p, cfg, generator)
-    p_shown = p.softmax(-1) if cfg.greedy else p
     q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
     return StepResult(
         tokens=drafts[: verdict.accepted] + [verdict.next_token],

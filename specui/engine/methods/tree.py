@@ -16,7 +16,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.tree_budget import NodeBudget
-from specui.engine.sampling import SamplingConfig, warp
+from specui.engine.sampling import SamplingConfig, scored, warp
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
 from specui.engine.tree import TokenTree
@@ -108,7 +108,7 @@ class TreeMethod(Method):
         # 2. score, 3. verify
         with ctx.timer.phase("verify"):
             logits = ctx.target.forward_tree(ctx.ids, tree, self.ancestors(tree))
-            p = logits.float() if cfg.greedy else warp(logits, cfg)  # greedy reads the argmax only
+            p, p_shown = scored(logits, cfg)
             verdict = verify_tree(tree, p, cfg, ctx.generator, self.verify_rows())
         # 4. commit the accepted path (the loop appends the tokens)
         ctx.target.commit_path(tree, verdict.path)
@@ -117,7 +117,7 @@ class TreeMethod(Method):
         tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
         return self.annotate(ctx, StepResult(
             tokens=tokens, from_draft=[True] * len(verdict.path) + [False],
-            nodes=tree_nodes(tree, verdict, p.softmax(-1) if cfg.greedy else p),
+            nodes=tree_nodes(tree, verdict, p_shown),
             drafted=len(tree), accepted=len(verdict.path), tree_nodes=len(tree),
             tree_depth=max(tree.depths, default=0), expected_accept=drafted.expected_accept if drafted else None,
             notes=notes + self.pending_notes(),
