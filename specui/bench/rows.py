@@ -15,6 +15,7 @@ from transformers import StaticCache
 
 from specui.engine import GenerationRequest, make_method
 from specui.engine.sampling import SamplingConfig
+from specui.engine.trace import outside_share
 from specui.service.pair import ModelPair
 
 AR = "autoregressive"
@@ -103,8 +104,7 @@ class Row:
         """The share of the decoding time (after the prefills) spent outside the models'
         forwards: our own Python per step (our methods on a CPU only)."""
         samples = [s for s in self.all_samples if s.forward_s is not None]
-        decode = sum(s.decode_s for s in samples)
-        return max(0.0, 1.0 - sum(s.forward_s for s in samples) / decode) if samples and decode > 0 else None
+        return outside_share(sum(s.forward_s for s in samples), sum(s.decode_s for s in samples)) if samples else None
 
     @property
     def joules_per_token(self) -> float | None:

@@ -140,9 +140,7 @@ class GenerationStats:
     def outside_share(self) -> float | None:
         """The share of the decode's time spent outside the models' forwards (our Python:
         masks, sampling, acceptance, bookkeeping, detokenizing), or None where not measured."""
-        if self.forward_s is None or self.decode_s <= 0:
-            return None
-        return max(0.0, 1.0 - self.forward_s / self.decode_s)
+        return outside_share(self.forward_s, self.decode_s)
 
     @property
     def wall_s(self) -> float:
@@ -161,6 +159,13 @@ class GenerationStats:
             outside_share=None if self.outside_share is None else round(self.outside_share, 4),
         )
         return d
+
+
+def outside_share(forward_s: float | None, decode_s: float) -> float | None:
+    """The share of `decode_s` not spent in forwards that took `forward_s` (None: not measured)."""
+    if forward_s is None or decode_s <= 0:
+        return None
+    return max(0.0, 1.0 - forward_s / decode_s)
 
 
 def traces_to_json(steps: list[StepTrace], stats: GenerationStats | None = None) -> str:
