@@ -87,4 +87,7 @@ def test_the_causal_mask_from_its_template_equals_the_rule(capacity):
         mask = runner._mask(start, width, width, window, None)
         rule = torch.arange(window)[None, :] <= start + torch.arange(width)[:, None]
         assert mask.shape == (width, window) and mask.is_contiguous()
+        # its own buffer, never a view into the template (one row at an odd offset: misaligned on CUDA)
+        assert mask.untyped_storage().data_ptr() != runner._causal.untyped_storage().data_ptr()
+        assert mask.data_ptr() % 16 == 0
         assert torch.equal(mask, torch.zeros(width, window).masked_fill(~rule, lowest))

@@ -77,3 +77,28 @@ def test_only_runs_the_sections_named(tiny_dirs, tmp_path):
                      "--stand-ins", "", "--bitsandbytes", "", "--only", "equality"]) == 0
     names = [s["name"] for s in json.loads((tmp_path / "results.json").read_text())["sections"]]
     assert len(names) == 1 and names[0].startswith("equality")
+
+
+def test_isolated_sections_run_in_processes_of_their_own(tiny_dirs, tmp_path):
+    """On a GPU each section runs in a child process (a CUDA error is sticky: it would end every
+    later section in one process); the parent gathers what each child recorded."""
+    target, draft, _ = tiny_dirs
+    assert gpu.main(["--out", str(tmp_path), "--dry-run", "--isolate", "yes", "--only", "equality",
+                     "--target", str(target), "--draft", str(draft), "--stand-ins", "", "--bitsandbytes", "",
+                     "--max-new-tokens", "4"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [s["name"] for s in results["sections"]] == [
+        "equality (float32, captured vs autoregressive capture off)"]
+    assert all(c["equal"] == c["prompts"] for c in results["sections"][0]["checks"])
+    assert (tmp_path / "sections" / "0" / "results.json").is_file()
+
+
+def test_a_section_whose_process_dies_is_noted_and_the_run_goes_on(tmp_path):
+    import sys
+
+    dead = gpu.in_child([sys.executable, "-c", "import sys; sys.stderr.write('CUDA error: misaligned address'); "
+                         "sys.exit(3)"], "bundled bf16", tmp_path / "dead", 60)
+    assert dead["name"] == "bundled bf16"
+    assert "exited with status 3" in dead["note"] and "misaligned address" in dead["note"]
+    slow = gpu.in_child([sys.executable, "-c", "import time; time.sleep(30)"], "stand-in 7b", tmp_path / "slow", 1)
+    assert "timed out after 1 s" in slow["note"]

@@ -15,8 +15,11 @@ results.md are rewritten after each, so a run cut short still leaves what it mea
    sizes' cost;
 4. bitsandbytes 4bit / 8bit targets: autoregressive and speculative, eager vs captured (where
    bitsandbytes is missing or fails on the card, the section says which and the run goes on).
-Every row carries `capture` (on/off) and `stand_in` (null or the size), peak memory and NVML
-joules per token (bench/energy.py); `meta` names the device. See ../shared/GPU.md and
+On a GPU each section runs in a process of its own (`--isolate`, default yes there): a CUDA
+error poisons its process's context for good, so it ends that section only (H100, 2026-11-27:
+one faulting method ended every later section of the run). Every row carries `capture`
+(on/off) and `stand_in` (null or the size), peak memory and NVML joules per token
+(bench/energy.py); `meta` names the device. See ../shared/GPU.md and
 `python -m specui.bench.gpu_travel` for getting the run onto a lent machine.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,11 +46,12 @@ from specui.engine.capture import capture_mode
 from specui.engine.profile import cpu_model
 from specui.errors import SpecUIError
 from specui.service.pair import ModelPair, default_draft_source, load_pair
-from specui.weights.loading import BUNDLED, ModelSpec
+from specui.weights.loading import BUNDLED, ModelSpec, load_tokenizer
 
 LOSSLESS = ("autoregressive", "speculative:3", "auto", "opt-tree:25", "tree", "mcsd", "specdec++", "lookup")
 METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "mcsd", "specdec++")
 STAND_IN_METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25")
+CHILD_GRACE_S = 180  # a section may run past the budget it started under (its minimum is a guess)
 
 
 @dataclass
@@ -202,9 +207,9 @@ def smoke(device: str, tokens: int = 48, shape: tuple[int, int, int, int] = (30,
                     f"{report['target']['notes'] + report['draft']['notes']}"}
 
 
-def sections(args: argparse.Namespace, first: ModelPair) -> list[tuple[str, float, callable]]:
-    """(name, the seconds it needs at least, the work) in order; `first`: the float32 pair."""
-    plan = [("equality", 30, lambda run, prompts: equality(first, args, prompts[:3])),
+def sections(args: argparse.Namespace) -> list[tuple[str, float, callable]]:
+    """(name, the seconds it needs at least, the work) in order; each loads its own models."""
+    plan = [("equality", 30, lambda run, prompts: equality(load(args, "float32"), args, prompts[:3])),
             ("bundled bf16", 60, lambda run, prompts: throughput(
                 run, args, prompts, load(args, args.dtype), METHODS, f"bundled pair, {args.dtype}", True))]
     for i, item in enumerate(s for s in args.stand_ins.split(",") if s):
@@ -217,6 +222,24 @@ def sections(args: argparse.Namespace, first: ModelPair) -> list[tuple[str, floa
             run, args, prompts, load(args, args.dtype, quantization=quant), ("speculative:3",),
             f"bundled target in bitsandbytes {quant}", False)))
     return plan
+
+
+def in_child(command: list[str], name: str, out: Path, timeout_s: float) -> dict:
+    """Run one section as `command` (this module with `--section name --out out`) in a process of
+    its own, so a CUDA error that poisons its context (they are sticky) ends that section only;
+    its recorded section, or a note saying how the process ended and the end of its stderr."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "stderr.txt", "w") as err:
+        try:
+            rc = subprocess.run(command, stderr=err, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    try:
+        return json.loads((out / "results.json").read_text())["sections"][-1]
+    except (OSError, ValueError, KeyError, IndexError):
+        tail = (out / "stderr.txt").read_text(errors="replace")[-600:].strip()
+        ended = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with status {rc}"
+        return {"name": name, "note": f"failed: its process {ended}: {tail}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="only the random-weight smoke section (no model files)")
     ap.add_argument("--only", default="", help="comma-separated starts of the section names to run (e.g. "
                                                 "'equality,stand-in 7b'); default every section")
+    ap.add_argument("--isolate", choices=("yes", "no"), default=None,
+                    help="each section in a process of its own (default: yes on a GPU, no in a dry run)")
+    ap.add_argument("--section", default="", help=argparse.SUPPRESS)  # a child: run exactly this one
     args = ap.parse_args(argv)
     if args.dry_run:
         args.limit, args.max_new_tokens, args.repeats = min(args.limit, 2), min(args.max_new_tokens, 6), 1
@@ -258,17 +284,22 @@ def main(argv: list[str] | None = None) -> int:
         run.add(smoke("cpu", 8, (2, 64, 4, 2), 16) if args.dry_run else smoke(args.device), t0)
         print((args.out / "results.md").read_text())
         return 0
-    first = load(args, "float32")
-    prompts = bench_prompts(first.target.tokenizer, args.prompts, args.limit)
+    isolate = not args.section and (args.isolate == "yes" or (args.isolate is None and not args.dry_run))
+    prompts = [] if isolate else bench_prompts(load_tokenizer(ModelSpec(args.target)), args.prompts, args.limit)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    plan = [p for p in sections(args, first) if not wanted or any(p[0].startswith(w) for w in wanted)]
-    del first  # the equality section holds it until it is done
-    while plan:
-        name, needs, work = plan.pop(0)  # dropped once done: its models go with it
+    plan = [p for p in sections(args) if (p[0] == args.section if args.section else
+                                          not wanted or any(p[0].startswith(w) for w in wanted))]
+    for i, (name, needs, work) in enumerate(plan):
         if run.left_s < needs:
             run.add({"name": name, "note": f"skipped: {run.left_s:.0f} s of the budget left, it needs {needs}"})
             continue
         t0 = time.perf_counter()
+        if isolate:
+            child = args.out / "sections" / str(i)
+            command = [sys.executable, "-m", "specui.bench.gpu", *(sys.argv[1:] if argv is None else argv),
+                       "--section", name, "--out", str(child), "--budget-s", f"{run.left_s:.0f}"]
+            run.add(in_child(command, name, child, run.left_s + CHILD_GRACE_S), t0)
+            continue
         try:
             section = work(run, prompts)
         except (SpecUIError, RuntimeError, ImportError, torch.OutOfMemoryError) as e:
@@ -279,7 +310,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     print((args.out / "results.md").read_text())
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

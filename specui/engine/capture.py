@@ -226,7 +226,10 @@ class StaticForward:
             c = torch.arange(2 * capacity, device=self.cache.device)[None, :]
             template = torch.zeros((rows, 2 * capacity), dtype=self.mask_dtype, device=self.cache.device)
             self._causal = template.masked_fill_(c > i + capacity, torch.finfo(self.mask_dtype).min)
-        return template[:width, capacity - start: capacity - start + window].contiguous()
+        # always a copy: a one-row slice counts as contiguous, and `.contiguous()` would hand
+        # SDPA a view 4 bytes into the template (CUDA's kernels fault on a misaligned mask)
+        out = torch.empty((width, window), dtype=self.mask_dtype, device=self.cache.device)
+        return out.copy_(template[:width, capacity - start: capacity - start + window])
 
     # -- CUDA graphs -------------------------------------------------------------------
     def _replay(self, bucket: int, window: int, ids: torch.Tensor, positions: torch.Tensor,
