@@ -89,7 +89,7 @@ def test_a_failed_compile_leaves_the_model_eager_with_a_note(monkeypatch, tmp_pa
             raise AssertionError("inductor could not lower this graph")
         return fn
 
-    monkeypatch.setattr(capture_module, "_compiled", broken)
+    monkeypatch.setattr(capture_module, "compile_model", broken)
     cleared = []
     monkeypatch.setattr(warmup_module, "_fresh_compile_cache", lambda: cleared.append(1) or True)
     session = ModelSession(model, capture="on", background=True)

@@ -191,7 +191,7 @@ def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerl
     runner = on.target.runner  # a machine without a C++ compiler falls back, and says so
     assert runner.compiled and not runner.notes or runner.notes[0].startswith("not compiled: ")
 
-    def broken(model):
+    def broken(model, **_options):
         def fn(**kw):
             raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
         return fn

@@ -33,7 +33,6 @@ costs 3.0 ms unfused and 1.4 ms compiled (about 1000 small kernels become a few 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -41,9 +40,10 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention, routed_attention
+from specui.engine.compiled import compile_model
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
-from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup, compile_cache_dir
+from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup
 from specui.errors import SpecUIError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -130,7 +130,7 @@ class StaticForward:
         self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.failed: dict[tuple[int, int], str] = {}
-        self.fn = _compiled(model) if compiled else model  # what the padded shapes run
+        self.fn = compile_model(model) if compiled else model  # what the padded shapes run
         self.grouped = (routed_attention(model), grouped) if compiled and grouped else None
         self.compile_problem = ""
         self._generation = cache.generation
@@ -305,17 +305,3 @@ class StaticForward:
                 raise
             self.warmup.ask(shape)
             return None
-
-
-RECOMPILES = 64  # torch.compile's recompiles per code object: every model's forward shares one
-
-
-def _compiled(model: PreTrainedModel):
-    """torch.compile of the model; the recompile limit is raised once so a target, its draft and
-    a few shapes each (size 1 is always its own) do not exhaust it, which would leave the rest
-    silently eager (measured on an H100: three models and 8 recompiles hit the default of 8)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), RECOMPILES))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
-    return torch.compile(model)

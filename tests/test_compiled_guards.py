@@ -1,0 +1,33 @@
+"""A compiled model's guards (engine/compiled.py): the guards on its modules are dropped (their
+check cost 1.6 ms of a 12 ms token), so what they protected is shown here instead: a second
+model of the same class runs its own graphs, not the first one's; the weights read are the model's own."""
+
+import torch
+from conftest import tiny_llama
+
+from specui.engine.compiled import compile_model
+
+
+def logits(fn, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return fn(input_ids=ids, use_cache=False).logits
+
+
+def test_models_of_one_class_never_share_compiled_graphs():
+    ids = torch.tensor([[3, 9, 4, 17, 5]])
+    one, two, three = tiny_llama(1, layers=1, dtype=torch.float32), tiny_llama(2, layers=3, dtype=torch.float32), \
+        tiny_llama(3, layers=1, dtype=torch.float32)
+    for model in (one, two, three):  # same class and widths; two has more layers, three other weights
+        compiled = compile_model(model)
+        torch.testing.assert_close(logits(compiled, ids), logits(model, ids), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits(one, ids), logits(three, ids))
+
+
+def test_the_weights_read_are_the_models_own_at_each_call():
+    model = tiny_llama(4, layers=1, dtype=torch.float32)
+    compiled = compile_model(model)
+    ids = torch.tensor([[3, 9, 4]])
+    logits(compiled, ids)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2, requires_grad=False)
+    torch.testing.assert_close(logits(compiled, ids), logits(model, ids), rtol=1e-4, atol=1e-4)
+
