@@ -46,6 +46,6 @@ def _own_code(model: torch.nn.Module):
     def forward(*args, **kwargs):
         return model(*args, **kwargs)
 
-    code = forward.__code__.replace(co_name=f"specui_forward_{id(model):x}")  # a new object: its own cache
+    code = forward.__code__.replace(co_name="specui_forward")  # a new code object: its own cache
     return types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
 
