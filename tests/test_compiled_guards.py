@@ -31,3 +31,19 @@ def test_the_weights_read_are_the_models_own_at_each_call():
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2, requires_grad=False)
     torch.testing.assert_close(logits(compiled, ids), logits(model, ids), rtol=1e-4, atol=1e-4)
 
+
+
+def test_a_dropped_model_and_its_compiled_graphs_are_freed():
+    """The app replaces its pair on every load: a compiled model must not outlive its session."""
+    import gc
+    import weakref
+
+    refs = []
+    for seed in (5, 6):
+        model = tiny_llama(seed, layers=1, dtype=torch.float32)
+        compiled = compile_model(model)
+        logits(compiled, torch.tensor([[3, 4, 5]]))
+        refs.append(weakref.ref(model))
+        del model, compiled
+    gc.collect()
+    assert all(ref() is None for ref in refs)
