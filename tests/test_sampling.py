@@ -81,3 +81,17 @@ def test_one_draw_follows_the_distribution_and_never_picks_a_zero():
     assert torch.allclose(counts, probs.double(), atol=0.015)  # 4+ standard errors at n = 20000
     assert sample(probs * 7.0, make_generator(3)) == sample(probs, make_generator(3))  # unnormalised: the same draw
     assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+
+
+def test_argmax_tokens_equal_torch_argmax_ties_included():
+    """Greedy tokens come from numpy on a CPU (faster there): the first index of the maximum,
+    as torch's argmax, for one row, several rows, ties, bfloat16 and non-contiguous rows."""
+    from specui.engine.sampling import argmax_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(5, 300, generator=gen)
+    rows[1, 7] = rows[1, 200] = rows[1].max() + 1  # a tie: the first index wins
+    rows[2] = 0.0  # all equal
+    for case in (rows, rows[0], rows[:, ::2], rows.to(torch.bfloat16), rows.t().contiguous().t()):
+        assert argmax_tokens(case) == case.argmax(-1).reshape(-1).tolist()
+    assert argmax_tokens(rows)[1] == 7

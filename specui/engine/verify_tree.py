@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specui.engine.sampling import SamplingConfig, residual, sample, uniform
+from specui.engine.sampling import SamplingConfig, argmax_tokens, residual, sample, uniform
 from specui.engine.tree import TokenTree
 
 
@@ -37,7 +37,7 @@ def verify_tree(
     path: list[int] = []
     rejected: list[int] = []
     node = -1
-    best = rows.argmax(-1).tolist() if cfg.greedy else None  # one call for every row
+    best = argmax_tokens(rows) if cfg.greedy else None  # one call for every row
     while True:
         kids = tree.children(node)
         p = rows[node + 1]

@@ -30,7 +30,7 @@ from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
 from specui.engine.methods.emssd_policy import BatchRow, GammaPolicy
 from specui.engine.methods.speculative import chain_step
 from specui.engine.ragged import RaggedSession, free_memory
-from specui.engine.sampling import sample, warp
+from specui.engine.sampling import argmax_tokens, sample, warp
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.settings import PADDINGS
@@ -149,7 +149,7 @@ class BatchDecoder:
             for i, out in zip(active, logits):
                 ctx, out, chain = rows[i].ctx, out[-1], chains[i]
                 q = warp(out, ctx.sampling)
-                chain.tokens.append(int(out.argmax()) if ctx.sampling.greedy else sample(q, ctx.generator))
+                chain.tokens.append(argmax_tokens(out)[0] if ctx.sampling.greedy else sample(q, ctx.generator))
                 chain.q.append(q)
                 chain.logits.append(out)
                 if chain.tokens[-1] in ctx.eos_ids:

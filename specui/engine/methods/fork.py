@@ -16,7 +16,7 @@ import torch
 from specui.engine.method import DecodeContext
 from specui.engine.methods.speculative import accept_chain
 from specui.engine.methods.tree import draft_probs, top_tokens
-from specui.engine.sampling import SamplingConfig
+from specui.engine.sampling import SamplingConfig, argmax_tokens
 from specui.engine.tree import TokenTree
 from specui.heads.decision import DecisionModel
 
@@ -92,7 +92,8 @@ class ForkDrafter:
                 for w, tip in enumerate(tips):
                     q = draft_probs(rows[w], cfg)
                     fork.q_rows[tip] = q
-                    tok = int(rows[w].argmax()) if cfg.greedy else int(torch.multinomial(q, 1, generator=ctx.generator))
+                    tok = (argmax_tokens(rows[w])[0] if cfg.greedy
+                           else int(torch.multinomial(q, 1, generator=ctx.generator)))
                     tree.add(tok, tip, float(q[tok]))
                 preds = self._predict(hidden, rows, len(tips))
             fork.width = len(tree) - start

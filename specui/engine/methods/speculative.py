@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
-from specui.engine.sampling import SamplingConfig, drawn, residual, sample, scored, shown_probs, uniform
+from specui.engine.sampling import SamplingConfig, argmax_tokens, drawn, residual, sample, scored, shown_probs, uniform
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
 from specui.errors import SpecUIError
@@ -64,7 +64,7 @@ def verify_chain(
     """q: warped draft rows (n, V); p: warped target rows (n + 1, V). Greedy: accept while
     the target's argmax agrees (p's rows may then be the logits themselves)."""
     if cfg.greedy:
-        best = p.argmax(-1).tolist()  # one call for every row
+        best = argmax_tokens(p)  # one call for every row
         n = next((t for t, x in enumerate(drafts) if best[t] != x), len(drafts))
         return ChainVerdict(accepted=n, next_token=best[n], bonus=n == len(drafts))
     n, end = accept_chain(drafts, q, p, generator)
