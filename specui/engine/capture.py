@@ -180,16 +180,15 @@ class StaticForward:
         cache.grow(round_up(window))  # the window always holds the (padded) new rows
         positions = list(range(start, start + m)) if positions is None else list(positions)
         mask = self._mask(start, m, width, window, attend)
-        padded = torch.full((width,), positions[-1], dtype=torch.long)
-        padded[:m] = torch.tensor(positions)
-        positions_t = padded.to(cache.device, non_blocking=True)
+        padded = positions + [positions[-1]] * (width - m)  # padded rows repeat the last position
+        positions_t = torch.tensor([padded], dtype=torch.long).to(cache.device, non_blocking=True)
         if width > m:
             ids = torch.cat([ids, ids.new_zeros(width - m)])
         cache.prepare(start, window)
         if bucket is not None and self.mode == "graphs" and (bucket, window) not in self.failed:
             logits = self.clock.run(self._replay, bucket, window, ids, positions_t, mask)
         else:
-            kw = dict(input_ids=ids[None], position_ids=positions_t[None], attention_mask=mask[None, None],
+            kw = dict(input_ids=ids[None], position_ids=positions_t, attention_mask=mask[None, None],
                       past_key_values=cache, use_cache=True, **extra)
             if bucket is None:
                 self.eager += 1
@@ -242,7 +241,7 @@ class StaticForward:
         if graph is None:
             graph = self.graphs[key] = _Graph(bucket, window, self.cache.device, self.mask_dtype)
         graph.ids.copy_(ids[None])
-        graph.positions.copy_(positions[None])
+        graph.positions.copy_(positions)
         graph.mask.copy_(mask[None, None])
         if graph.replay is None:
             try:
