@@ -44,6 +44,7 @@ class Generation:
         self.request = request
         self.decode = decode
         self._text_of = GrowingText(decode)  # decode(reply ids), from what the step added
+        self._token_texts: dict[int, str] = {}  # a node's label by token id (a tree step labels dozens)
         self.cancel = cancel or threading.Event()
         self.steps: list[StepTrace] = []
         self.output_ids: list[int] = []
@@ -153,8 +154,7 @@ class Generation:
         stats.new_tokens = len(self.output_ids)
         stats.finish_reason = reason
         for node in result.nodes:
-            node.text = self.decode([node.token_id]) or ("<eos>" if node.token_id in ctx.eos_ids
-                                                          else f"<{node.token_id}>")
+            node.text = self._token_text(node.token_id)
         ms = ctx.timer.ms
         trace = StepTrace(
             index=len(self.steps),
@@ -189,6 +189,13 @@ class Generation:
         )
         self.steps.append(trace)
         return trace
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.decode([token]) or (
+                "<eos>" if token in self._ctx.eos_ids else f"<{token}>")
+        return text
 
 
 def _draft_chars(n: int, n_tokens: int, drafted: str | None, previous: str, new_text: str) -> int:
