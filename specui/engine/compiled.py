@@ -38,8 +38,9 @@ def compile_model(model: torch.nn.Module):
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILES))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
-    unguarded = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-    return torch.compile(_own_code(model), options={"guard_filter_fn": unguarded})
+    unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
+    options = {"guard_filter_fn": unguarded} if unguarded is not None else None
+    return torch.compile(_own_code(model), options=options)
 
 
 def _own_code(model: torch.nn.Module):
