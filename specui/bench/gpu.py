@@ -311,5 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     print((args.out / "results.md").read_text())
     return 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
