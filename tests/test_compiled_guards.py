@@ -47,3 +47,32 @@ def test_a_dropped_model_and_its_compiled_graphs_are_freed():
         del model, compiled
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+def test_a_failing_unguarded_compile_gives_way_to_the_guarded_one(monkeypatch):
+    """Dropped guards can leave dynamo without a source for a dynamic size (a compile error):
+    that call runs again, for good, on a compile with every guard; a refused recompile (the
+    fail_on_recompile stance) is not such a failure."""
+    from specui.engine import compiled as compiled_module
+    from specui.engine.warmup import RECOMPILE
+
+    model = tiny_llama(7, layers=1, dtype=torch.float32)
+    calls = []
+
+    def fast(**kw):
+        calls.append("fast")
+        if kw.get("recompile"):
+            raise RuntimeError(f"{RECOMPILE} in this stance")
+        raise AssertionError("sources must not be empty for symbol s79")
+
+    monkeypatch.setattr(compiled_module.torch, "compile", lambda fn, **_options: lambda **kw: calls.append("guarded"))
+    wrapper = compiled_module.GuardedFallback(model, fast)
+    try:
+        wrapper(recompile=True)
+        raise AssertionError("a refused recompile was swallowed")
+    except RuntimeError as e:
+        assert RECOMPILE in str(e)
+    assert wrapper.guarded is None
+    wrapper(input_ids=None)
+    wrapper(input_ids=None)
+    assert calls == ["fast", "fast", "guarded", "guarded"]

@@ -13,6 +13,8 @@ another model object), so those guards are dropped here (torch's own
   other model of the same class never runs another model's graphs.
 - hooks: not guarded before either (dynamo's `skip_nnmodule_hook_guards`): a forward that reads
   hidden states through hooks runs eagerly (engine/capture.py, mode "exact").
+- a compile the dropped guards break (dynamo left without a source for a size it made dynamic)
+  gives way, for that model, to a compile with every guard (`GuardedFallback`).
 Parameters are still read from the model at each call (dynamo lifts them into graph inputs), so
 its weights are the model's own. Measured (same EPYC, bundled target, int4, 100 tokens after
 160 cached): 12.4-12.8 ms a token before, 10.5-11.0 after; the lookup 1.7 ms -> 0.2-0.4 ms.
@@ -25,22 +27,46 @@ import types
 
 import torch
 
-from specui.engine.warmup import compile_cache_dir
+from specui.engine.warmup import RECOMPILE, compile_cache_dir
 
 RECOMPILES = 64  # torch.compile's recompiles per code object (a few shapes each; size 1 is its own)
 
 
 def compile_model(model: torch.nn.Module):
-    """A compiled function with the model's call signature: its own code object (so its own
-    graph cache) and no guards on its modules. The recompile limit is raised once so a few shapes
-    do not exhaust it (the default 8 would leave the rest silently eager)."""
+    """A compiled callable with the model's call signature: its own code object (so its own
+    graph cache) and no guards on its modules, or, once that fails, one with dynamo's guards
+    (`GuardedFallback`). The recompile limit is raised once so a few shapes do not exhaust it
+    (the default 8 would leave the rest silently eager)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILES))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
     unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
-    options = {"guard_filter_fn": unguarded} if unguarded is not None else None
-    return torch.compile(_own_code(model), options=options)
+    if unguarded is None:
+        return torch.compile(_own_code(model))
+    return GuardedFallback(model, torch.compile(_own_code(model), options={"guard_filter_fn": unguarded}))
+
+
+class GuardedFallback:
+    """The unguarded compile until a call of it fails, then torch.compile with every guard.
+    Dropping the module guards can leave dynamo without a source for a size it made dynamic
+    ("sources must not be empty for symbol ...", seen here when a model's attention settings
+    changed between compiles): that compile fails where the guarded one works. A failing call is
+    run again once on the guarded compile (it writes the same cache slots); a recompile that the
+    "fail_on_recompile" stance refuses is not a failure and passes through."""
+
+    def __init__(self, model: torch.nn.Module, fast) -> None:
+        self.model, self.fast, self.guarded = model, fast, None
+
+    def __call__(self, *args, **kwargs):
+        if self.guarded is None:
+            try:
+                return self.fast(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any compile failure: the guarded compile decides
+                if RECOMPILE in str(e):
+                    raise
+                self.guarded = torch.compile(_own_code(self.model))
+        return self.guarded(*args, **kwargs)
 
 
 def _own_code(model: torch.nn.Module):
@@ -49,4 +75,3 @@ def _own_code(model: torch.nn.Module):
 
     code = forward.__code__.replace(co_name="specui_forward")  # a new code object: its own cache
     return types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
-
