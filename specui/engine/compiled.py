@@ -51,9 +51,10 @@ class GuardedFallback:
     """The unguarded compile until a call of it fails, then torch.compile with every guard.
     Dropping the module guards can leave dynamo without a source for a size it made dynamic
     ("sources must not be empty for symbol ...", seen here when a model's attention settings
-    changed between compiles): that compile fails where the guarded one works. A failing call is
-    run again once on the guarded compile (it writes the same cache slots); a recompile that the
-    "fail_on_recompile" stance refuses is not a failure and passes through."""
+    changed between compiles): that compile fails where the guarded one works. A call that fails
+    in dynamo (not in a kernel: out of memory stays the caller's) is run again once on the guarded
+    compile (it writes the same cache slots); a recompile that the "fail_on_recompile" stance
+    refuses is not a failure and passes through."""
 
     def __init__(self, model: torch.nn.Module, fast) -> None:
         self.model, self.fast, self.guarded = model, fast, None
@@ -62,7 +63,7 @@ class GuardedFallback:
         if self.guarded is None:
             try:
                 return self.fast(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - any compile failure: the guarded compile decides
+            except (AssertionError, torch._dynamo.exc.TorchDynamoException) as e:  # dynamo's own failures only
                 if RECOMPILE in str(e):
                     raise
                 self.guarded = torch.compile(_own_code(self.model))
