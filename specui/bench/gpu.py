@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isolate", choices=("yes", "no"), default=None,
                     help="each section in a process of its own (default: yes on a GPU, no in a dry run)")
     ap.add_argument("--section", default="", help=argparse.SUPPRESS)  # a child: run exactly this one
-    args = ap.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(given)
     if args.dry_run:
         args.limit, args.max_new_tokens, args.repeats = min(args.limit, 2), min(args.max_new_tokens, 6), 1
         args.dtype = "float32"
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
     meta = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
             "cpu": cpu_model(), "python": platform.python_version(), "budget_s": args.budget_s,
-            "command": "python -m specui.bench.gpu " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m specui.bench.gpu " + " ".join(given),
             "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     run = Run(args.out, args.budget_s, meta)
     if args.smoke:
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if isolate:
             child = args.out / "sections" / str(i)
-            command = [sys.executable, "-m", "specui.bench.gpu", *(sys.argv[1:] if argv is None else argv),
+            command = [sys.executable, "-m", "specui.bench.gpu", *given,
                        "--section", name, "--out", str(child), "--budget-s", f"{run.left_s:.0f}"]
             run.add(in_child(command, name, child, run.left_s + CHILD_GRACE_S), t0)
             continue

@@ -42,8 +42,10 @@ def draft_chain(
         logit_rows.append(logits)
         if token in eos_ids:
             break
-        if confidence is not None and float(logits.float().softmax(-1)[token]) < confidence:
-            break
+        if confidence is not None:  # the draft's own softmax; greedy's q is its float32 logits already
+            own = q if cfg.greedy else logits.float()
+            if float(own.softmax(-1)[token]) < confidence:
+                break
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
 
 
