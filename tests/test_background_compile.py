@@ -71,8 +71,7 @@ def test_a_shape_first_met_while_decoding_is_compiled_next():
     assert warmup.wait(SETTLE_S)
     compiled_next = len(warmup.compiled) > asked and any(shape[2] == session.cache.capacity
                                                          for shape in warmup.compiled)
-    # or no compile was needed: a graph another test in this process compiled already takes
-    # the new capacity as a dynamic size (dynamo shares a forward's graphs across models)
+    # or no compile was needed: this model's graph already takes the capacity as a dynamic size
     assert compiled_next or session.runner.compiled_runs > ran
     before = session.runner.compiled_runs
     got = decode(session, ids, 2)

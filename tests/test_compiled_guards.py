@@ -32,6 +32,23 @@ def test_the_weights_read_are_the_models_own_at_each_call():
     torch.testing.assert_close(logits(compiled, ids), logits(model, ids), rtol=1e-4, atol=1e-4)
 
 
+def test_a_models_compile_never_inherits_the_sizes_another_saw_change():
+    """dynamo records which sizes changed between calls per code name; under one shared name a
+    new model's first compile started from every other model's record (here: a length already
+    dynamic), the state a CI run failed in. Each compile now starts from a record of its own."""
+    from torch._dynamo.utils import counters
+
+    def compiles(fn, *lengths):
+        before = counters["stats"]["unique_graphs"]
+        for n in lengths:
+            logits(fn, torch.arange(3, 3 + n).unsqueeze(0))
+        return counters["stats"]["unique_graphs"] - before
+
+    first = compile_model(tiny_llama(8, layers=1, dtype=torch.float32))
+    assert compiles(first, 3, 5) == 2  # the second length recompiles, then as a symbol
+    second = compile_model(tiny_llama(9, layers=1, dtype=torch.float32))
+    assert compiles(second, 4, 6) == 2  # its own record: static at first, as the first model was
+
 
 def test_a_dropped_model_and_its_compiled_graphs_are_freed():
     """The app replaces its pair on every load: a compiled model must not outlive its session."""

@@ -8,9 +8,10 @@ a 2-core AMD EPYC Zen 4 (torch profiler, "TorchDynamo Cache Lookup"). A loaded m
 do not change after the load (no training, no swapped weights: another quantization or dtype is
 another model object), so those guards are dropped here (torch's own
 `skip_guard_on_all_nn_modules_unsafe`), and what they protected is kept by other means:
-- which model: each compiled model gets a code object of its own, so its compiled graphs sit in
-  a cache of their own (dynamo keeps them per code object). A draft, a reloaded target, or any
-  other model of the same class never runs another model's graphs.
+- which model: each compiled model gets a code object, and a name, of its own, so its compiled
+  graphs sit in a cache of their own (dynamo keeps them per code object) and its record of the
+  sizes that changed is its own (kept per code name). A draft, a reloaded target, or any other
+  model of the same class never runs another model's graphs nor inherits its dynamic sizes.
 - hooks: not guarded before either (dynamo's `skip_nnmodule_hook_guards`): a forward that reads
   hidden states through hooks runs eagerly (engine/capture.py, mode "exact").
 - a compile the dropped guards break (dynamo left without a source for a size it made dynamic)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import types
+import uuid
 
 import torch
 
@@ -66,13 +68,19 @@ class GuardedFallback:
             except (AssertionError, torch._dynamo.exc.TorchDynamoException) as e:  # dynamo's own failures only
                 if RECOMPILE in str(e):
                     raise
-                self.guarded = torch.compile(_own_code(self.model))
+                self.guarded = torch.compile(_own_code(self.model, "specui_guarded"))
         return self.guarded(*args, **kwargs)
 
 
-def _own_code(model: torch.nn.Module):
+def _own_code(model: torch.nn.Module, kind: str = "specui_forward"):
+    """A function that calls `model`, with a code object of its own and a name no other compile
+    has: dynamo keeps compiled graphs per code object, and its automatic-dynamic record (which
+    sizes it saw change, so compiles as symbols next time) per code *name* and place. Under one
+    shared name every model's compile inherited every other's record, sizes of other models
+    included, and a compile without module guards then failed now and then in CI ("sources must
+    not be empty for symbol s79"), the guarded fallback with it, as it read the same record."""
     def forward(*args, **kwargs):
         return model(*args, **kwargs)
 
-    code = forward.__code__.replace(co_name="specui_forward")  # a new code object: its own cache
+    code = forward.__code__.replace(co_name=f"{kind}_{uuid.uuid4().hex[:12]}")  # its own cache and record
     return types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
