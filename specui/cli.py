@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from specui.engine.capture import CAPTURES
-from specui.engine.methods import METHODS, make_method
 from specui.engine.trace import traces_to_json
 from specui.errors import SpecUIError
-from specui.service.chat_service import ChatService, method_params, validate_settings
-from specui.service.pair import DEFAULT_TARGET, ModelPair, get_preset, load_pair, pair_specs
 from specui.service.sharing import add_web_flags
-from specui.settings import ChatSettings, PairChoice
-from specui.weights.loading import DTYPES, QUANTIZATIONS, ModelSpec
+from specui.settings import CAPTURES, DTYPE_NAMES, METHOD_NAMES, QUANTIZATIONS, ChatSettings, PairChoice
+
+if TYPE_CHECKING:  # the parser and the settings import no torch: the web server's process reads them
+    from specui.service.chat_service import ChatService
+    from specui.service.pair import ModelPair
+    from specui.weights.loading import ModelSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hub id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)")
     m.add_argument("--draft",
                    help="hub id, local folder or .gguf file; 'default' = the shipped draft; 'none' = no draft")
-    m.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+    m.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                    help="weights dtype (auto: bf16 on GPU; on CPU float32 or bfloat16, whichever one token "
                         "measures faster, for target and draft separately; cached)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = ChatSettings()  # the defaults live there (the UI starts from them too)
     g = ap.add_argument_group("generation")
-    g.add_argument("--method", default=d.method, help=f"one of: {', '.join(sorted(METHODS))}")
+    g.add_argument("--method", default=d.method, help=f"one of: {', '.join(METHOD_NAMES)}")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
     """Model specs from the flags: explicit --target / --draft / --quantization win over --preset."""
+    from specui.service.pair import DEFAULT_TARGET, get_preset, pair_specs
+
     preset = get_preset(args.preset) if args.preset else None
     target_src = args.target or (preset.target if preset else DEFAULT_TARGET)
     draft_src = args.draft or (preset.draft if preset else "default")
@@ -143,8 +145,8 @@ def specs_from_args(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | No
 
 
 def settings_from_args(args: argparse.Namespace) -> ChatSettings:
-    if args.method not in METHODS:
-        raise SpecUIError(f"unknown decoding method '{args.method}'; choose one of: {', '.join(sorted(METHODS))}")
+    if args.method not in METHOD_NAMES:
+        raise SpecUIError(f"unknown decoding method '{args.method}'; choose one of: {', '.join(METHOD_NAMES)}")
     return ChatSettings(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, gamma=args.gamma, width=args.beam_width,
@@ -159,6 +161,10 @@ def settings_from_args(args: argparse.Namespace) -> ChatSettings:
 
 
 def load_from_args(args: argparse.Namespace) -> ModelPair:
+    from specui.engine.methods import METHODS
+    from specui.service.chat_service import validate_settings
+    from specui.service.pair import load_pair
+
     target, draft = specs_from_args(args)
     settings = settings_from_args(args)
     settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
@@ -193,6 +199,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_quantization_options(args: argparse.Namespace) -> int:
     from specui.engine.profile import cpu_model
+    from specui.service.pair import load_pair
     from specui.weights.quant_choice import CONTEXT, measure_options, options_table
 
     target, draft = specs_from_args(args)
@@ -219,6 +226,10 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from specui.engine.methods import make_method
+    from specui.service.chat_service import ChatService, method_params
+    from specui.service.reports import StepNotes
+
     if args.threads:
         import torch
 
@@ -271,36 +282,6 @@ def run_cli(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         print("  ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
     return 0
-
-
-class StepNotes:
-    """A generation's step notes (what a method chose, clamped, calibrated or fell back on) for
-    the terminal: live, each on its own line, or gathered and summed up once after the reply,
-    where notes that differ only in their figures count as one and auto's choices are counted."""
-
-    def __init__(self, live: bool) -> None:
-        self.live = live
-        self.choices: dict[str, int] = {}
-        self.kinds: dict[str, list] = {}  # note with its figures masked -> [first such note, how many]
-
-    def add(self, step, mid_line: bool = False) -> None:
-        if step.choice:
-            self.choices[step.choice] = self.choices.get(step.choice, 0) + 1
-        for note in step.notes:
-            if self.live:
-                print(("\n" if mid_line else "") + f"note: {note}", file=sys.stderr, flush=True)
-                mid_line = False
-                continue
-            seen = self.kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", note), [note, 0])
-            seen[1] += 1
-
-    def summary(self) -> list[str]:
-        lines = []
-        if self.choices:
-            lines.append("choices: " + ", ".join(f"{c} x{n}" for c, n in self.choices.items()))
-        for note, n in self.kinds.values():
-            lines.append(f"note: {note}" + (f" (and {n - 1} more like it)" if n > 1 else ""))
-        return lines
 
 
 def conversation(settings: ChatSettings, prompt: str) -> list[dict[str, str]]:

@@ -9,6 +9,15 @@ from typing import Any
 
 from specui.errors import SpecUIError
 
+# The names flags and the page offer, here (no torch) so the web server's process can list them
+# without importing the engine; the engine's and the loader's own tables are checked against
+# these (tests/test_web_process.py).
+METHOD_NAMES = ("auto", "autoregressive", "beam", "dsbd", "ems-sd", "lookup", "mcsd", "opt-tree", "specdec++",
+                "speculative", "tree")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "8bit", "4bit")
+CAPTURES = ("auto", "on", "off")
+
 
 @dataclass
 class ChatSettings:
@@ -180,3 +189,18 @@ def check_settings(
                                             for s in stops):
         raise SpecUIError(f"stop strings: at most {MAX_STOP_STRINGS}, each 1 to {MAX_STOP_CHARS} characters")
     return replace(settings, stop_strings=stops, **values)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to place it (plain data: the page's process reads it)."""
+
+    source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    quantization: str = "none"  # auto | none | int8 | int4 | 8bit | 4bit
+    trust_remote_code: bool = False
+    stand_in: str = ""  # "": the model itself; else a size of stand_in.SIZES: zero-padded to that model's cost
+
+    def with_source(self, source: str) -> ModelSpec:
+        return replace(self, source=source)

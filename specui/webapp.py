@@ -12,17 +12,20 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from specui.cli import load_from_args, settings_from_args
 from specui.errors import SpecUIError
-from specui.service.chat_service import ChatService
 from specui.service.fair import FairGate
-from specui.service.pair import ModelPair
 from specui.service.remote import RemoteService
 from specui.service.runner import MainThreadRunner, run_in_new_thread
 from specui.service.sharing import Access, Credentials, parse_credentials
 from specui.settings import RANGES
-from specui.weights.threads import ThreadChoice, choose_threads
+
+if TYPE_CHECKING:  # the engine's side: imported where the engine runs (this process only with --no-engine-process)
+    from specui.service.chat_service import ChatService
+    from specui.service.pair import ModelPair
+    from specui.weights.threads import ThreadChoice
 
 RESTART_WAIT_S = 30  # between tries to start a failed engine process again
 SHARED_THREADS = 100  # Gradio's worker threads on a shared app: every waiting turn holds one
@@ -73,6 +76,9 @@ def serve_pair(pair: ModelPair, local_browser: bool, requested: int = 0) -> tupl
     the engine is made: `--capture auto` reads the choice recorded for that count and compiles
     kernels for it (kernels built for every core would take the browser's too); long inputs get
     their own count. The app and the web UI bench both start this way."""
+    from specui.service.chat_service import ChatService
+    from specui.weights.threads import choose_threads
+
     threads = choose_threads(pair.target.model, local_browser=local_browser, requested=requested)
     service = ChatService(pair)
     service.use_long_threads(threads.long_threads)

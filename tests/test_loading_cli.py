@@ -80,7 +80,7 @@ def test_cli_sums_up_step_notes_after_the_reply(capsys, tiny_dirs, tmp_path):
 def test_step_notes_count_notes_that_differ_in_figures_only():
     from types import SimpleNamespace
 
-    from specui.cli import StepNotes
+    from specui.service.reports import StepNotes
     notes = StepNotes(live=False)
     for choice, note in [("speculative:2", "auto: speculative:2 (alpha 0.50: 1.9x)"),
                          ("speculative:2", "auto: speculative:2 (alpha 0.41: 1.3x)"),

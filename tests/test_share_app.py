@@ -6,7 +6,8 @@ Visitors chat within the limits and see nothing of the owner's disk; they cannot
 a session holds one running and two waiting requests; a visitor who drops mid-reply leaves
 the batch; under a flood of 16 requests from 8 clients a ninth client's short reply is not
 starved (its time against the idle app is printed); an admin user of the --auth file is the
-owner. Tiny random models (tests/share_flood.py), one torch thread (steady on a busy CPU)."""
+owner; after a load and a chat the web server's own process still holds no torch (the engine's
+process does). Tiny random models (tests/share_flood.py), one torch thread (steady on a busy CPU)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 from app_process import start_app, stop_app
 from share_flood import AUTH, client, flood, report, tiny_pair
 
+from specui.bench.cpu_usage import child_pids
 from specui.service.sharing import LOADING_OFF
 
 OWNER_AUTH = ("boss", "owner-pw")
@@ -165,3 +167,10 @@ def test_an_admin_user_of_the_auth_file_is_the_owner(shared):
                           api_name="/load_models")
     assert loaded["message"].startswith("loaded target") and loaded["role"] == "owner"
     assert client(shared["url"]).predict("w1", max_new_tokens=4, api_name="/chat")["reply"]  # visitors go on
+    if os.path.exists(f"/proc/{shared['proc'].pid}/maps"):  # Linux: which libraries each process mapped
+        def torch_in(pid: int) -> bool:
+            with open(f"/proc/{pid}/maps") as maps:
+                return "libtorch" in maps.read()
+
+        assert not torch_in(shared["proc"].pid)  # the web server: names and plain data only
+        assert any(torch_in(pid) for pid in child_pids(shared["proc"].pid))  # the engine's process

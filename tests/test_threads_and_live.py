@@ -149,8 +149,8 @@ def test_the_app_chooses_its_threads_before_it_makes_the_engine(tiny_dirs, monke
         raise Stop
 
     monkeypatch.setattr(webapp, "load_from_args", lambda args: load_pair(spec, spec.with_source(str(draft))))
-    monkeypatch.setattr(webapp, "choose_threads", choose)
-    monkeypatch.setattr(webapp, "ChatService", service)
+    monkeypatch.setattr("specui.weights.threads.choose_threads", choose)  # imported where the engine runs
+    monkeypatch.setattr("specui.service.chat_service.ChatService", service)
     before = torch.get_num_threads()
     try:
         with pytest.raises(Stop):

@@ -45,10 +45,10 @@ from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup
 from specui.errors import SpecUIError
+from specui.settings import CAPTURES
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WINDOW = 256  # attention windows are multiples of this many slots
-CAPTURES = ("auto", "on", "off")
 MODES = ("exact", "buckets", "graphs")
 
 

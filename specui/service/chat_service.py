@@ -18,6 +18,7 @@ from specui.chat import Message, build_prompt, fit_last_message
 from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, BatchLoop, Request, Started
+from specui.service.engine_process import INFO_FIELDS
 from specui.service.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.service.process_memory import release_freed_memory, rss_bytes
 from specui.service.reports import capture_line, options_report
@@ -51,11 +52,6 @@ def validate_settings(settings: ChatSettings, context_len: int | None = None) ->
 
 
 # what info() carries: the page's view of the loaded pair (specui.service.remote mirrors these)
-INFO_FIELDS = ("methods", "presets", "tree_presets", "quantizations", "dtypes", "stand_in_sizes", "device_label",
-               "target_label", "draft_label", "target_spec", "load_notes", "dtype_names", "capture_setting",
-               "context_len", "threads_note")
-
-
 class ChatService:
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair
@@ -235,6 +231,11 @@ class ChatService:
     def method_fields(method: str) -> set[str]:
         """The ChatSettings fields a method's constructor takes (what its settings panel shows)."""
         return set(method_params(ChatSettings(method=method)))
+
+    @property
+    def method_field_sets(self) -> dict[str, list[str]]:
+        """method_fields of every method, as plain data (the page's side reads these)."""
+        return {name: sorted(ChatService.method_fields(name)) for name in METHODS}
 
     @property
     def methods(self) -> list[str]:

@@ -30,6 +30,10 @@ from specui.service.batch_loop import DONE, Request, Started
 from specui.service.runner import MainThreadRunner, run_in_new_thread
 
 # what the app may ask of the engine's ChatService, and which of those run on the model thread
+# What the page reads of the engine's ChatService as plain data, sent once it loads a pair.
+INFO_FIELDS = ("methods", "presets", "tree_presets", "quantizations", "dtypes", "stand_in_sizes", "device_label",
+               "target_label", "draft_label", "target_spec", "load_notes", "dtype_names", "capture_setting",
+               "context_len", "threads_note", "method_field_sets")
 CALLS = frozenset({"memory_report", "cost_profile", "quantization_options", "doctor_report", "load", "info",
                    "capture_report", "compiles_quiet_s", "complete", "settle"})
 ON_MODEL_THREAD = frozenset({"load", "complete"})

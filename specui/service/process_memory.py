@@ -6,8 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-
-import torch
+import sys
 
 
 def rss_bytes(pid: int | str = "self") -> int | None:
@@ -26,7 +25,8 @@ def release_freed_memory() -> None:
     Without malloc_trim, glibc keeps the old weights' pages (measured: the app stayed ~500 MB
     above its starting RSS after one reload of the bundled pair; with it, back to the start)."""
     gc.collect()
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")  # no torch imported, no CUDA memory to give back (the web server's process)
+    if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
     with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)

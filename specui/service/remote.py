@@ -17,8 +17,7 @@ from typing import Any
 from specui.engine.trace import GenerationStats
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Request, Started
-from specui.service.chat_service import INFO_FIELDS, ChatService
-from specui.service.engine_process import EXIT_WAIT_S, engine_main, reply_ids
+from specui.service.engine_process import EXIT_WAIT_S, INFO_FIELDS, engine_main, reply_ids
 from specui.service.process_memory import rss_bytes
 
 CANCEL_POLL_S = 0.05  # how soon a Stop reaches the engine
@@ -269,4 +268,6 @@ class RemoteService:
     def settle(self) -> None:
         self._call("settle")
 
-    method_fields = staticmethod(ChatService.method_fields)
+    def method_fields(self, method: str) -> set[str]:
+        """ChatService.method_fields, from the engine's plain-data answer (this process has no engine)."""
+        return set(self.engine_process.info["method_field_sets"].get(method, ()))

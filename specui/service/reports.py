@@ -1,7 +1,11 @@
 """What the Model tab, the CLI and the API print about the loaded pair: how its forwards run
-(compiled, captured, compiling in the background) and its quantization options as measured."""
+(compiled, captured, compiling in the background) and its quantization options as measured;
+and what the CLI prints of a generation's step notes."""
 
 from __future__ import annotations
+
+import re
+import sys
 
 import torch
 
@@ -56,3 +60,33 @@ def options_report(pair: ModelPair, progress=None) -> tuple[str, list]:
     threads = torch.get_num_threads()
     return (f"Measured on {where}, {threads} thread{'s' if threads != 1 else ''}: one token, and four in one "
             f"forward, after {CONTEXT} cached tokens.{how}\n\n" + options_table(costs, with_draft)), costs
+
+
+class StepNotes:
+    """A generation's step notes (what a method chose, clamped, calibrated or fell back on) for
+    the terminal: live, each on its own line, or gathered and summed up once after the reply,
+    where notes that differ only in their figures count as one and auto's choices are counted."""
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.choices: dict[str, int] = {}
+        self.kinds: dict[str, list] = {}  # note with its figures masked -> [first such note, how many]
+
+    def add(self, step, mid_line: bool = False) -> None:
+        if step.choice:
+            self.choices[step.choice] = self.choices.get(step.choice, 0) + 1
+        for note in step.notes:
+            if self.live:
+                print(("\n" if mid_line else "") + f"note: {note}", file=sys.stderr, flush=True)
+                mid_line = False
+                continue
+            seen = self.kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", note), [note, 0])
+            seen[1] += 1
+
+    def summary(self) -> list[str]:
+        lines = []
+        if self.choices:
+            lines.append("choices: " + ", ".join(f"{c} x{n}" for c, n in self.choices.items()))
+        for note, n in self.kinds.values():
+            lines.append(f"note: {note}" + (f" (and {n - 1} more like it)" if n > 1 else ""))
+        return lines

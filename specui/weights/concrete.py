@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specui.engine.attention import use_measured_attention
 from specui.errors import SpecUIError
+from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
@@ -20,7 +21,6 @@ from specui.weights.sources import (
     BUNDLED,
     BUNDLED_GGUF,
     CPU_KERNELS,
-    QUANTIZATIONS,
     LoadedModel,
     ModelSpec,
     gguf_source,

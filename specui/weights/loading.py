@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from specui.settings import QUANTIZATIONS
 from specui.weights.concrete import Progress, load_concrete
 from specui.weights.quant_choice import choose_quantization
 from specui.weights.sources import (
@@ -15,7 +16,6 @@ from specui.weights.sources import (
     BUNDLED_GGUF,
     CPU_KERNELS,
     DTYPES,
-    QUANTIZATIONS,
     LoadedModel,
     ModelSpec,
     auto_candidates,

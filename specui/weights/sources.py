@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specui.errors import SpecUIError
+from specui.settings import DTYPE_NAMES, ModelSpec
 from specui.weights.gguf_blocks import BLOCK_BYTES
 from specui.weights.gguf_cache import GGUFSource, open_source
 
@@ -21,25 +22,9 @@ BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # int8 / int4: SpecUI's weight-only CPU kernels (specui.weights.quantize); 8bit / 4bit: bitsandbytes;
 # auto: for a GGUF of 4-bit blocks on a CPU, int4 or none as measured (specui.weights.quant_choice), else none
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "8bit", "4bit")
 CPU_KERNELS = ("int8", "int4")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where a model comes from and how to place it."""
-
-    source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str = "none"  # auto | none | int8 | int4 | 8bit | 4bit
-    trust_remote_code: bool = False
-    stand_in: str = ""  # "": the model itself; else a size of stand_in.SIZES: zero-padded to that model's cost
-
-    def with_source(self, source: str) -> ModelSpec:
-        return replace(self, source=source)
 
 
 @dataclass
