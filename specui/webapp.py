@@ -104,10 +104,10 @@ def _serve_engine_process(service: RemoteService) -> None:
     """The app's main thread while the engine runs in its own process: wait, and start the
     engine again (on the launch's models) if its process ends under the app."""
     while True:
-        service.engine_process.process.join(1.0)
-        if service.engine_process.process.is_alive():
+        code = service.engine_process.wait(1.0)
+        if code is None:
             continue
-        print(f"warning: the engine process ended (exit code {service.engine_process.process.exitcode}); "
+        print(f"warning: the engine process ended (exit code {code}); "
               "starting it again with the launch's models", file=sys.stderr, flush=True)
         try:
             service.restart()

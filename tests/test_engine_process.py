@@ -20,7 +20,7 @@ from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Started
 from specui.service.chat_service import INFO_FIELDS, ChatService
-from specui.service.engine_process import EXIT_WAIT_S, edit, portable
+from specui.service.engine_process import edit, portable
 from specui.service.pair import load_pair
 from specui.service.remote import RemoteService
 from specui.settings import ChatSettings
@@ -151,7 +151,7 @@ def test_an_engine_that_dies_is_reported_and_started_again(pair_dirs):
     service = RemoteService(partial(tiny_service, *pair_dirs))
     try:
         os.kill(service.engine_process.process.pid, signal.SIGKILL)
-        service.engine_process.process.join(30)
+        service.engine_process.wait(30)
         for _ in range(100):  # the reader hears the pipe close
             if service.engine_process.ended:
                 break
@@ -164,10 +164,9 @@ def test_an_engine_that_dies_is_reported_and_started_again(pair_dirs):
         _, items = collect(service, ChatSettings(method="autoregressive", max_new_tokens=4))
         assert items[-1] is DONE
         started = time.monotonic()
-        service.engine_process.close()  # asked to stop, it ends by itself and cleanly, before the app's wait
-        # runs out (a terminated process exits with -15); the bound is the wait, not a speed: on a 2-core
-        # machine busy with a browser test the interpreter's exit alone has taken several seconds
-        assert service.engine_process.process.exitcode == 0 and time.monotonic() - started < EXIT_WAIT_S
+        service.engine_process.close()  # asked to stop, it ends at once and cleanly
+        # (its exit code read once, by whichever thread waits: two waits at once lost it, as None, in 1 run of 7)
+        assert service.engine_process.process.exitcode == 0 and time.monotonic() - started < 5
     finally:
         service.engine_process.close()
 

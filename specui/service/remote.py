@@ -59,6 +59,7 @@ class EngineProcess:
         self.process.start()
         child.close()
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._reap = threading.RLock()  # held while waiting on the process (close() may end in _end: reentrant)
         self._ids = itertools.count()
         self._calls: dict[int, tuple[Future, Callable | None]] = {}
         self._replies: dict[int, _Reply] = {}
@@ -81,13 +82,22 @@ class EngineProcess:
     def close(self, wait: bool = True) -> None:
         """Ask the engine's process to end (it finishes the job under way), then make sure; without
         `wait` (it is still loading, or never loaded) at once."""
-        if wait and not self.ended and self.process.is_alive():
-            self._send(("stop",))
-            self.process.join(EXIT_WAIT_S + 1)
-        self._conn.close()
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
+        with self._reap:
+            if wait and not self.ended and self.process.is_alive():
+                self._send(("stop",))
+                self.process.join(EXIT_WAIT_S + 1)
+            self._conn.close()
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(5)
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to `timeout` seconds for the process to end: its exit code, None while it runs.
+        Every wait on the process takes this lock: two threads waiting at once race for its exit
+        status (the loser's waitpid finds no child and reads None, as a test run once showed)."""
+        with self._reap:
+            self.process.join(timeout)
+            return self.process.exitcode
 
     def call(self, name: str, *args: Any, progress: Callable | None = None) -> Any:
         """The engine's ChatService.`name`(*args[, progress]), answered (on the model thread
@@ -190,11 +200,14 @@ class EngineProcess:
 
     def _end(self) -> None:
         """The engine's process is gone: everyone waiting on it hears so."""
+        if self.ended:
+            return
+        mp_wait([self.process.sentinel], 1)
+        code = self.wait(0)  # before the lock: a close() under way holds the wait's lock and may send
         with self._lock:
             if self.ended:
                 return
-            mp_wait([self.process.sentinel], 1)
-            self.ended = (f"the engine process stopped (exit code {self.process.exitcode}); the app starts it "
+            self.ended = (f"the engine process stopped (exit code {code}); the app starts it "
                           "again with the models it was launched with")
             calls, self._calls = self._calls, {}
             replies, self._replies = self._replies, {}
