@@ -10,8 +10,8 @@ from typing import Any
 from specui.errors import SpecUIError
 
 # The names flags and the page offer, here (no torch) so the web server's process can list them
-# without importing the engine; the engine's and the loader's own tables are checked against
-# these (tests/test_web_process.py).
+# without importing the engine; the engine and the loader use these same tuples, and the
+# engine's method table is checked against METHOD_NAMES (tests/test_web_process.py).
 METHOD_NAMES = ("auto", "autoregressive", "beam", "dsbd", "ems-sd", "lookup", "mcsd", "opt-tree", "specdec++",
                 "speculative", "tree")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")

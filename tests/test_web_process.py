@@ -7,13 +7,14 @@ without."""
 import subprocess
 import sys
 
-from specui.engine.capture import CAPTURES as ENGINE_CAPTURES
+import torch
+
 from specui.engine.methods import METHODS
+from specui.errors import SpecUIError
 from specui.service.chat_service import ChatService
-from specui.service.engine_process import INFO_FIELDS
-from specui.settings import CAPTURES, DTYPE_NAMES, METHOD_NAMES, QUANTIZATIONS
+from specui.service.engine_process import INFO_FIELDS, portable
+from specui.settings import DTYPE_NAMES, METHOD_NAMES
 from specui.weights.loading import DTYPES
-from specui.weights.loading import QUANTIZATIONS as LOADER_QUANTIZATIONS
 
 
 def test_the_web_side_imports_no_torch():
@@ -27,7 +28,14 @@ def test_the_web_side_imports_no_torch():
 
 def test_the_names_the_page_offers_are_the_engines_and_the_loaders():
     assert set(METHOD_NAMES) == set(METHODS)
-    assert tuple(DTYPES) == DTYPE_NAMES and LOADER_QUANTIZATIONS == QUANTIZATIONS and ENGINE_CAPTURES == CAPTURES
+    assert all(isinstance(DTYPES[name], torch.dtype) for name in DTYPE_NAMES)  # each a real torch dtype
+
+
+def test_a_library_error_crosses_the_pipe_as_a_message():
+    """Unpickling a torch error's class would import torch into the web server's process."""
+    sent = portable(torch.OutOfMemoryError("CPU out of memory"))
+    assert type(sent) is SpecUIError and "OutOfMemoryError: CPU out of memory" in str(sent)
+    assert type(portable(ValueError("v"))) is ValueError
 
 
 def test_what_the_page_reads_of_the_engine_is_plain_data_the_service_has():

@@ -51,7 +51,6 @@ def validate_settings(settings: ChatSettings, context_len: int | None = None) ->
     return settings
 
 
-# what info() carries: the page's view of the loaded pair (specui.service.remote mirrors these)
 class ChatService:
     def __init__(self, pair: ModelPair) -> None:
         self.pair = pair

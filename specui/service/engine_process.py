@@ -29,11 +29,11 @@ from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, Request, Started
 from specui.service.runner import MainThreadRunner, run_in_new_thread
 
-# what the app may ask of the engine's ChatService, and which of those run on the model thread
 # What the page reads of the engine's ChatService as plain data, sent once it loads a pair.
 INFO_FIELDS = ("methods", "presets", "tree_presets", "quantizations", "dtypes", "stand_in_sizes", "device_label",
                "target_label", "draft_label", "target_spec", "load_notes", "dtype_names", "capture_setting",
                "context_len", "threads_note", "method_field_sets")
+# what the app may ask of the engine's ChatService, and which of those run on the model thread
 CALLS = frozenset({"memory_report", "cost_profile", "quantization_options", "doctor_report", "load", "info",
                    "capture_report", "compiles_quiet_s", "complete", "settle"})
 ON_MODEL_THREAD = frozenset({"load", "complete"})
@@ -41,9 +41,13 @@ EXIT_WAIT_S = 10.0  # how long the app waits for this process to end when asked
 
 
 def portable(error: BaseException) -> Exception:
-    """An error that crosses the pipe: itself where it pickles, else a SpecUIError saying it."""
+    """An error that crosses the pipe: a Python or SpecUI error itself where it pickles; any other
+    (a library's: torch's out-of-memory, dynamo's) a SpecUIError saying it, since unpickling its
+    class would import that library into the web server's process."""
     if isinstance(error, SpecUIError):
         return error
+    if type(error).__module__ != "builtins":
+        return SpecUIError(f"{type(error).__name__}: {error}")
     try:
         pickle.loads(pickle.dumps(error))
         return error if isinstance(error, Exception) else SpecUIError(str(error))

@@ -93,10 +93,13 @@ class EngineProcess:
 
     def wait(self, timeout: float) -> int | None:
         """Wait up to `timeout` seconds for the process to end: its exit code, None while it runs.
-        Every wait on the process takes this lock: two threads waiting at once race for its exit
-        status (the loser's waitpid finds no child and reads None, as a test run once showed)."""
+        Reaping it takes this lock: two threads reaping at once race for its exit status (the
+        loser's waitpid finds no child and reads None, as a test run once showed). The wait for
+        the end itself takes no lock, so a thread asking about a live process is never held up."""
+        if not mp_wait([self.process.sentinel], timeout):
+            return None
         with self._reap:
-            self.process.join(timeout)
+            self.process.join(EXIT_WAIT_S)  # it has ended (its sentinel said so): this reaps it
             return self.process.exitcode
 
     def call(self, name: str, *args: Any, progress: Callable | None = None) -> Any:
