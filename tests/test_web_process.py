@@ -44,3 +44,50 @@ def test_what_the_page_reads_of_the_engine_is_plain_data_the_service_has():
     assert set(sets) == set(METHODS)
     assert all(set(fields) == ChatService.method_fields(name) for name, fields in sets.items())
     assert set(sets["specdec++"]) == {"threshold", "gamma_max", "gamma"}
+
+
+def test_every_methods_step_traces_are_plain_data(tiny_engine):
+    """What crosses the pipe for each step: unpickling a trace that holds a tensor or a numpy
+    number would import torch (or numpy's scalars) into the web server's process."""
+    from specui.engine import GenerationRequest, SamplingConfig, make_method
+    from specui.service.chat_service import method_params
+    from specui.settings import ChatSettings
+
+    ran = []
+    for name in sorted(METHODS):
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)):
+            try:
+                method = make_method(name, **method_params(ChatSettings(method=name)))
+                generation = tiny_engine.generate(GenerationRequest(prompt_ids=[5, 6, 7, 8], max_new_tokens=6,
+                                                                    sampling=sampling), method)
+                steps = list(generation)
+            except SpecUIError:  # needs what the tiny pair lacks (an acceptance head, a batch)
+                continue
+            for step in steps:
+                assert not foreign_modules(step), (name, foreign_modules(step))
+            ran.append(name)
+    assert {"autoregressive", "speculative", "opt-tree", "dsbd", "beam", "mcsd", "lookup", "tree"} <= set(ran)
+
+
+def foreign_modules(obj) -> set[str]:
+    """The torch / numpy modules unpickling `obj` would import: the modules of the classes and
+    functions its pickle refers to (GLOBAL, or STACK_GLOBAL after its module and name strings)."""
+    import pickle
+    import pickletools
+
+    modules, strings = set(), []
+    for op, arg, _ in pickletools.genops(pickle.dumps(obj)):
+        if op.name == "GLOBAL":
+            modules.add(arg.split(" ")[0])
+        elif op.name == "STACK_GLOBAL":
+            modules.add(strings[-2])
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return {m for m in modules if m.split(".")[0] in ("torch", "numpy")}
+
+
+def test_the_plain_data_check_sees_a_tensor_or_a_numpy_number():
+    import numpy as np
+
+    assert foreign_modules({"p": np.float32(0.5)}) and foreign_modules([torch.ones(1)])
+    assert not foreign_modules({"p": 0.5, "text": "torch", "ids": [1, 2]})
