@@ -15,6 +15,8 @@ from specui.errors import SpecUIError
 METHOD_NAMES = ("auto", "autoregressive", "beam", "dsbd", "ems-sd", "lookup", "mcsd", "opt-tree", "specdec++",
                 "speculative", "tree")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+# int8 / int4: SpecUI's weight-only CPU kernels (specui.weights.quantize); 8bit / 4bit: bitsandbytes;
+# auto: for a GGUF of 4-bit blocks on a CPU, int4 or none as measured (specui.weights.quant_choice), else none
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "8bit", "4bit")
 CAPTURES = ("auto", "on", "off")
 

@@ -104,7 +104,7 @@ class Row:
         """The share of the decoding time (after the prefills) spent outside the models'
         forwards: our own Python per step (our methods on a CPU only)."""
         samples = [s for s in self.all_samples if s.forward_s is not None]
-        return outside_share(sum(s.forward_s for s in samples), sum(s.decode_s for s in samples))  # none: None
+        return outside_share(sum(s.forward_s for s in samples), sum(s.decode_s for s in samples))  # no samples: None
 
     @property
     def joules_per_token(self) -> float | None:

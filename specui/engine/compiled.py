@@ -14,8 +14,8 @@ another model object), so those guards are dropped here (torch's own
   model of the same class never runs another model's graphs nor inherits its dynamic sizes.
 - hooks: not guarded before either (dynamo's `skip_nnmodule_hook_guards`): a forward that reads
   hidden states through hooks runs eagerly (engine/capture.py, mode "exact").
-- a compile the dropped guards break (dynamo left without a source for a size it made dynamic)
-  gives way, for that model, to a compile with every guard (`GuardedFallback`).
+- a compile the dropped guards still break (dynamo left without a source for a size it made
+  dynamic) gives way, for that model, to a compile with every guard (`GuardedFallback`).
 Parameters are still read from the model at each call (dynamo lifts them into graph inputs), so
 its weights are the model's own. Measured (same EPYC, bundled target, int4, 100 tokens after
 160 cached): 12.4-12.8 ms a token before, 10.5-11.0 after; the lookup 1.7 ms -> 0.2-0.4 ms.
@@ -52,8 +52,9 @@ def compile_model(model: torch.nn.Module):
 class GuardedFallback:
     """The unguarded compile until a call of it fails, then torch.compile with every guard.
     Dropping the module guards can leave dynamo without a source for a size it made dynamic
-    ("sources must not be empty for symbol ...", seen here when a model's attention settings
-    changed between compiles): that compile fails where the guarded one works. A call that fails
+    ("sources must not be empty for symbol ...": seen in CI while every model shared one record
+    of dynamic sizes, which `_own_code` now keeps apart; this stays for any other such case), and
+    that compile fails where the guarded one works. A call that fails
     in dynamo (not in a kernel: out of memory stays the caller's) is run again once on the guarded
     compile (it writes the same cache slots); a recompile that the "fail_on_recompile" stance
     refuses is not a failure and passes through."""

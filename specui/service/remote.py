@@ -205,8 +205,7 @@ class EngineProcess:
         """The engine's process is gone: everyone waiting on it hears so."""
         if self.ended:
             return
-        mp_wait([self.process.sentinel], 1)
-        code = self.wait(0)  # before the lock: a close() under way holds the wait's lock and may send
+        code = self.wait(1)  # before the lock: a close() under way holds the wait's lock and may send
         with self._lock:
             if self.ended:
                 return

