@@ -93,3 +93,30 @@ def test_a_failing_unguarded_compile_gives_way_to_the_guarded_one(monkeypatch):
     wrapper(input_ids=None)
     wrapper(input_ids=None)
     assert calls == ["fast", "fast", "guarded", "guarded"]
+
+
+def test_every_engine_on_a_model_runs_its_one_compile():
+    """Made once per model: a second session (a bench row, a Compare tab) compiles nothing new and
+    reads its own cache; a deep copy (another dtype) compiles its own."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from specui.engine.session import ModelSession
+
+    model = tiny_llama(10, layers=1, dtype=torch.float32)
+    assert compile_model(model) is compile_model(model)
+    replies = []
+    before = None
+    for _ in range(2):
+        session = ModelSession(model, capture="on")
+        ids = torch.tensor([3, 9, 4, 17, 5])
+        with torch.inference_mode():
+            first = session.runner.run(ids, None, None)
+            replies.append(first.argmax(-1).tolist())
+        if before is None:
+            before = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == before  # the second session compiled nothing
+    assert session.runner.compiled_runs >= 1 and replies[0] == replies[1]
+    twin = copy.deepcopy(model)
+    assert compile_model(twin) is not compile_model(model)
