@@ -234,3 +234,20 @@ def test_a_long_forward_is_timed_fewer_times():
     assert median_ms(slow, torch.device("cpu"), 3, warm_up=False) < 60 and len(calls) == 3  # the median drops it
     calls.clear()
     assert median_ms(slow, torch.device("cpu"), 3) < 60 and len(calls) == 4  # a warm-up and three timed calls
+
+
+def test_reading_a_profile_twice_gives_the_same_figures_and_saves_nothing_extra():
+    """target() and draft() remember what they read (auto asks dozens a step); the figures
+    equal a fresh profile's, and what is saved is the measured figures alone."""
+    from specui.engine.profile import CostProfile
+
+    d = {"key": "k", "version": 3, "target_ms": {"64": {"1": 10.0, "4": 12.0, "16": 20.0},
+                                                  "512": {"1": 11.0, "4": 13.5, "16": 22.0}},
+         "draft_ms": {"1": 1.0, "8": 1.6}, "draft_context_ms": {"64": 1.0, "512": 1.2}}
+    read, fresh = CostProfile.from_dict(d), CostProfile.from_dict(d)
+    asks = [(k, c) for k in (1, 2, 5, 16, 40) for c in (10, 64, 300, 512, 900)]
+    first = [(read.target(k, c), read.draft(k, c), read.draft(k)) for k, c in asks]
+    assert [(read.target(k, c), read.draft(k, c), read.draft(k)) for k, c in asks] == first
+    assert first == [(CostProfile.from_dict(d).target(k, c), CostProfile.from_dict(d).draft(k, c),
+                      CostProfile.from_dict(d).draft(k)) for k, c in asks]
+    assert read.to_dict() == fresh.to_dict() and read == fresh
