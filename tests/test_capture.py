@@ -197,6 +197,8 @@ def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerl
         return fn
 
     monkeypatch.setattr(torch, "compile", broken)
+    # the same weights in new model objects (a model keeps its one compile: these must make theirs)
+    target, draft = (tiny_llama(0, layers=2, dtype=torch.float32), tiny_llama(1, layers=1, dtype=torch.float32))
     failing = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
     assert run(failing, PROMPTS[1], 16, "speculative", gamma=2).output_ids == run(off, PROMPTS[1], 16,
                                                                                   "autoregressive").output_ids

@@ -77,3 +77,28 @@ def test_compiled_forwards_attend_as_the_record_says_and_eager_ones_as_loaded(tm
     assert seen and set(seen) == {"_sdpa"}
     for got, want in zip(compiled, plain, strict=True):
         assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_compiled_sdpa_and_grouped_attention_are_compiles_of_their_own(monkeypatch):
+    """The attention's routing is read through the modules' config, which no guard of a compile
+    without module guards sees: a model's compile is shared by every engine on it, so grouped
+    attention must be a compile of its own, or the measurement of it (and an engine with it)
+    would replay the SDPA graph traced first."""
+    from specui.engine import attention
+    from specui.engine.session import ModelSession
+
+    model = tiny_llama(3, layers=1, dtype=torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    monkeypatch.setattr(attention, "measure_attention", lambda *a: (torch.float32, 0, "attention: float32, SDPA"))
+    attention.use_measured_attention(model)
+    seen: list[str] = []
+    for name in ("_grouped", "_sdpa"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, real=real, name=name: seen.append(name) or real(*a))
+    ids = [1, 5, 9, 13, 7, 21]
+    ModelSession(model, capture="on").advance(ids, need=2)
+    assert seen and set(seen) == {"_sdpa"}
+    seen.clear()
+    grouped = ModelSession(model, capture="on", grouped=capture_choice.GROUPED)
+    grouped.advance(ids, need=2)
+    assert "_grouped" in seen and grouped.runner.compiled_runs > 0

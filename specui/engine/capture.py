@@ -130,8 +130,9 @@ class StaticForward:
         self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.failed: dict[tuple[int, int], str] = {}
-        self.fn = compile_model(model) if compiled else model  # what the padded shapes run
         self.grouped = (routed_attention(model), grouped) if compiled and grouped else None
+        # what the padded shapes run; the attention's routing is traced, not guarded: its own compile
+        self.fn = compile_model(model, grouped if self.grouped else None) if compiled else model
         self.compile_problem = ""
         self._generation = cache.generation
         self.clock = ForwardClock(cache.device)  # time inside the forwards (the session reads it)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.attention import grouped_attention, routed_attention
+from specui.engine.attention import routed_attention
 from specui.engine.measure import cache_root, cpu_signature, model_identity
 from specui.engine.session import ModelSession
 
@@ -71,10 +71,10 @@ def cached_attention(model: PreTrainedModel, path: Path | None = None) -> int | 
     return cached(model, path)[1]
 
 
-def token_ms(model: PreTrainedModel, capture: str) -> tuple[float, float]:
+def token_ms(model: PreTrainedModel, capture: str, grouped: int | None = None) -> tuple[float, float]:
     """(ms per token, seconds the first forwards took: the compile) decoding TOKENS tokens one
-    at a time after CONTEXT, best of ROUNDS."""
-    session = ModelSession(model, capture=capture)
+    at a time after CONTEXT, best of ROUNDS; `grouped`: compiled with grouped attention."""
+    session = ModelSession(model, capture=capture, grouped=grouped)
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(CONTEXT)]
     with torch.inference_mode():
@@ -104,9 +104,8 @@ def measure(model: PreTrainedModel, path: Path | None = None) -> dict:
     compiled, first = token_ms(model, "on")
     ms = {"off": round(eager, 2), "on": round(compiled, 2)}
     attention = "as loaded"
-    if configs := routed_attention(model):
-        with grouped_attention(configs, GROUPED):
-            grouped, grouped_first = token_ms(model, "on")
+    if routed_attention(model):
+        grouped, grouped_first = token_ms(model, "on", GROUPED)  # a compile of its own (compile_model's variant)
         ms["on+grouped"] = round(grouped, 2)
         if grouped <= MARGIN * compiled:
             attention, compiled, first = "grouped", grouped, grouped_first

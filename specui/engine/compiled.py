@@ -35,22 +35,25 @@ COMPILED = "_specui_compiled"  # where a model keeps its compiled callable
 RECOMPILES = 64  # torch.compile's recompiles per code object (a few shapes each; size 1 is its own)
 
 
-def compile_model(model: torch.nn.Module):
+def compile_model(model: torch.nn.Module, variant: object = None):
     """The model's compiled callable, with the model's call signature: its own code object (so
     its own graph cache) and no guards on its modules, or, once that fails, one with dynamo's
-    guards (`GuardedFallback`). Made once per model and kept on it, so every engine on the model
-    (a bench row each, a Compare tab's, the app's after a settings change) runs the same graphs:
-    the caches they pass are inputs, not constants (a Warmup compiles on a scratch cache for
-    the real one). With a compile per engine the prepared GPU run's bundled section ran past its
-    budget on an H100 (2026-11-27), and its CPU dry run took 383 s against 120 s now (2-core
-    Xeon, one run each). The recompile limit is raised
-    once so a few shapes do not exhaust it (the default 8 would leave the rest silently eager)."""
-    owner, made = model.__dict__.get(COMPILED, (None, None))
-    if owner == id(model):  # a deep copy of the model (another dtype) carries its source's: not its own
-        return made
-    made = _compile(model)
-    model.__dict__[COMPILED] = (id(model), made)  # not a submodule or buffer: state_dict and .to() skip it
-    return made
+    guards (`GuardedFallback`). Made once per model and `variant` and kept on the model, so every
+    engine on it (a bench row each, a Compare tab's, the app's after a settings change) runs the
+    same graphs: the caches they pass are inputs, not constants (a Warmup compiles on a scratch
+    cache for the real one). `variant` names whatever else the trace reads that no guard sees
+    (the attention's routing, read through the modules' config: engine/attention.py): each
+    variant is a compile of its own. With a compile per engine the prepared GPU run's bundled
+    section ran past its budget on an H100 (2026-11-27), and its CPU dry run took 383 s against
+    120 s now (2-core Xeon, one run each). The recompile limit is raised once so a few shapes do
+    not exhaust it (the default 8 would leave the rest silently eager)."""
+    owner, made = model.__dict__.get(COMPILED, (None, {}))
+    if owner != id(model):  # a deep copy of the model (another dtype) carries its source's: not its own
+        made = {}
+        model.__dict__[COMPILED] = (id(model), made)  # not a submodule or buffer: state_dict and .to() skip it
+    if variant not in made:
+        made[variant] = _compile(model)
+    return made[variant]
 
 
 def _compile(model: torch.nn.Module):
