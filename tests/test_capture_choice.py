@@ -102,3 +102,17 @@ def test_compiled_sdpa_and_grouped_attention_are_compiles_of_their_own(monkeypat
     grouped = ModelSession(model, capture="on", grouped=capture_choice.GROUPED)
     grouped.advance(ids, need=2)
     assert "_grouped" in seen and grouped.runner.compiled_runs > 0
+
+
+def test_a_models_key_ignores_the_attention_settings_a_forward_sets_for_itself():
+    """A compiled forward with grouped attention sets the limit on the config while it runs (on
+    a Warmup thread too): an engine made meanwhile must still find this machine's record."""
+    from specui.engine.attention import CACHE_KEY, GROUPED_KEY
+
+    model = tiny_llama(4, layers=1, dtype=torch.float32)
+    before = capture_choice.choice_key(model)
+    setattr(model.config, GROUPED_KEY, capture_choice.GROUPED)
+    setattr(model.config, CACHE_KEY, "bfloat16")
+    assert capture_choice.choice_key(model) == before
+    model.config.num_attention_heads *= 2  # the model itself still counts
+    assert capture_choice.choice_key(model) != before

@@ -6,12 +6,14 @@ model's files or config), and the time of one forward as the engine runs it (for
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 from pathlib import Path
 
 import torch
 
+from specui.engine.attention import CACHE_KEY, GROUPED_KEY
 from specui.engine.paths import cache_root  # noqa: F401 - where the rest of SpecUI reads it
 from specui.engine.session import ModelSession
 from specui.engine.timing import median_ms
@@ -56,7 +58,12 @@ def cpu_signature() -> str:
 
 
 def model_identity(model: torch.nn.Module) -> str:
-    """Files (path, size, mtime) where the model came from a folder; else its config."""
+    """Files (path, size, mtime) where the model came from a folder; else its config; and its
+    config, without the attention's settings (engine/attention.py): the KV cache dtype the load
+    measured, and the grouped-attention limit a compiled forward sets while it runs. With the
+    limit in the key, an engine made while another engine's background compile ran (limit set)
+    missed this machine's capture record and decoded eagerly (2-core Xeon: 21-24 tok/s against
+    38-46 compiled; the suite bench once llama.cpp's rows made an engine first)."""
     path = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
     parts = [str(path)]
     if path and os.path.isdir(path):
@@ -68,7 +75,13 @@ def model_identity(model: torch.nn.Module) -> str:
         st = os.stat(path)
         parts.append(f"{st.st_size}:{int(st.st_mtime)}")
     cfg = getattr(model, "config", None)
-    parts.append(cfg.to_json_string(use_diff=False) if cfg is not None else type(model).__name__)
+    if cfg is None:
+        parts.append(type(model).__name__)
+    else:  # what the load measured and a forward sets for itself is not the model: a key must not move with it
+        described = json.loads(cfg.to_json_string(use_diff=False))
+        for key in (CACHE_KEY, GROUPED_KEY):
+            described.pop(key, None)
+        parts.append(json.dumps(described, sort_keys=True))
     return "|".join(parts)
 
 
