@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from specui.engine.attention import routed_attention
 from specui.engine.measure import cache_root, cpu_signature, model_identity
 from specui.engine.session import ModelSession
+from specui.engine.timing import fastest_in_turns
 
 MARGIN = 0.95  # compiled must be at least 5% faster to be chosen (and grouped attention than SDPA)
 CONTEXT, TOKENS, ROUNDS = 48, 24, 3
@@ -110,10 +111,7 @@ def measure(model: PreTrainedModel, path: Path | None = None) -> dict:
     kinds = {"off": round_timer(model, "off"), "on": round_timer(model, "on")}
     if routed_attention(model):
         kinds["on+grouped"] = round_timer(model, "on", GROUPED)
-    best = dict.fromkeys(kinds, float("inf"))
-    for _ in range(ROUNDS):
-        for kind, (one_round, _) in kinds.items():
-            best[kind] = min(best[kind], one_round())
+    best = fastest_in_turns({kind: one_round for kind, (one_round, _) in kinds.items()}, ROUNDS)
     ms = {kind: round(value, 2) for kind, value in best.items()}
     eager, compiled, first = best["off"], best["on"], kinds["on"][1]
     attention = "as loaded"

@@ -31,7 +31,7 @@ import torch
 
 from specui.engine.warmup import RECOMPILE, compile_cache_dir
 
-COMPILED = "_specui_compiled"  # where a model keeps its compiled callable
+COMPILED = "_specui_compiled"  # where a model keeps its compiled callables (its id, {variant: callable})
 RECOMPILES = 64  # torch.compile's recompiles per code object (a few shapes each; size 1 is its own)
 
 

@@ -58,8 +58,8 @@ def cpu_signature() -> str:
 
 
 def model_identity(model: torch.nn.Module) -> str:
-    """Files (path, size, mtime) where the model came from a folder; else its config; and its
-    config, without the attention's settings (engine/attention.py): the KV cache dtype the load
+    """Its path, its files' sizes and mtimes (a folder's, or the one file's), and its config
+    without the attention's settings (engine/attention.py): the KV cache dtype the load
     measured, and the grouped-attention limit a compiled forward sets while it runs. With the
     limit in the key, an engine made while another engine's background compile ran (limit set)
     missed this machine's capture record and decoded eagerly (2-core Xeon: 21-24 tok/s against

@@ -37,6 +37,17 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm
     return statistics.median(times)
 
 
+def fastest_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each timer's fastest of `rounds` results, the timers taking turns round by round: a
+    machine warming up or a neighbour's burst then slows every kind, not one (noise on a shared
+    machine only ever slows a run down)."""
+    best = dict.fromkeys(timers, float("inf"))
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            best[name] = min(best[name], float(timer()))
+    return best
+
+
 class ForwardClock:
     """Seconds spent inside a model's own forward calls (the time a step's Python, masks,
     sampling and bookkeeping are measured against). CPU only: on a GPU a forward returns once

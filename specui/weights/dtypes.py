@@ -12,12 +12,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from specui.engine.measure import cache_root, cpu_signature, forward_ms, model_identity
 from specui.engine.session import ModelSession
+from specui.engine.timing import fastest_in_turns
 
 CANDIDATES = (torch.float32, torch.bfloat16)
 MARGIN = 0.95  # bfloat16 rounds more: it must be at least 5% faster to be chosen
@@ -98,10 +100,7 @@ def choose_dtype(
     if (hit := _cached_choice(cache.get(key))) is not None:
         return hit
     models = {dtype_name(d): variants(d) for d in CANDIDATES}
-    ms: dict[str, float] = {}
-    for _ in range(ROUNDS):  # interleaved: a machine warming up or a neighbour's burst hits both
-        for name, model in models.items():
-            ms[name] = min(ms.get(name, float("inf")), float(timer(model)))
+    ms = fastest_in_turns({name: partial(timer, model) for name, model in models.items()}, ROUNDS)
     del models
     choice = DtypeChoice(decide(ms), ms)
     cache[key] = {"dtype": dtype_name(choice.dtype), "ms": ms, "measured": measured_stamp()}
