@@ -18,6 +18,8 @@ from specui.errors import SpecUIError
 from specui.service.sharing import add_web_flags
 from specui.settings import CAPTURES, DTYPE_NAMES, METHOD_NAMES, QUANTIZATIONS, ChatSettings, PairChoice
 
+MIN_CONTEXT = 64  # --context: the least window that holds a chat template, a short prompt and a reply
+
 if TYPE_CHECKING:  # the parser and the settings import no torch: the web server's process reads them
     from specui.service.chat_service import ChatService
     from specui.service.pair import ModelPair
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static caches and captured forwards: auto (CUDA graphs on a GPU; eager on a CPU, where "
                         "nothing captured measures faster yet), on (a CPU runs the static padded shapes), off "
                         "(the growing cache, eager)")
+    m.add_argument("--context", type=int, default=0, metavar="TOKENS",
+                   help="cap the context window at this many tokens (0: the target's own): a smaller window holds "
+                        "less KV cache, and a longer chat keeps its first and last turns")
     m.add_argument("--stand-in", default="", metavar="SIZE",
                    help="measure at a bigger model's cost: the target zero-padded to 360m / 1.7b / 7b (its own "
                         "function, that size's parameters and bytes per token; not a better model)")
@@ -168,6 +173,9 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     target, draft = specs_from_args(args)
     settings = settings_from_args(args)
     settings = validate_settings(settings)  # cheap checks first: no one waits for a model load to hear "bad gamma"
+    if args.context and args.context < MIN_CONTEXT:
+        raise SpecUIError(f"--context must be 0 (the target's own window) or at least {MIN_CONTEXT} tokens, "
+                          f"not {args.context}")
     if draft is None and METHODS[settings.method].uses_draft and not METHODS[settings.method].draft_optional:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     progress = print_progress if target.stand_in else None  # a stand-in takes a while to build
@@ -175,7 +183,7 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
                      speculate=METHODS[settings.method].uses_draft)
     if progress:
         progress(1.0, f"target: stand-in {target.stand_in} ready")
-    pair.capture = args.capture
+    pair.capture, pair.context = args.capture, args.context
     if settings.method == "specdec++" and pair.head.head is None:
         raise SpecUIError(f"specdec++ needs an acceptance head: {pair.head.problem}")
     for note in pair.notes:

@@ -34,7 +34,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    proc, url = start_app(tmp_path_factory.mktemp("app") / "app.log")
+    # a 1,024-token window: the long paste below is cut to it (the model's 8,192 would prefill for minutes)
+    proc, url = start_app(tmp_path_factory.mktemp("app") / "app.log", "--context", "1024")
     yield url
     stop_app(proc)
 

@@ -87,5 +87,31 @@ def test_the_bundled_gguf_converted_loads_the_same_weights_and_tokenizer(bundled
     assert tok(text)["input_ids"] == tok_direct(text)["input_ids"] and tok.eos_token_id == tok_direct.eos_token_id
     four = source.four_bit(converted)
     assert len(four) == 210  # matched to their modules when converted
-    manifest.write_text("{damaged")
-    assert open_source(path).folder == source.folder and manifest.stat().st_mtime_ns != stamp  # rebuilt
+
+
+def test_a_damaged_folder_is_built_again(tmp_path, monkeypatch):
+    """A damaged manifest: the folder goes and is converted again (here by a stand-in for the
+    45 s conversion, which the bundled test above runs for real, in a cache of the test's own)."""
+    import json
+
+    from specui.weights import gguf_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _small_gguf(tmp_path / "m.gguf")
+    folder = folder_for(path)
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text("{damaged")
+    (folder / "stale.safetensors").write_text("")
+    calls = []
+
+    def convert(source, reader, into, trust_remote_code):
+        calls.append(sorted(p.name for p in into.glob("*")) if into.exists() else None)
+        into.mkdir(parents=True)
+        (into / MANIFEST).write_text(json.dumps({"source": str(source), "types": {"Q4_1": 1},
+                                                 "format": gguf_cache.FORMAT}))
+
+    monkeypatch.setattr(gguf_cache, "_convert", convert)
+    source = open_source(path)
+    assert calls == [None]  # the damaged folder was removed whole, then built again
+    assert source.folder == folder and source.types == {"Q4_1": 1} and not source.problem
+    assert open_source(path).folder == folder and len(calls) == 1  # a sound folder is read, not rebuilt

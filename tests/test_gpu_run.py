@@ -52,7 +52,7 @@ def test_dry_run_writes_every_section_with_capture_and_stand_in(tiny_dirs, tmp_p
     monkeypatch.setitem(stand_in.SIZES, "tiny", RealModel("tiny-big", 400_000, 64, 128, 4, 8, 4))
     target, draft, _ = tiny_dirs
     assert gpu.main(["--out", str(tmp_path), "--dry-run", "--target", str(target), "--draft", str(draft),
-                     "--stand-ins", "tiny", "--bitsandbytes", "", "--max-new-tokens", "4"]) == 0
+                     "--stand-ins", "tiny", "--bitsandbytes", "", "--max-new-tokens", "4", "--limit", "1"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["meta"]["dry_run"] and results["meta"]["device"] == "cpu (dry run)"
     names = [s["name"] for s in results["sections"]]
@@ -86,7 +86,7 @@ def test_isolated_sections_run_in_processes_of_their_own(tiny_dirs, tmp_path):
     target, draft, _ = tiny_dirs
     assert gpu.main(["--out", str(tmp_path), "--dry-run", "--isolate", "yes", "--only", "equality",
                      "--target", str(target), "--draft", str(draft), "--stand-ins", "", "--bitsandbytes", "",
-                     "--max-new-tokens", "4"]) == 0
+                     "--max-new-tokens", "4", "--limit", "1"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert [s["name"] for s in results["sections"]] == [
         "equality (float32, captured vs autoregressive capture off)"]

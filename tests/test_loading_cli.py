@@ -101,6 +101,8 @@ BAD = [
     (["--top-p", "0"], "top-p"),
     (["--gamma", "0"], "gamma"),
     (["--max-new-tokens", "0"], "max new tokens"),
+    (["--context", "8"], "--context must be 0"),
+    (["--context", "-1"], "--context must be 0"),
     (["--quantization", "4bit", "--device", "cuda"], "no CUDA GPU"),
 ]
 
@@ -153,6 +155,18 @@ def test_engine_refuses_prompt_at_context_length(tiny_target):
     # a prompt that fits gets max_new_tokens clamped to the room left
     gen = engine.generate(GenerationRequest([1] * 250, 50), make_method("autoregressive"))
     assert gen.request.max_new_tokens == 6
+
+
+def test_context_flag_caps_the_window_never_widens_it(capsys, tiny_dirs, tiny_target):
+    target, draft, _ = tiny_dirs
+    prompt = " ".join(["w3"] * 120)  # fits the tiny model's 256 positions, not a 100-token window
+    argv = ["--cli", "--target", str(target), "--draft", str(draft), "--max-new-tokens", "4", "--prompt", prompt]
+    code, _, err = cli(capsys, *argv, "--context", "100")
+    assert code == 2 and "the 96 tokens the context window leaves" in err.strip().splitlines()[-1]  # 100 - 4 new
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    assert Engine(tiny_target, None, context_len=100).context_len == 100
+    assert Engine(tiny_target, None, context_len=100_000).context_len == 256  # the model's own is the most
 
 
 @pytest.mark.parametrize("quantization", ["4bit", "8bit", "int8"])

@@ -59,7 +59,8 @@ class Engine:
                 self.draft.decision_problem = decision.problem
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
-        self.context_len = context_len or _context_len(target)
+        # a smaller window (--context) bounds the cache and truncates long chats earlier; never a larger one
+        self.context_len = min(context_len or _context_len(target), _context_len(target))
         self.lock = threading.Lock()  # one generation at a time on these sessions
         for runner in self._runners():  # a background compile waits while a reply decodes
             if runner.warmup is not None:

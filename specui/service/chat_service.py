@@ -87,7 +87,7 @@ class ChatService:
         pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))
                          if progress else None, head=choice.head, decision=choice.decision,
                          progress=(lambda f, what: progress(0.1 + 0.5 * f, what)) if progress else None)
-        pair.capture = choice.capture
+        pair.capture, pair.context = choice.capture, self.pair.context  # --context is the app's: kept across loads
         engine = pair.engine()
         self._hook_long_threads(pair)
         if progress:

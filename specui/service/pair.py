@@ -153,6 +153,7 @@ class ModelPair:
     head: HeadChoice = field(default_factory=HeadChoice)
     decision: DecisionModels = field(default_factory=DecisionModels)
     capture: str = "auto"  # the engines' forwards: auto / on / off (specui.engine.capture)
+    context: int = 0  # the engines' context window in tokens, at most the target's own (0: the target's own)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -167,7 +168,7 @@ class ModelPair:
             eos_ids=stop_token_ids(t.tokenizer, t.model.generation_config),
             quantization=t.spec.quantization, acceptance_head=self.head.head, head_config=self.head.config,
             head_problem=self.head.problem, decision=self.decision,
-            capture=self.capture if capture is None else capture,
+            capture=self.capture if capture is None else capture, context_len=self.context or None,
         )
 
 
