@@ -176,6 +176,26 @@ def test_bundled_pair_float32_capture_on_equals_autoregressive(bundled_pair):
         assert run(engine, prompt, 24, name, **params).output_ids == reference, name
 
 
+ROWS = [("beam", {"width": 3}), ("dsbd", {"width": 2, "gamma": 3}),
+        ("dsbd", {"width": 3, "gamma": 2, "width_threshold": 0.5})]
+
+
+@pytest.mark.parametrize("name,params", ROWS)
+def test_beam_rows_on_static_caches_equal_growing_ones(pair, name, params):
+    """Beam search and DSBD keep their rows in static caches when the sessions capture (rows
+    moved, copied, dropped and added by StaticKVCache.keep_rows): the same replies."""
+    target, draft = pair
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    static(on, "buckets")
+    for prompt in PROMPTS:
+        method = make_method(name, **params)
+        assert run(off, prompt, 30, name, **params).output_ids == on.generate(
+            GenerationRequest(list(prompt), 30), method).run().output_ids
+        rows = method.rows if name == "beam" else method.target
+        assert isinstance(rows.cache, StaticKVCache) and rows.cache.rows == len(rows.pending) > 1
+
+
 def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerly(pair, monkeypatch):
     """`capture="on"` runs the padded shapes through torch.compile (float32 here: equal replies);
     a compiler that fails leaves the model eager, with a note."""
@@ -188,6 +208,12 @@ def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerl
     for name, params in [("autoregressive", {}), ("speculative", {"gamma": 3}), ("opt-tree", {})]:
         assert run(on, PROMPTS[0], 24, name, **params).output_ids == run(off, PROMPTS[0], 24,
                                                                          "autoregressive").output_ids
+    for name, params in ROWS[:1]:  # beams' rows run compiled too, at padded widths (DSBD's: the same code)
+        method = make_method(name, **params)
+        got = on.generate(GenerationRequest(list(PROMPTS[0]), 16), method).run().output_ids
+        assert got == run(off, PROMPTS[0], 16, name, **params).output_ids
+        rows = method.rows if name == "beam" else method.target
+        assert rows.compiled or rows.compile_problem  # a machine without a C++ compiler says why
     runner = on.target.runner  # a machine without a C++ compiler falls back, and says so
     assert runner.compiled and not runner.notes or runner.notes[0].startswith("not compiled: ")
 

@@ -16,9 +16,11 @@ import torch
 from conftest import EOS, TinyTokenizer, tiny_llama
 
 from specui.engine import Engine, GenerationRequest, make_method
+from specui.engine.capture import StaticForward
 from specui.engine.methods.dsbd import acceptance_count_probs, dynamic_width, verify_layer
 from specui.engine.rows import RowSession
 from specui.engine.sampling import SamplingConfig, residual
+from specui.engine.static_cache import StaticKVCache
 from specui.errors import SpecUIError
 
 PROMPTS = [[1, 5, 9, 13, 7], [1, 40, 41, 3], [1, 17, 22, 22, 9, 60, 33, 12]]
@@ -29,9 +31,20 @@ def last_logits(model, ids):
 
 
 # --- RowSession -------------------------------------------------------------------------------
-def test_a_commit_that_keeps_some_rows_in_place_moves_only_the_others(tiny_target):
+def rows_runner(model, kind):
+    """What a RowSession runs on: None (a growing cache) or a static one's StaticForward, not compiled."""
+    if kind is None:
+        return None
+    return StaticForward(model, StaticKVCache(model.config, 64, torch.device("cpu"), model.dtype), "buckets")
+
+
+CACHES = [None, "static"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_commit_that_keeps_some_rows_in_place_moves_only_the_others(tiny_target, cache):
     prefix = [1, 5, 9, 13]
-    rows = RowSession(tiny_target)
+    rows = RowSession(tiny_target, runner=rows_runner(tiny_target, cache))
     rows.prefill(prefix)
     rows.commit([(0, []), (0, []), (0, [])])
     rows.forward([[(7, -1)], [(8, -1)], [(9, -1)]])
@@ -43,11 +56,21 @@ def test_a_commit_that_keeps_some_rows_in_place_moves_only_the_others(tiny_targe
         fresh.prefill(prefix + beam)
         for (k, v), (fk, fv) in zip(rows.kv(), fresh.kv()):
             assert torch.allclose(k[r], fk[0], atol=1e-10) and torch.allclose(v[r], fv[0], atol=1e-10)
+    rows.forward([[(3, -1)], [(4, -1)], [(6, -1)]])
+    rows.commit([(2, [0]), (0, [0])])  # fewer rows (dynamic width), then more again
+    rows.forward([[(2, -1)], [(8, -1)]])
+    rows.commit([(1, [0]), (0, [0]), (0, [0]), (1, [0])])
+    for r, beam in enumerate([[9, 10, 3, 8], [7, 12, 6, 2], [7, 12, 6, 2], [9, 10, 3, 8]]):
+        fresh = RowSession(tiny_target)
+        fresh.prefill(prefix + beam)
+        for (k, v), (fk, fv) in zip(rows.kv(), fresh.kv()):
+            assert torch.allclose(k[r], fk[0], atol=1e-10) and torch.allclose(v[r], fv[0], atol=1e-10)
 
 
-def test_row_forests_equal_per_path_forwards_and_commit_equals_prefill(tiny_target):
+@pytest.mark.parametrize("cache", CACHES)
+def test_row_forests_equal_per_path_forwards_and_commit_equals_prefill(tiny_target, cache):
     prefix = [1, 5, 9, 13]
-    rows = RowSession(tiny_target)
+    rows = RowSession(tiny_target, runner=rows_runner(tiny_target, cache))
     rows.prefill(prefix)
     rows.commit([(0, []), (0, []), (0, [])])  # three beams over the prompt
     # row 0: a chain and a branch; row 1: one node; row 2: a deeper tree (rows differ in size)

@@ -17,14 +17,21 @@ sequence's tree costs. EMS-SD's ragged batches need per-row committed lengths on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine.attention import grouped_attention
+from specui.engine.capture import bucket_for, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
+from specui.engine.warmup import DYNAMO, RECOMPILE
 from specui.errors import SpecUIError
+
+STATIC_SLOTS = 1024  # a static rows cache's first capacity in slots (it grows when a reply needs more)
 
 
 @dataclass
@@ -38,15 +45,24 @@ class PendingNode:
 
 class RowSession:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None,
-                 clock: ForwardClock | None = None) -> None:
-        """`clock`: where the time inside the model's forwards adds up (the model's session's)."""
+                 clock: ForwardClock | None = None, runner=None) -> None:
+        """`clock`: where the time inside the model's forwards adds up (the model's session's);
+        `runner`: the model session's StaticForward (its static caches and captured forwards):
+        then the rows live in a StaticKVCache too, and forwards run the runner's compiled
+        forward at padded widths where it compiles (engine/capture.py), else eagerly."""
         self.model = model
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
         self.clock = clock or ForwardClock(self.device)
-        self.cache = GrowingCache(config=model.config)
-        if not all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
-            raise SpecUIError("beam rows need a model whose layers all use full attention")
+        self.runner = runner
+        if runner is None:
+            self.cache = GrowingCache(config=model.config)
+            if not all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
+                raise SpecUIError("beam rows need a model whose layers all use full attention")
+        else:
+            self.cache = StaticKVCache(model.config, STATIC_SLOTS, self.device, runner.cache.store_dtype)
+        self.compiled = runner is not None and runner.compiled and runner.mode == "buckets"
+        self.compile_problem = ""
         self.length = 0  # committed entries, the same in every row
         self.pending: list[list[PendingNode]] = [[]]
         self._used = 0  # cache entries past `length` (pending nodes and padding)
@@ -60,10 +76,23 @@ class RowSession:
         """Cache `ids` (one row; `commit` copies it into as many rows as beams)."""
         if self.length or self.rows != 1:
             raise RuntimeError("prefill starts a fresh session")
-        if ids:
+        if ids and self.runner is None:
             self.clock.run(self.model, input_ids=torch.tensor([list(ids)], device=self.device),
                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        elif ids:  # exact shapes, eager: a prompt's length is met once
+            n = len(ids)
+            self.cache.grow(round_up(n))
+            self.cache.prepare(0, n)
+            mask = torch.zeros((n, n), dtype=self._mask_dtype()).masked_fill_(
+                torch.ones(n, n, dtype=torch.bool).triu_(1), torch.finfo(self._mask_dtype()).min)
+            self.clock.run(self.model, input_ids=torch.tensor([list(ids)], device=self.device),
+                           position_ids=torch.arange(n, device=self.device)[None], attention_mask=mask[None, None].to(
+                               self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.cache.set_length(n)
         self.length = len(ids)
+
+    def _mask_dtype(self) -> torch.dtype:
+        return self.model.dtype if self.model.dtype.is_floating_point else torch.float32
 
     @torch.inference_mode()
     def forward(self, new: Sequence[Sequence[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -77,11 +106,14 @@ class RowSession:
         width = max((len(n) for n in new), default=0)
         if width == 0:
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in new]
+        if self.compiled:  # a few widths, so a few compiles serve every step
+            width = bucket_for(width) or width
         start = self.length + self._used
         total = start + width
+        window = round_up(total) if self.compiled else total  # eager: no masked slots to read
         ids = torch.zeros((self.rows, width), dtype=torch.long)
         positions = torch.full((self.rows, width), self.length, dtype=torch.long)
-        attend = torch.zeros((self.rows, width, total), dtype=torch.bool)
+        attend = torch.zeros((self.rows, width, window), dtype=torch.bool)
         attend[:, :, : self.length] = True
         for r, nodes in enumerate(new):
             pending = self.pending[r]
@@ -96,15 +128,21 @@ class RowSession:
                 attend[r, j, node.ancestors + [node.slot]] = True
             for j in range(len(nodes), width):  # padding: attends to itself only
                 attend[r, j, start + j] = True
-        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        dtype = self._mask_dtype()
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        kw = dict(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
+                  attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
         try:
-            out = self.clock.run(self.model, input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
-                                 attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
+            if self.runner is not None:
+                self.cache.grow(window)
+                self.cache.prepare(start, window)
+            out = self.clock.run(self._call, kw)
         except BaseException:
             self._drop_pending()
             raise
         self._used += width
+        if self.runner is not None:
+            self.cache.set_length(start + width)
         return [out.logits[r, : len(nodes), : self.vocab_size] for r, nodes in enumerate(new)]
 
     @torch.inference_mode()
@@ -127,13 +165,47 @@ class RowSession:
             slots.append([pending[k].slot for k in chain])
         rows = torch.tensor([src for src, _ in keep], device=self.device)
         tail = torch.tensor(slots, dtype=torch.long, device=self.device).view(len(keep), m)
-        for layer in self.cache.layers:
-            layer.keep_rows(rows, self.length, tail)
+        if self.runner is not None:  # one gather for every layer
+            self.cache.keep_rows(rows, self.length, tail)
+        else:
+            for layer in self.cache.layers:
+                layer.keep_rows(rows, self.length, tail)
         self.length += m
         self.pending = [[] for _ in keep]
         self._used = 0
 
+    def _call(self, kw: dict):
+        """One forward: the runner's compiled forward where it compiles (with its attention
+        routing; where its compiles run in the background, only a shape compiled already),
+        else the model itself."""
+        if self.compiled:
+            for name, dims in (("input_ids", (0, 1)), ("position_ids", (0, 1)), ("attention_mask", (0, 2, 3))):
+                for dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(kw[name], dim)
+            torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)
+            runner = self.runner
+            waits = runner.warmup is None or runner.blocking  # `--capture on`: a forward may compile
+            try:
+                with grouped_attention(*runner.grouped) if runner.grouped else nullcontext():
+                    if waits:
+                        with DYNAMO:
+                            return runner.fn(**kw)
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        return runner.fn(**kw)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the compiler fails in many types; eager from here on
+                if waits or RECOMPILE not in str(e):
+                    self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                self.compiled = False
+        return self.model(**kw)
+
     def _drop_pending(self) -> None:
+        if self.runner is not None:
+            self.cache.set_length(self.length)
+            self.pending = [[] for _ in self.pending]
+            self._used = 0
+            return
         for layer in self.cache.layers:
             layer.crop(-(layer.get_seq_length() - self.length))
         self.pending = [[] for _ in self.pending]

@@ -14,7 +14,8 @@ bookkeeping (`set_length`), never the forward's: a replayed graph runs no Python
 Moving accepted tree entries into place after a step is one gather and one scatter over the
 whole store (`move`), not two copies per layer. Growing (a reply longer than the capacity)
 reallocates the store; whoever captured forwards over the old one must capture again
-(`generation` changes).
+(`generation` changes). Several rows (beams: RowSession) share the slots: every row holds the
+same committed length, and `keep_rows` moves, copies and drops rows after a beam step.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class SlotLayer(GrowingLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.owner.allocate(key_states)
 
-    def attach(self, store: torch.Tensor, length: int) -> None:
-        """Point this layer at its part of a (new) store."""
-        self._kbuf, self._vbuf = store[self.index, 0], store[self.index, 1]
+    def attach(self, store: torch.Tensor, length: int, rows: int | None = None) -> None:
+        """Point this layer at its part of a (new) store: its first `rows` rows (None: all)."""
+        self._kbuf, self._vbuf = store[self.index, 0, :rows], store[self.index, 1, :rows]
         self._len = length
         self.dtype, self.device = store.dtype, store.device
         self.is_initialized = True
@@ -57,7 +58,7 @@ class SlotLayer(GrowingLayer):
         return self._kbuf[..., :window, :], self._vbuf[..., :window, :]
 
     def keep_rows(self, rows, prefix, tail) -> None:
-        raise NotImplementedError("a static cache holds one row")
+        raise NotImplementedError("a static cache moves rows for every layer at once: StaticKVCache.keep_rows")
 
     def tile_to(self, length: int, capacity: int) -> None:
         raise NotImplementedError("a static cache is not stretched for timing")
@@ -79,6 +80,7 @@ class StaticKVCache(DynamicCache):
         self.device = torch.device(device)
         self.layers = [SlotLayer(self, i) for i in range(len(self.layers))]
         self.store: torch.Tensor | None = None
+        self.rows = 0  # rows in use: the store's first ones (RowSession's beams; one otherwise)
         with torch.inference_mode(False):  # index tensors of one kind, whenever made (compiled guards read it)
             self.start = torch.zeros(1, dtype=torch.long, device=self.device)
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
@@ -102,9 +104,35 @@ class StaticKVCache(DynamicCache):
 
     def _adopt(self, store: torch.Tensor, length: int) -> None:
         self.store = store
+        self.rows = store.shape[2]
         for layer in self.layers:
             layer.attach(store, length)
         self.generation += 1
+
+    def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor) -> None:
+        """Beam rows (RowSession.commit), every layer at once: new row i = old row rows[i], its
+        first `prefix` entries then the entries at slots tail[i] (all rows keep as many). Only
+        rows that take another row's entries copy their prefix; more rows than the store holds
+        reallocate it (`generation` changes), fewer use its first rows."""
+        if self.store is None:
+            return
+        order, m, live = rows.tolist(), tail.shape[1], self.store[:, :, : self.rows]
+        # (rows, m, layers, 2, heads, dim): read before any write
+        kept = live.permute(2, 4, 0, 1, 3, 5)[rows[:, None], tail].permute(2, 3, 0, 4, 1, 5)
+        if len(order) > self.store.shape[2]:
+            new = torch.zeros((*self.store.shape[:2], len(order), *self.store.shape[3:]), dtype=self.store.dtype,
+                              device=self.store.device)
+            new[:, :, :, :, :prefix] = live[:, :, :, :, :prefix].index_select(2, rows)
+            self._adopt(new, prefix)
+        else:
+            moved = [i for i, src in enumerate(order) if src != i]
+            if moved:
+                dst = torch.tensor(moved, dtype=torch.long, device=rows.device)
+                self.store[:, :, dst, :, :prefix] = live[:, :, :, :, :prefix].index_select(2, rows[dst])
+        self.store[:, :, : len(order), :, prefix:prefix + m] = kept
+        self.rows = len(order)
+        for layer in self.layers:
+            layer.attach(self.store, prefix + m, self.rows)
 
     def grow(self, needed: int) -> None:
         """Make room for `needed` slots (at least double), keeping the valid entries."""
@@ -116,7 +144,12 @@ class StaticKVCache(DynamicCache):
             new = torch.zeros((*self.store.shape[:4], capacity, self.store.shape[-1]), dtype=self.store.dtype,
                               device=self.store.device)
             new[..., :length, :] = self.store[..., :length, :]
+            rows = self.rows
             self._adopt(new, length)
+            if rows != self.rows:  # the rows in use stay the store's first ones
+                self.rows = rows
+                for layer in self.layers:
+                    layer.attach(new, length, rows)
         self.capacity = capacity
         with torch.inference_mode(False):  # as __init__'s, though a forward (inference mode) grows it
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)

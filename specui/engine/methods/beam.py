@@ -93,7 +93,7 @@ class Beam(Method):
 
     def begin(self, ctx: DecodeContext) -> None:
         # Beams live in rows of their own cache; the shared session keeps its prefix cache.
-        self.rows = RowSession(ctx.target.model, ctx.target.vocab_size, ctx.target.clock)
+        self.rows = RowSession(ctx.target.model, ctx.target.vocab_size, ctx.target.clock, ctx.target.runner)
         self.rows.prefill(ctx.ids[:-1])
         self.running, self.fresh = [Hypothesis([], 0.0)], [ctx.ids[-1]]
 

@@ -80,8 +80,9 @@ class DSBD(Method):
     def begin(self, ctx: DecodeContext) -> None:
         assert ctx.draft is not None
         # Beams live in rows of their own caches; the shared sessions keep their prefix caches.
-        self.target = RowSession(ctx.target.model, ctx.target.vocab_size, ctx.target.clock)
-        self.draft = RowSession(ctx.draft.model, ctx.target.vocab_size, ctx.draft.clock)
+        self.target = RowSession(ctx.target.model, ctx.target.vocab_size, ctx.target.clock, ctx.target.runner)
+        self.draft = RowSession(ctx.draft.model, ctx.target.vocab_size, ctx.draft.clock,
+                                getattr(ctx.draft, "runner", None))
         self.target.prefill(ctx.ids[:-1])
         self.draft.prefill(ctx.ids[:-1])
         self.running = [Beam([], 0.0, [ctx.ids[-1]], [ctx.ids[-1]])]
