@@ -66,13 +66,15 @@ def test_lossless_fork_matches_target_distribution(pair):
 
 def test_approximate_root_selection_is_not_lossless_and_says_so(pair):
     """The seed's choice of the root whose chain is accepted longest skews the distribution:
-    measured here (about 0.14 total variation at 4000 runs, noise about 0.04; README)."""
+    measured here (about 0.14 total variation at 4000 runs, noise about 0.04; README); half
+    the runs suffice to see it (noise about 0.055)."""
     target, draft = pair
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[])
     cfg = SamplingConfig(temperature=1.0)
-    deviation = tv(empirical(engine, "mcsd", cfg, width=3, gamma=2, root_selection="approximate"), exact(target, cfg))
-    print(f"approximate root selection: TV = {deviation:.3f} over {RUNS} runs")
-    assert deviation > 0.1  # sampling noise here is about 0.04 (the lossless fork measures 0.05)
+    deviation = tv(empirical(engine, "mcsd", cfg, RUNS // 2, width=3, gamma=2, root_selection="approximate"),
+                   exact(target, cfg))
+    print(f"approximate root selection: TV = {deviation:.3f} over {RUNS // 2} runs")
+    assert deviation > 0.1  # sampling noise here is about 0.055 (the lossless fork measures 0.05 at 4000)
     gen, _ = run(engine, [1, 5, 3], 6, SamplingConfig(temperature=1.0, seed=1), width=3, gamma=2,
                  root_selection="approximate")
     assert any("not an exact sample" in n for s in gen.steps for n in s.notes)

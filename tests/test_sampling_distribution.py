@@ -39,13 +39,13 @@ def exact(model, cfg):
     return table
 
 
-def empirical(engine, name, cfg, **params):
+def empirical(engine, name, cfg, runs=RUNS, **params):
     counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=NEW), 0)
-    for seed in range(RUNS):
+    for seed in range(runs):
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed=seed)
         gen = engine.generate(GenerationRequest(list(PROMPT), NEW, sampling), make_method(name, **params)).run()
         counts[tuple(gen.output_ids)] += 1
-    return {k: v / RUNS for k, v in counts.items()}
+    return {k: v / runs for k, v in counts.items()}
 
 
 def tv(a, b):
