@@ -31,7 +31,8 @@ from specui.engine.timing import ForwardClock
 from specui.engine.warmup import DYNAMO, RECOMPILE
 from specui.errors import SpecUIError
 
-STATIC_SLOTS = 1024  # a static rows cache's first capacity in slots (it grows when a reply needs more)
+STATIC_SLOTS = 256  # a static rows cache's first capacity in slots (it doubles when a reply needs more): a
+# beam cache holds every row's slots, so it starts small (4 rows of SmolLM2-1.7B in bfloat16: 100 MB per 256)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class RowSession:
                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         elif ids:  # exact shapes, eager: a prompt's length is met once
             n = len(ids)
-            self.cache.grow(round_up(n))
+            self.cache.grow(n)
             self.cache.prepare(0, n)
             mask = torch.zeros((n, n), dtype=self._mask_dtype()).masked_fill_(
                 torch.ones(n, n, dtype=torch.bool).triu_(1), torch.finfo(self._mask_dtype()).min)
