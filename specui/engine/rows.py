@@ -204,11 +204,9 @@ class RowSession:
     def _drop_pending(self) -> None:
         if self.runner is not None:
             self.cache.set_length(self.length)
-            self.pending = [[] for _ in self.pending]
-            self._used = 0
-            return
-        for layer in self.cache.layers:
-            layer.crop(-(layer.get_seq_length() - self.length))
+        else:
+            for layer in self.cache.layers:
+                layer.crop(-(layer.get_seq_length() - self.length))
         self.pending = [[] for _ in self.pending]
         self._used = 0
 
