@@ -60,7 +60,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         # a smaller window (--context) bounds the cache and truncates long chats earlier; never a larger one
-        self.context_len = min(context_len or _context_len(target), _context_len(target))
+        own = _context_len(target)
+        self.context_len = min(context_len, own) if context_len else own
         self.lock = threading.Lock()  # one generation at a time on these sessions
         for runner in self._runners():  # a background compile waits while a reply decodes
             if runner.warmup is not None:

@@ -77,23 +77,15 @@ class RowSession:
         """Cache `ids` (one row; `commit` copies it into as many rows as beams)."""
         if self.length or self.rows != 1:
             raise RuntimeError("prefill starts a fresh session")
-        if ids and self.runner is None:
+        if ids:
+            if self.runner is not None:  # exact shapes, eager: attention reads the prompt's n slots
+                self.cache.grow(len(ids))
+                self.cache.prepare(0, len(ids))
             self.clock.run(self.model, input_ids=torch.tensor([list(ids)], device=self.device),
                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        elif ids:  # exact shapes, eager: a prompt's length is met once
-            n = len(ids)
-            self.cache.grow(n)
-            self.cache.prepare(0, n)
-            mask = torch.zeros((n, n), dtype=self._mask_dtype()).masked_fill_(
-                torch.ones(n, n, dtype=torch.bool).triu_(1), torch.finfo(self._mask_dtype()).min)
-            self.clock.run(self.model, input_ids=torch.tensor([list(ids)], device=self.device),
-                           position_ids=torch.arange(n, device=self.device)[None], attention_mask=mask[None, None].to(
-                               self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-            self.cache.set_length(n)
+            if self.runner is not None:
+                self.cache.set_length(len(ids))
         self.length = len(ids)
-
-    def _mask_dtype(self) -> torch.dtype:
-        return self.model.dtype if self.model.dtype.is_floating_point else torch.float32
 
     @torch.inference_mode()
     def forward(self, new: Sequence[Sequence[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -129,7 +121,7 @@ class RowSession:
                 attend[r, j, node.ancestors + [node.slot]] = True
             for j in range(len(nodes), width):  # padding: attends to itself only
                 attend[r, j, start + j] = True
-        dtype = self._mask_dtype()
+        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         kw = dict(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
                   attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
