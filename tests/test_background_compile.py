@@ -15,6 +15,7 @@ from conftest import EOS, TinyTokenizer, tiny_llama
 from specui.engine import Engine, GenerationRequest, capture_choice, make_method
 from specui.engine import capture as capture_module
 from specui.engine import warmup as warmup_module
+from specui.engine.rows import RowSession
 from specui.engine.session import ModelSession
 from specui.service.reports import capture_line
 
@@ -155,3 +156,55 @@ def test_close_cancels_what_is_left():
     assert warmup.wait(SETTLE_S)
     assert waiting > 1 or done > 0  # there was something to cancel
     assert len(warmup.compiled) <= done + 1 and not warmup.queue  # at most the shape under way finished
+
+
+def start_beams(rows: RowSession) -> list[torch.Tensor]:
+    """A prompt, one node, then three rows from it; the node's logits."""
+    rows.prefill(list(range(5, 25)))
+    out = rows.forward([[(9, -1)]])
+    rows.commit([(0, [0])] * 3)
+    return out
+
+
+def beam_steps(rows: RowSession, steps: int, first: int = 0) -> list[torch.Tensor]:
+    """`steps` steps of a 3-node chain per row, each keeping every row's first two nodes (rows
+    reordered); the logits of every forward."""
+    out = []
+    for step in range(first, first + steps):
+        new = [[(5 + (3 * r + step) % 30, -1), (6 + r, 0), (7 + step % 5, 1)] for r in range(3)]
+        out += rows.forward(new)
+        rows.commit([(r, [0, 1]) for r in (2, 0, 1)])
+    return out
+
+
+def test_beam_rows_compile_in_the_background_and_run_compiled_once_ready():
+    """Beam search's and DSBD's rows (RowSession) over a runner that compiles in the background:
+    a rows shape not compiled yet runs eagerly and is asked of the runner's Warmup, which
+    compiles it on scratch rows; once compiled, rows of that shape run compiled; every forward
+    equals the growing cache's eager one."""
+    model = tiny_llama(6, layers=1, dtype=torch.float32, hidden=40)  # shapes no other test compiled
+    decoding = threading.Event()
+    decoding.set()
+    session = ModelSession(model, capture="on", background=True)
+    warmup = session.runner.warmup
+    warmup.paused = decoding.is_set
+    warmup.cancel()  # the one-row shapes (other tests compile those): only the rows' here
+    reference = RowSession(model)
+    want = start_beams(reference) + beam_steps(reference, 4)
+    rows = RowSession(model, runner=session.runner)
+    got = start_beams(rows)
+    compiled, eager = rows.compiled_runs, rows.eager_runs
+    got += beam_steps(rows, 2)
+    assert rows.compiled_runs == compiled and rows.eager_runs == eager + 2  # not compiled yet: eager
+    assert (4, 256, 256, 3) in warmup.queue  # (bucket, window, capacity, rows), asked once
+    decoding.clear()  # no reply decodes: the Warmup compiles it on scratch rows
+    assert warmup.wait(SETTLE_S), warmup.queue
+    assert (4, 256, 256, 3) in warmup.compiled and not session.runner.notes
+    report = {"setting": "auto", "target": {"mode": "buckets+compiled", "background": True, "notes": [],
+                                            "compiled": [list(shape) for shape in warmup.compiled],
+                                            "compiling": [], "compile_s": warmup.seconds}}
+    assert "beam-rows shape" in capture_line(report)
+    got += beam_steps(rows, 2, first=2)
+    assert rows.compiled_runs == compiled + 2  # compiled from here on
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -64,6 +64,7 @@ class RowSession:
             self.cache = StaticKVCache(model.config, STATIC_SLOTS, self.device, runner.cache.store_dtype)
         self.compiled = runner is not None and runner.compiled and runner.mode == "buckets"
         self.compile_problem = ""
+        self.compiled_runs = self.eager_runs = 0  # forwards that ran compiled / eagerly (not the prefill)
         self.length = 0  # committed entries, the same in every row
         self.pending: list[list[PendingNode]] = [[]]
         self._used = 0  # cache entries past `length` (pending nodes and padding)
@@ -169,29 +170,54 @@ class RowSession:
 
     def _call(self, kw: dict):
         """One forward: the runner's compiled forward where it compiles (with its attention
-        routing; where its compiles run in the background, only a shape compiled already),
-        else the model itself."""
-        if self.compiled:
+        routing), else the model itself. Where the runner's compiles run in the background
+        (its Warmup), a shape not compiled yet runs eagerly and the Warmup is asked for it
+        (`compile_shape` builds it there on scratch rows), so no forward waits for a compile."""
+        runner = self.runner
+        if self.compiled and runner.compiled:
             for name, dims in (("input_ids", (0, 1)), ("position_ids", (0, 1)), ("attention_mask", (0, 2, 3))):
                 for dim in dims:
                     torch._dynamo.maybe_mark_dynamic(kw[name], dim)
             torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)
-            runner = self.runner
-            waits = runner.warmup is None or runner.blocking  # `--capture on`: a forward may compile
+            warmup = None if runner.blocking else runner.warmup  # none: `--capture on`, a forward may compile
+            shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity, self.rows)
+            if warmup is not None and warmup.waiting(shape):  # asked already: a failed try costs more
+                self.eager_runs += 1
+                return self.model(**kw)
             try:
                 with grouped_attention(*runner.grouped) if runner.grouped else nullcontext():
-                    if waits:
+                    if warmup is None:
                         with DYNAMO:
-                            return runner.fn(**kw)
-                    with torch.compiler.set_stance("fail_on_recompile"):
-                        return runner.fn(**kw)
+                            out = runner.fn(**kw)
+                    else:
+                        with torch.compiler.set_stance("fail_on_recompile"):
+                            out = runner.fn(**kw)
+                self.compiled_runs += 1
+                return out
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - the compiler fails in many types; eager from here on
-                if waits or RECOMPILE not in str(e):
+                if warmup is not None and RECOMPILE in str(e):
+                    warmup.ask(shape, compile_shape)
+                else:
                     self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-                self.compiled = False
+                    self.compiled = False
+        self.eager_runs += 1
         return self.model(**kw)
+
+    @classmethod
+    def scratch(cls, runner, rows: int, length: int, capacity: int) -> RowSession:
+        """A session of `rows` rows holding `length` committed entries (zeros: only the shapes
+        of a forward matter) in a cache of `capacity` slots, over `runner` (a Warmup's probe)."""
+        session = cls(runner.model, runner=runner)
+        cache = session.cache
+        cache.grow(capacity)
+        cache.allocate()
+        cache.keep_rows(torch.zeros(rows, dtype=torch.long, device=session.device), 0,
+                        torch.zeros((rows, 0), dtype=torch.long, device=session.device))
+        cache.set_length(length)
+        session.length, session.pending = length, [[] for _ in range(rows)]
+        return session
 
     def _drop_pending(self) -> None:
         if self.runner is not None:
@@ -205,3 +231,13 @@ class RowSession:
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) of the cache (tests)."""
         return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+def compile_shape(probe, shape: tuple[int, int, int, int]) -> str:
+    """A Warmup's run for a rows shape (bucket, window, capacity, rows): one forward of that
+    shape on scratch rows over `probe` (compiling it where it must); returns what failed."""
+    bucket, window, capacity, rows = shape
+    session = RowSession.scratch(probe, rows, window - bucket, capacity)
+    chain = [(0, j - 1) for j in range(bucket)]  # a chain fills the bucket exactly
+    session.forward([chain] * rows)
+    return session.compile_problem

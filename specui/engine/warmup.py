@@ -39,9 +39,12 @@ class Warmup:
     so no forward waits for a compile. Asked at the start for every bucket over the first
     window and two over the second (the shapes a reply meets first), then for any shape a
     decoding call found uncompiled. `paused` (the engine's lock held: a reply decodes) ends the
-    compile under way; it starts again once nothing decodes. Plain bookkeeping for the report:
-    `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling), `interrupted`,
-    `note`."""
+    compile under way; it starts again once nothing decodes. A shape is (bucket, window,
+    capacity) for the runner's own one-row forwards, and (bucket, window, capacity, rows) for
+    several rows over the same model (beam search's and DSBD's RowSession, which asks with the
+    forward that builds and runs such a shape: `ask(shape, run)`). Plain bookkeeping for the
+    report: `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling),
+    `interrupted`, `note`."""
 
     def __init__(self, runner, first: list[tuple[int, int]]) -> None:
         """`runner`: the StaticForward to compile for; `first`: the (bucket, window) shapes to
@@ -49,8 +52,9 @@ class Warmup:
         self.runner = runner
         # True while a reply decodes (the engine sets its lock's `locked`): no compile runs then
         self.paused: Callable[[], bool] = lambda: False
-        self.queue: list[tuple[int, int, int]] = []  # (bucket, window, capacity), in order
-        self.compiled: list[tuple[int, int, int]] = []
+        self.queue: list[tuple[int, ...]] = []  # shapes, in order
+        self.compiled: list[tuple[int, ...]] = []
+        self._runs: dict[tuple[int, ...], Callable] = {}  # a rows shape's forward (RowSession.compile_shape)
         self.seconds = 0.0
         self.finished_at = 0.0  # time.monotonic() when the queue last ran empty
         self.note = ""
@@ -91,7 +95,7 @@ class Warmup:
         self._scratch = None  # its memory, until a shape is asked again
         self._cond.notify_all()
 
-    def waiting(self, shape: tuple[int, int, int]) -> bool:
+    def waiting(self, shape: tuple[int, ...]) -> bool:
         """Whether `shape` is queued (or compiling) still."""
         return shape in self.queue
 
@@ -100,12 +104,16 @@ class Warmup:
         with self._cond:
             self.queue[1 if self._busy else 0:] = []
 
-    def ask(self, shape: tuple[int, int, int]) -> None:
-        """Compile this (bucket, window, capacity) when the thread gets to it."""
+    def ask(self, shape: tuple[int, ...], run: Callable | None = None) -> None:
+        """Compile this shape when the thread gets to it: (bucket, window, capacity) of the
+        runner's forward, or a rows shape with `run(probe, shape)`, which builds that shape on
+        scratch rows over the probe runner, runs it, and returns what failed ("" if nothing)."""
         with self._cond:
             if self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
                 return
             self.queue.append(shape)
+            if run is not None:
+                self._runs[shape] = run
             if not self._busy:
                 self._busy = True
                 threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
@@ -159,49 +167,65 @@ class Warmup:
                 nxt = self._resume
             else:
                 self.queue.remove(shape)
+                self._runs.pop(shape, None)
                 if ok:
                     self.compiled.append(shape)
                 nxt = self._work
         threading.Thread(target=nxt, name="specui-compile", daemon=True).start()
 
-    def _compile(self, shape: tuple[int, int, int]) -> bool | None:
-        """Run the compiled forward once at `shape` on the scratch cache (compiling it if it
+    def _compile(self, shape: tuple[int, ...]) -> bool | None:
+        """Run the compiled forward once at `shape` on a scratch cache (compiling it if it
         must); a failure that a stale disk cache may explain is retried once on a fresh one,
         any other leaves the model eager with a note."""
-        bucket, window, capacity = shape
+        bucket, window, capacity = shape[:3]
         runner = self.runner
         try:
-            if self._scratch is None or self._scratch.capacity != capacity:
-                self._scratch = None
-                self._scratch = StaticKVCache(runner.model.config, capacity, runner.cache.device,
-                                              runner.cache.store_dtype)
-            scratch = self._scratch
-            probe = type(runner)(runner.model, scratch, "buckets")
-            probe.fn, probe.grouped = runner.fn, runner.grouped
             # kernels for the thread count the pair was loaded with (inductor would read this
             # thread's at compile time); the store an inference tensor, as the decoding thread's is
             with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
-                scratch.allocate()
-                scratch.set_length(window - bucket)
-                probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
+                run = self._runs.get(shape)
+                problem = self._one_row(shape) if run is None else run(self._probe(None), shape)
         except torch.OutOfMemoryError:
             self.note = f"compiling {bucket} tokens over {window} slots ran out of memory: that shape stays eager"
             self._scratch = None
             return False
         if self._aborted:
             return None
-        if probe.compile_problem:
-            if RECOMPILE in probe.compile_problem and self._restarts < RESTARTS:
+        if problem:
+            if RECOMPILE in problem and self._restarts < RESTARTS:
                 self._restarts += 1  # a decoding call's stance, met as this call began: again
                 return self._compile(shape)
             if not self._retried and _fresh_compile_cache():
                 self._retried = True
-                self.note = f"compile failed ({probe.compile_problem}); retried on a fresh compile cache"
+                self.note = f"compile failed ({problem}); retried on a fresh compile cache"
                 return self._compile(shape)
-            runner.compile_problem = probe.compile_problem
+            runner.compile_problem = problem
             runner.fn = runner.model
             return False
         return True
+
+    def _probe(self, cache: StaticKVCache | None):
+        """A runner over `cache` that runs (and compiles, waiting for it) the real runner's
+        compiled forward, with its attention routing."""
+        runner = self.runner
+        probe = type(runner)(runner.model, cache or runner.cache, "buckets")
+        probe.fn, probe.grouped = runner.fn, runner.grouped
+        return probe
+
+    def _one_row(self, shape: tuple[int, ...]) -> str:
+        """The runner's forward at (bucket, window, capacity) on the scratch cache (zeros);
+        returns what failed, "" if nothing."""
+        bucket, window, capacity = shape
+        runner = self.runner
+        if self._scratch is None or self._scratch.capacity != capacity:
+            self._scratch = None
+            self._scratch = StaticKVCache(runner.model.config, capacity, runner.cache.device, runner.cache.store_dtype)
+        scratch = self._scratch
+        probe = self._probe(scratch)
+        scratch.allocate()
+        scratch.set_length(window - bucket)
+        probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
+        return probe.compile_problem
 
 
 def _lowest_priority() -> None:

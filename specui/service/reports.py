@@ -37,13 +37,18 @@ def capture_line(report: dict) -> str:
 def _compile_state(state: dict) -> str:
     """A background compile's progress, in words: which token counts run compiled already."""
     done, waiting = state["compiled"], state["compiling"]
-    buckets = sorted({shape[0] for shape in done})
+    buckets = sorted({shape[0] for shape in done if len(shape) == 3})  # (bucket, window, capacity)
     ready = ", ".join(str(b) for b in buckets) or "no"
+    rows = sum(len(shape) == 4 for shape in done)  # (bucket, window, capacity, rows): beam search's, DSBD's
+    if rows:
+        ready += f" tokens, {rows} beam-rows shape{'s' if rows != 1 else ''}"
+    else:
+        ready += " tokens"
     total = len(done) + len(waiting)
     if not waiting:
-        return (f"compiled ({ready} tokens; {len(done)} shapes compiled in the background in "
+        return (f"compiled ({ready}; {len(done)} shapes compiled in the background in "
                 f"{state['compile_s']:.0f} s)")
-    return (f"compiling in the background: {ready} tokens ready ({len(done)} of {total} shapes, "
+    return (f"compiling in the background: {ready} ready ({len(done)} of {total} shapes, "
             f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply interrupts it, "
             "it starts again when idle")
 
