@@ -240,3 +240,33 @@ def test_run_bench_puts_another_draft_beside_the_first(tiny_dirs, tmp_path, caps
     names = [r["method"] for r in json.loads(out.read_text())]
     assert names == ["autoregressive", "speculative gamma=2", "speculative gamma=2 [other draft]"]
     assert "other draft:" in capsys.readouterr().out
+
+
+def test_every_rows_engine_settles_before_any_row_is_timed():
+    """An engine compiling in the background (capture auto) while another row is timed takes
+    that row's cores: before each reply, every row's engine has settled, not only its own."""
+    from specui.bench.run import Row, Sample, bench
+
+    events = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def settle(self):
+            events.append(("settle", self.name))
+
+    def runner(name):
+        def run(prompt, n):
+            events.append(("run", name))
+            return Sample([1] * n, 1.0)
+        run.engine = Engine(name)
+        return run
+
+    peer = Row("peer", "x", lambda prompt, n: events.append(("run", "peer")) or Sample([1] * n, 1.0))
+    rows = [Row("a", "x", runner("a")), peer, Row("b", "x", runner("b"))]
+    bench(rows, [[1], [2]], 4, 1, say=lambda _text: None)
+    runs = [i for i, event in enumerate(events) if event[0] == "run"]
+    assert len(runs) == 3 + 3 * 2  # a warm-up each, then 2 prompts x 3 rows
+    for i in runs:
+        assert {name for kind, name in events[i - 2:i] if kind == "settle"} == {"a", "b"}, events[i - 2:i]

@@ -23,7 +23,7 @@ import torch
 
 from specui.bench.png import save_figure
 from specui.bench.prompts import HELDOUT
-from specui.bench.run import Row, bench_prompts, ours
+from specui.bench.run import Row, bench_prompts, ours, settle_all
 from specui.engine import make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
@@ -83,6 +83,7 @@ def measure(pair: ModelPair, configs: list[str], prompts: list[list[int]], n: in
         run = ours(pair, method, params)
         rows.append(Row(spec, "", run))
     for row in rows:  # warm-up
+        settle_all(rows)
         row.run(prompts[0], 8)
     for r in range(repeats):
         for row in rows:
@@ -91,6 +92,7 @@ def measure(pair: ModelPair, configs: list[str], prompts: list[list[int]], n: in
             shift = (r + i) % len(rows)
             for row in rows[shift:] + rows[:shift]:
                 seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=1000 * r + i)
+                settle_all(rows)  # another row's background compile would take this row's cores
                 row.rounds[r].append(row.run(prompt, n, seeded))
         print(f"round {r + 1}/{repeats}: " + ", ".join(f"{row.name} {row.round_rate(r):.1f}" for row in rows))
     points = []
