@@ -179,6 +179,11 @@ class RowSession:
                 for dim in dims:
                     torch._dynamo.maybe_mark_dynamic(kw[name], dim)
             torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)
+            torch._dynamo.maybe_mark_dynamic(self.cache.offsets, 0)
+            for layer in self.cache.layers:  # rows and capacity: sizes, so one compile serves them all
+                for buf in (layer._kbuf, layer._vbuf):
+                    torch._dynamo.maybe_mark_dynamic(buf, 0)
+                    torch._dynamo.maybe_mark_dynamic(buf, 2)
             warmup = None if runner.blocking else runner.warmup  # none: `--capture on`, a forward may compile
             shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity, self.rows)
             if warmup is not None and warmup.waiting(shape):  # asked already: a failed try costs more
