@@ -272,7 +272,7 @@ class StaticForward:
             torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)  # the window: a size, not a constant
             try:
                 with grouped_attention(*self.grouped) if self.grouped else nullcontext():
-                    out = self._compiled_call(kw)
+                    out = self.compiled_call(kw)
             except torch.OutOfMemoryError:
                 raise  # the forward's, not the compiler's
             except Exception as e:  # noqa: BLE001 - the compiler fails in many types (dynamo asserts too)
@@ -285,16 +285,17 @@ class StaticForward:
         self.eager += 1
         return self.model(**kw)
 
-    def _compiled_call(self, kw: dict):
+    def compiled_call(self, kw: dict, shape: tuple[int, ...] | None = None, run: Callable | None = None):
         """The compiled forward, or None where it would have to wait: with a Warmup, a call that
         would compile runs nothing (the Warmup is asked for that shape). Such a call takes no
         lock: the "fail_on_recompile" stance makes it raise before it could compile (which must
         never overlap a Warmup's compile), and a Warmup whose compile begins under that stance
-        tries again."""
+        tries again. `shape` and `run`: what the Warmup is asked for (default: this runner's
+        (bucket, window, capacity)); beam rows over this model (engine/rows.py) pass theirs."""
         if self.warmup is None or self.blocking:
             with DYNAMO:
                 return self.fn(**kw)
-        shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity)
+        shape = shape or (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity)
         if self.warmup.waiting(shape):  # asked already: a failed try costs more than the forward
             return None
         try:
@@ -303,5 +304,5 @@ class StaticForward:
         except RuntimeError as e:
             if RECOMPILE not in str(e):
                 raise
-            self.warmup.ask(shape)
+            self.warmup.ask(shape, run)
             return None

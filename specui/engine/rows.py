@@ -28,7 +28,6 @@ from specui.engine.capture import bucket_for, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
-from specui.engine.warmup import DYNAMO, RECOMPILE
 from specui.errors import SpecUIError
 
 STATIC_SLOTS = 256  # a static rows cache's first capacity in slots (it doubles when a reply needs more): a
@@ -184,29 +183,18 @@ class RowSession:
                 for buf in (layer._kbuf, layer._vbuf):
                     torch._dynamo.maybe_mark_dynamic(buf, 0)
                     torch._dynamo.maybe_mark_dynamic(buf, 2)
-            warmup = None if runner.blocking else runner.warmup  # none: `--capture on`, a forward may compile
             shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity, self.rows)
-            if warmup is not None and warmup.waiting(shape):  # asked already: a failed try costs more
-                self.eager_runs += 1
-                return self.model(**kw)
             try:
                 with grouped_attention(*runner.grouped) if runner.grouped else nullcontext():
-                    if warmup is None:
-                        with DYNAMO:
-                            out = runner.fn(**kw)
-                    else:
-                        with torch.compiler.set_stance("fail_on_recompile"):
-                            out = runner.fn(**kw)
-                self.compiled_runs += 1
-                return out
+                    out = runner.compiled_call(kw, shape, compile_shape)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001 - the compiler fails in many types; eager from here on
-                if warmup is not None and RECOMPILE in str(e):
-                    warmup.ask(shape, compile_shape)
-                else:
-                    self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-                    self.compiled = False
+                self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                self.compiled, out = False, None
+            if out is not None:
+                self.compiled_runs += 1
+                return out
         self.eager_runs += 1
         return self.model(**kw)
 

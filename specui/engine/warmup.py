@@ -184,7 +184,7 @@ class Warmup:
             # thread's at compile time); the store an inference tensor, as the decoding thread's is
             with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
                 run = self._runs.get(shape)
-                problem = self._one_row(shape) if run is None else run(self._probe(None), shape)
+                problem = self._one_row(shape) if run is None else run(self._probe(runner.cache), shape)
         except torch.OutOfMemoryError:
             self.note = f"compiling {bucket} tokens over {window} slots ran out of memory: that shape stays eager"
             self._scratch = None
@@ -204,11 +204,12 @@ class Warmup:
             return False
         return True
 
-    def _probe(self, cache: StaticKVCache | None):
+    def _probe(self, cache: StaticKVCache):
         """A runner over `cache` that runs (and compiles, waiting for it) the real runner's
-        compiled forward, with its attention routing."""
+        compiled forward, with its attention routing (a rows shape's run reads only its store's
+        dtype: its scratch rows are a cache of their own)."""
         runner = self.runner
-        probe = type(runner)(runner.model, cache or runner.cache, "buckets")
+        probe = type(runner)(runner.model, cache, "buckets")
         probe.fn, probe.grouped = runner.fn, runner.grouped
         return probe
 

@@ -40,10 +40,7 @@ def _compile_state(state: dict) -> str:
     buckets = sorted({shape[0] for shape in done if len(shape) == 3})  # (bucket, window, capacity)
     ready = ", ".join(str(b) for b in buckets) or "no"
     rows = sum(len(shape) == 4 for shape in done)  # (bucket, window, capacity, rows): beam search's, DSBD's
-    if rows:
-        ready += f" tokens, {rows} beam-rows shape{'s' if rows != 1 else ''}"
-    else:
-        ready += " tokens"
+    ready += " tokens" + (f", {rows} beam-rows shape{'s' if rows != 1 else ''}" if rows else "")
     total = len(done) + len(waiting)
     if not waiting:
         return (f"compiled ({ready}; {len(done)} shapes compiled in the background in "
