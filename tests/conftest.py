@@ -15,6 +15,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # cost profiles and dtype choices measured by the tests (and the apps they start) go to a
 # fresh cache, never the user's ~/.cache/specui
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specui-test-cache-")
+# `--capture auto` measures unmeasured models in the background (engine/calibration.py): not in
+# every test that loads a pair (a compile per model beside the other tests); its own tests ask for it
+os.environ["SPECUI_MEASURE_CAPTURE"] = "0"
 
 TINY_VOCAB = 64
 EOS = 2

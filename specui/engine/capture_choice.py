@@ -73,10 +73,12 @@ def cached_attention(model: PreTrainedModel, path: Path | None = None) -> int | 
     return cached(model, path)[1]
 
 
-def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None) -> tuple[Callable[[], float], float]:
+def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None,
+                check: Callable[[], None] | None = None) -> tuple[Callable[[], float], float]:
     """(a function that times one round: ms per token decoding TOKENS tokens one at a time after
     CONTEXT, the seconds the first forwards took: the compile); `grouped`: compiled with grouped
-    attention."""
+    attention; `check`: called before each timed token (a background measurement's: it raises
+    to end the round when a reply starts to decode)."""
     session = ModelSession(model, capture=capture, grouped=grouped)
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(CONTEXT)]
@@ -92,6 +94,8 @@ def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None
         with torch.inference_mode():
             t0 = time.perf_counter()
             for _ in range(TOKENS):
+                if check is not None:
+                    check()
                 ids.append(11 % vocab)
                 session.advance(ids, 1).argmax().item()
             ms = (time.perf_counter() - t0) / TOKENS * 1000
@@ -102,15 +106,26 @@ def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None
     return one_round, first
 
 
-def measure(model: PreTrainedModel, path: Path | None = None) -> dict:
-    """Time eager and compiled forwards (and, where the model attends through
-    engine/attention.py, compiled with grouped attention: a compile of its own), their rounds
-    taking turns (a neighbour's burst or a compile's leftovers then hit every kind, not one: on a
-    2-core Xeon VM one run timed a compiled forward at 32.6 ms that measured 19.2 in the next),
-    the best round of each; record and return {"ms": {...}, "compile_s", "choice", "attention"}."""
-    kinds = {"off": round_timer(model, "off"), "on": round_timer(model, "on")}
+def prepare(model: PreTrainedModel, check: Callable[[], None] | None = None) -> dict:
+    """The kinds measure() times, each compiled (or warmed) already: {kind: (one round, the
+    seconds its first forwards took)}; eager, compiled, and (where the model attends through
+    engine/attention.py) compiled with grouped attention, a compile of its own."""
+    kinds = {"off": round_timer(model, "off", check=check), "on": round_timer(model, "on", check=check)}
     if routed_attention(model):
-        kinds["on+grouped"] = round_timer(model, "on", GROUPED)
+        kinds["on+grouped"] = round_timer(model, "on", GROUPED, check)
+    return kinds
+
+
+def measure(model: PreTrainedModel, path: Path | None = None) -> dict:
+    """Time eager and compiled forwards (prepare()) and record the choice (decide())."""
+    return decide(model, prepare(model), path)
+
+
+def decide(model: PreTrainedModel, kinds: dict, path: Path | None = None) -> dict:
+    """Time prepare()'s kinds, their rounds taking turns (a neighbour's burst or a compile's
+    leftovers then hit every kind, not one: on a 2-core Xeon VM one run timed a compiled forward
+    at 32.6 ms that measured 19.2 in the next), the best round of each; record and return
+    {"ms": {...}, "compile_s", "choice", "attention"}."""
     best = fastest_in_turns({kind: one_round for kind, (one_round, _) in kinds.items()}, ROUNDS)
     ms = {kind: round(value, 2) for kind, value in best.items()}
     eager, compiled, first = best["off"], best["on"], kinds["on"][1]

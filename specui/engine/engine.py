@@ -11,6 +11,8 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine import calibration
+from specui.engine.calibration import Calibration
 from specui.engine.capture_choice import cached
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
@@ -43,32 +45,78 @@ class Engine:
         head_problem: str = "",
         decision: DecisionModels | None = None,
         capture: str = "off",
+        measure_capture: bool | None = None,
     ) -> None:
-        vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
+        """`measure_capture`: with `capture="auto"` on a CPU, measure models this machine has no
+        capture record for in the background and adopt the faster forwards (engine/calibration.py;
+        None: unless SPECUI_MEASURE_CAPTURE=0)."""
+        self.vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.capture = capture  # auto / on / off: static caches and captured forwards (engine/capture.py)
-        self.target = ModelSession(target, vocab, *_measured(capture, target))
-        self.draft = None if draft is None else _draft_session(draft, vocab, self.target, *_measured(capture, draft))
-        if self.draft is not None:  # SpecDec++ reads its head from the draft's session
-            self.draft.acceptance_head, self.draft.head_config = acceptance_head, dict(head_config or {})
-            if acceptance_head is not None:
-                self.draft.head_problem = ""
-            elif head_problem:
-                self.draft.head_problem = head_problem
-            if decision is not None:  # MCSD's early-stop decision models, read from the draft's session too
-                self.draft.decision_models = dict(decision.models)
-                self.draft.decision_problem = decision.problem
+        self._heads = (acceptance_head, head_config, head_problem, decision)
+        self.target, self.draft = self._sessions(target, draft)
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         # a smaller window (--context) bounds the cache and truncates long chats earlier; never a larger one
         own = _context_len(target)
         self.context_len = min(context_len, own) if context_len else own
         self.lock = threading.Lock()  # one generation at a time on these sessions
-        for runner in self._runners():  # a background compile waits while a reply decodes
-            if runner.warmup is not None:
-                runner.warmup.paused = self.lock.locked
+        self._pause_warmups()
+        # `auto` on a CPU, models never measured here: measured in the background, adopted after
+        unmeasured = [(role, m) for role, m, s in (("target", target, self.target), ("draft", draft, self.draft))
+                      if m is not None and s.runner is None and not reads_features(m.config)
+                      and _unmeasured(capture, m)]
+        measure = calibration.enabled() if measure_capture is None else measure_capture
+        self.calibration = Calibration(unmeasured, self.lock.locked) if unmeasured and measure else None
+        self.capture_notes: list[str] = []  # what the background measurement said (a failure)
         self.profile_dir = profile_dir  # None: ~/.cache/specui/profiles
         self.quantization = quantization
         self.costs = EngineCosts()  # profile (measured on first need) + running acceptance
+
+    def _sessions(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> tuple:
+        """(target session, draft session or None) as the capture setting and this machine's
+        records say, the draft's heads attached."""
+        target_session = ModelSession(target, self.vocab, *_measured(self.capture, target))
+        if draft is None:
+            return target_session, None
+        draft_session = _draft_session(draft, self.vocab, target_session, *_measured(self.capture, draft))
+        acceptance_head, head_config, head_problem, decision = self._heads
+        # SpecDec++ reads its head from the draft's session
+        draft_session.acceptance_head, draft_session.head_config = acceptance_head, dict(head_config or {})
+        if acceptance_head is not None:
+            draft_session.head_problem = ""
+        elif head_problem:
+            draft_session.head_problem = head_problem
+        if decision is not None:  # MCSD's early-stop decision models, read from the draft's session too
+            draft_session.decision_models = dict(decision.models)
+            draft_session.decision_problem = decision.problem
+        return target_session, draft_session
+
+    def _pause_warmups(self) -> None:
+        for runner in self._runners():  # a background compile waits while a reply decodes
+            if runner.warmup is not None:
+                runner.warmup.paused = self.lock.locked
+
+    def adopt_measurement(self) -> bool:
+        """Once the background measurement is done: where it chose compiled forwards for a
+        model, the sessions are rebuilt to run them (compiled in the background: no reply waits);
+        True if they were. Only while no reply decodes (else: at a later call)."""
+        measured = self.calibration
+        if measured is None or not measured.done or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.calibration = None
+            self.capture_notes = [measured.note] if measured.note else []
+            if "on" not in measured.choices().values():
+                return False
+            old = [s for s in (self.target, self.draft) if s is not None]
+            self.target, self.draft = self._sessions(old[0].model, None if self.draft is None else self.draft.model)
+            for session in old:
+                session.reset()
+            self._pause_warmups()
+            self.costs.profile = None  # the profile of eager forwards: measured again for these
+            return True
+        finally:
+            self.lock.release()
 
     def ensure_profile(self, progress: Progress | None = None, refresh: bool = False) -> EngineCosts:
         """Measure (or read from the disk cache) the pair's cost profile once. A failure or
@@ -103,11 +151,14 @@ class Engine:
         return [s.runner for s in (self.target, self.draft) if s is not None and s.runner is not None]
 
     def settled(self) -> bool:
-        """No forward of this pair is compiling or waiting to compile in the background."""
-        return all(r.settled for r in self._runners())
+        """No forward of this pair is compiling or waiting to compile (or being measured) in the
+        background."""
+        return self.calibration is None and all(r.settled for r in self._runners())
 
     def close(self) -> None:
         """The pair is being replaced: compile nothing more for it (the shape under way finishes)."""
+        if self.calibration is not None:
+            self.calibration.cancel()
         for runner in self._runners():
             if runner.warmup is not None:
                 runner.warmup.cancel()
@@ -120,6 +171,10 @@ class Engine:
         """Wait for the background compiles (benches, before timing; `--capture on` never has
         any); True once settled, False if `timeout` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.calibration is not None:  # measured first, then the forwards it chose compiled
+            if not self.calibration.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+            self.adopt_measurement()
         for runner in self._runners():
             if runner.warmup is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -131,7 +186,12 @@ class Engine:
         """Plain data: the capture setting and, per model, how its forwards run (off: the growing
         cache; buckets / graphs: static shapes), the shapes held as graphs, the shapes compiled
         and still compiling in the background (bucket, window, capacity), and any notes."""
-        report = {"setting": self.capture}
+        report = {"setting": self.capture, "notes": list(self.capture_notes)}
+        measured = self.calibration
+        if measured is not None:  # `auto`, never measured here: eager until measured in the background
+            report["measuring"] = {"models": [role for role, _ in measured.models], "state": measured.state,
+                                   "seconds": round(measured.seconds, 1), "interrupted": measured.interrupted,
+                                   "chosen": measured.choices()}
         for role, session in (("target", self.target), ("draft", self.draft)):
             runner = None if session is None else session.runner
             warmup = None if runner is None else runner.warmup
@@ -173,6 +233,7 @@ class Engine:
         self, request: GenerationRequest, method: Method, cancel: threading.Event | None = None,
     ) -> Generation:
         request = self.check(request, method)
+        self.adopt_measurement()
         if method.needs_profile and self.draft is not None:
             self.ensure_profile()
         return Generation(
@@ -211,6 +272,11 @@ def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool, int | No
     if capture == "auto":
         return ("on", True, attention) if choice == "on" else (capture, False, None)
     return capture, False, attention
+
+
+def _unmeasured(capture: str, model: PreTrainedModel) -> bool:
+    """`auto` on a CPU for a model with no capture record on this machine."""
+    return capture == "auto" and next(model.parameters()).device.type == "cpu" and cached(model)[0] is None
 
 
 def _context_len(model: PreTrainedModel) -> int:

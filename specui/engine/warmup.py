@@ -127,7 +127,7 @@ class Warmup:
         the thread holds the queue's lock, which a decoding thread may be asking for."""
         if event == "call" and self._compiling and (self._stopping or self.paused()):
             self._aborted = True
-            raise _Stopped("a reply decodes" if not self._stopping else "the interpreter is exiting")
+            raise Stopped("a reply decodes" if not self._stopping else "the interpreter is exiting")
 
     def _resume(self) -> None:
         """After a reply ended a compile: once no reply decodes, a fresh thread goes on."""
@@ -143,7 +143,7 @@ class Warmup:
         """Compile the first queued shape, then hand on to a fresh thread (this one's OpenMP
         team ends with it) or, where a reply ended the compile, to `_resume`."""
         sys.setprofile(self._yield)  # this thread only
-        _lowest_priority()
+        lowest_priority()
         with self._cond:
             if not self.queue or self.runner.fn is self.runner.model:
                 self._finish()
@@ -229,7 +229,7 @@ class Warmup:
         return probe.compile_problem
 
 
-def _lowest_priority() -> None:
+def lowest_priority() -> None:
     """Run this thread, and the C++ compilers it starts, at the lowest CPU priority (Linux: a
     thread's nice value is its own, and a child inherits it): a compiler running while a reply
     decodes then takes only idle cores (measured on 2 cores: at equal priority the eager reply
@@ -256,7 +256,7 @@ def _stop_at_exit(ref: weakref.ref) -> None:
         warmup.wait(EXIT_WAIT_S)
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """Raised inside a compile by the Warmup's own hook to end it (a reply decodes, or exit)."""
 
 

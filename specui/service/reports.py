@@ -17,7 +17,8 @@ def capture_line(report: dict) -> str:
     """The Model tab's line on how forwards run: e.g. "forwards (capture auto): target graphs, 6
     shapes captured; draft graphs, 3 shapes captured", or while compiling in the background
     "target compiling in the background: 1, 2, 4 tokens ready (3 of 9 shapes, 12 s), the rest
-    eager until then"."""
+    eager until then", or, before this machine measured the models, "target eager; target and
+    draft measuring compiled against eager forwards in the background (...)"."""
     parts = []
     for role in ("target", "draft"):
         state = report.get(role)
@@ -31,6 +32,12 @@ def capture_line(report: dict) -> str:
             parts.append(f"{role} {state['mode']}" + (f", {len(state['captured'])} shapes captured"
                                                       if state["mode"].startswith("graphs") else ""))
         parts += [f"{role}: {note}" for note in state["notes"][:3]]
+    measuring = report.get("measuring")
+    if measuring:  # `auto` on a CPU with no record yet: eager until measured
+        parts.append(f"{' and '.join(measuring['models'])} measuring compiled against eager forwards in the "
+                     f"background ({measuring['state']}, {measuring['seconds']:.0f} s so far; a reply interrupts "
+                     "it), the faster used from the next reply on and recorded for this machine")
+    parts += report.get("notes", [])
     return f"forwards (capture {report['setting']}): " + "; ".join(parts)
 
 

@@ -1,0 +1,180 @@
+"""`--capture auto` on a CPU with no record for a model: the pair decodes eagerly while the model
+is measured in the background (engine/calibration.py); a reply ends the measurement under way,
+which starts again once nothing decodes; the record is written for this machine, and the engine
+adopts the faster forwards before its next reply (compiled ones compiling in the background, so
+no reply waits); replies equal eager decoding throughout."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from conftest import EOS, TinyTokenizer, tiny_llama
+
+from specui.engine import Engine, GenerationRequest, calibration, capture_choice, make_method
+from specui.service.reports import capture_line
+
+WAIT_S = 300
+
+
+@pytest.fixture()
+def record(tmp_path, monkeypatch):
+    path = tmp_path / "capture_choices.json"
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: path)
+    return path
+
+
+def quick_measure(on_ms: float, calls: list, interrupt: threading.Event | None = None):
+    """A prepare() whose rounds cost nothing: compiled forwards take `on_ms` a token, eager 2 ms;
+    with `interrupt` set, the first timed token finds a reply decoding (it takes `lock`)."""
+
+    def prepare(model, check):
+        calls.append(model)
+
+        def eager() -> float:
+            check()  # the real rounds check before each timed token
+            return 2.0
+
+        return {"off": (eager, 0.0), "on": (lambda: on_ms, 0.1)}
+
+    return prepare
+
+
+def greedy(engine: Engine, prompt: list[int], n: int = 12) -> list[int]:
+    generation = engine.generate(GenerationRequest(list(prompt), n), make_method("speculative", gamma=3))
+    with engine.lock:
+        for _ in generation:
+            pass
+    return generation.output_ids
+
+
+def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    target, draft = tiny_llama(0, layers=2, dtype=torch.float32), tiny_llama(1, layers=1, dtype=torch.float32)
+    reference = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])  # eager, capture off
+    prompt = [5, 9, 13, 17, 21, 25, 4]
+    want = greedy(reference, prompt)
+
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
+    assert engine.target.runner is None and engine.draft.runner is None  # eager while measuring
+    assert engine.calibration is not None and not engine.settled()
+    assert engine.calibration.wait(WAIT_S)
+    assert calls == [target, draft]  # each model measured, in order
+    data = json.loads(record.read_text())
+    assert {entry["choice"] for entry in data.values()} == {"on"} and len(data) == 2
+    assert "measuring" in engine.capture_report()
+    assert "measuring compiled against eager" in capture_line(engine.capture_report())
+
+    got = greedy(engine, prompt)  # the reply adopts the record: compiled, compiling in the background
+    assert engine.calibration is None
+    for session in (engine.target, engine.draft):
+        assert session.runner is not None and session.runner.compiled and session.runner.warmup is not None
+    assert got == want
+    engine.close()
+    # the next load reads the record: no measurement
+    again = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
+    assert again.calibration is None and again.target.runner.compiled
+    again.close()
+
+
+def test_compiled_measured_slower_stays_eager_and_is_recorded(record, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "prepare", quick_measure(3.0, calls))
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
+    assert engine.settle(WAIT_S)  # benches settle: waits for the measurement, then adopts it
+    assert engine.calibration is None and engine.target.runner is None
+    assert capture_choice.cached_choice(model) == "off"
+    assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True).calibration is None
+
+
+def test_a_reply_ends_the_measurement_which_starts_again_after(record, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    lock = threading.Lock()
+    lock.acquire()  # a reply decodes from the start: nothing is measured
+    measured = calibration.Calibration([("target", model)], lock.locked)
+    time.sleep(1.0)
+    assert calls == [] and measured.state == "waiting"
+    lock.release()
+
+    def reply_starts(original=capture_choice.decide):
+        def decide(model, kinds, path=None):
+            if measured.interrupted == 0:
+                lock.acquire()  # a reply begins during the timed rounds
+                threading.Timer(0.5, lock.release).start()
+            return original(model, kinds, path)
+        return decide
+
+    measured.decide = reply_starts()
+    assert measured.wait(WAIT_S)
+    assert measured.interrupted == 1 and len(calls) == 2  # ended once, then again from the start
+    assert measured.state == "done" and measured.choices() == {"target": "on"}
+
+
+def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    for capture in ("off", "on"):
+        assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture=capture, measure_capture=True).calibration is None
+    monkeypatch.setenv(calibration.ENV, "0")
+    assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto").calibration is None
+    monkeypatch.setenv(calibration.ENV, "1")
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
+    assert engine.calibration is not None and engine.calibration.wait(WAIT_S)
+    engine.close()
+
+
+def test_a_replaced_pair_measures_nothing_more(record, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    measured = calibration.Calibration([("target", tiny_llama(0, layers=1, dtype=torch.float32))], lambda: True)
+    measured.cancel()  # Engine.close(): the load of another pair
+    assert measured.wait(WAIT_S) and calls == [] and measured.state == "waiting" and not measured.entries
+
+
+def test_a_failed_measurement_leaves_the_pair_eager_with_a_note(record, monkeypatch):
+    def broken(model, check):
+        raise RuntimeError("inductor could not build a kernel")
+
+    monkeypatch.setattr(capture_choice, "prepare", broken)
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
+    assert engine.calibration.wait(WAIT_S) and engine.calibration.state == "failed"
+    assert greedy_plain(engine) and engine.target.runner is None
+    assert any("measuring compiled forwards failed" in note for note in engine.capture_report()["notes"])
+    assert capture_choice.cached_choice(model) is None  # not recorded: measured again at the next load
+
+
+def greedy_plain(engine: Engine) -> list[int]:
+    generation = engine.generate(GenerationRequest([5, 9, 13], 4), make_method("autoregressive"))
+    with engine.lock:
+        for _ in generation:
+            pass
+    return generation.output_ids
+
+
+def test_the_real_measurement_in_the_background_records_and_is_adopted(record, monkeypatch):
+    """Real compiles, real rounds, on the measuring thread; a reply while it compiles ends the
+    compile (it starts again after) and decodes eagerly meanwhile."""
+    monkeypatch.setattr(capture_choice, "TOKENS", 4)
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    want = greedy_plain(Engine(model, TinyTokenizer(), eos_ids=[EOS]))
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
+    deadline = time.monotonic() + WAIT_S
+    while not engine.calibration.state.startswith("compiling") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the compile
+    assert greedy_plain(engine) == want and engine.target.runner is None  # eager while measuring
+    measured = engine.calibration
+    assert measured.wait(WAIT_S) and measured.state == "done", measured.note
+    entry = measured.entries["target"]
+    assert set(entry["ms"]) == {"off", "on"} and entry["threads"] == torch.get_num_threads()
+    assert capture_choice.cached_choice(model) == entry["choice"]
+    assert greedy_plain(engine) == want  # adopted: compiled (in the background) or eager, as measured
+    assert (engine.target.runner is not None) is (entry["choice"] == "on")
+    engine.close()
