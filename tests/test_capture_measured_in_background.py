@@ -60,15 +60,17 @@ def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, m
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
     assert engine.target.runner is None and engine.draft.runner is None  # eager while measuring
     assert engine.calibration is not None and not engine.settled()
+    assert "target and draft measuring compiled against eager" in capture_line(engine.capture_report())
     assert engine.calibration.wait(WAIT_S)
     assert calls == [target, draft]  # each model measured, in order
     data = json.loads(record.read_text())
     assert {entry["choice"] for entry in data.values()} == {"on"} and len(data) == 2
-    assert "measuring" in engine.capture_report()
-    assert "measuring compiled against eager" in capture_line(engine.capture_report())
+    deadline = time.monotonic() + WAIT_S
+    while engine.calibration is not None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the measuring thread adopts the choice as it ends, no reply decoding
+    assert engine.calibration is None and "measuring" not in engine.capture_report()
 
-    got = greedy(engine, prompt)  # the reply adopts the record: compiled, compiling in the background
-    assert engine.calibration is None
+    got = greedy(engine, prompt)  # compiled forwards, compiling in the background: eager until ready
     for session in (engine.target, engine.draft):
         assert session.runner is not None and session.runner.compiled and session.runner.warmup is not None
     assert got == want
@@ -77,6 +79,7 @@ def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, m
     again = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
     assert again.calibration is None and again.target.runner.compiled
     again.close()
+    assert engine.settle(WAIT_S) and again.settle(WAIT_S)  # no compile left running past the test
 
 
 def test_compiled_measured_slower_stays_eager_and_is_recorded(record, monkeypatch):
@@ -96,7 +99,7 @@ def test_a_reply_ends_the_measurement_which_starts_again_after(record, monkeypat
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     lock = threading.Lock()
     lock.acquire()  # a reply decodes from the start: nothing is measured
-    measured = calibration.Calibration([("target", model)], lock.locked)
+    measured = calibration.Calibration([("target", model)], lock.locked).start()
     time.sleep(1.0)
     assert calls == [] and measured.state == "waiting"
     lock.release()
@@ -132,7 +135,7 @@ def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeyp
 def test_a_replaced_pair_measures_nothing_more(record, monkeypatch):
     calls: list = []
     monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
-    measured = calibration.Calibration([("target", tiny_llama(0, layers=1, dtype=torch.float32))], lambda: True)
+    measured = calibration.Calibration([("target", tiny_llama(0, layers=1, dtype=torch.float32))], lambda: True).start()
     measured.cancel()  # Engine.close(): the load of another pair
     assert measured.wait(WAIT_S) and calls == [] and measured.state == "waiting" and not measured.entries
 
@@ -144,7 +147,8 @@ def test_a_failed_measurement_leaves_the_pair_eager_with_a_note(record, monkeypa
     monkeypatch.setattr(capture_choice, "prepare", broken)
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
-    assert engine.calibration.wait(WAIT_S) and engine.calibration.state == "failed"
+    measured = engine.calibration
+    assert measured.wait(WAIT_S) and measured.state == "failed"
     assert greedy_plain(engine) and engine.target.runner is None
     assert any("measuring compiled forwards failed" in note for note in engine.capture_report()["notes"])
     assert capture_choice.cached_choice(model) is None  # not recorded: measured again at the next load
@@ -178,3 +182,4 @@ def test_the_real_measurement_in_the_background_records_and_is_adopted(record, m
     assert greedy_plain(engine) == want  # adopted: compiled (in the background) or eager, as measured
     assert (engine.target.runner is not None) is (entry["choice"] == "on")
     engine.close()
+    assert engine.settle(WAIT_S)

@@ -42,9 +42,10 @@ class Calibration:
     `entries` (role: the record's entry), `seconds`, `interrupted`, `note`."""
 
     def __init__(self, models: list[tuple[str, PreTrainedModel]], paused: Callable[[], bool],
-                 measure: tuple[Callable, Callable] | None = None) -> None:
+                 measure: tuple[Callable, Callable] | None = None, done: Callable[[], object] | None = None) -> None:
         """`paused`: True while a reply decodes (the engine's lock's `locked`); `measure`:
-        (prepare, decide) as in capture_choice (a test passes quick ones)."""
+        (prepare, decide) as in capture_choice (a test passes quick ones); `done`: called on
+        this thread once finished (the engine adopts the choice then, if no reply decodes)."""
         self.models = list(models)
         self.paused = paused
         self.prepare, self.decide = measure or (capture_choice.prepare, capture_choice.decide)
@@ -57,8 +58,13 @@ class Calibration:
         self._stopping = False
         self._compiling = False  # prepare() runs: the profile hook may end it
         self._done = threading.Event()
+        self._on_done = done
         atexit.register(_stop_at_exit, weakref.ref(self))
+
+    def start(self) -> Calibration:
+        """Begin on a thread of its own; returns self."""
         threading.Thread(target=self._work, name="specui-measure", daemon=True).start()
+        return self
 
     @property
     def done(self) -> bool:
@@ -111,6 +117,8 @@ class Calibration:
             self.note = f"measuring compiled forwards failed ({type(e).__name__}: {str(e)[:200]}); eager"
         finally:
             self._done.set()
+        if self._on_done is not None and not self._stopping:
+            self._on_done()
 
     def _measure(self, role: str, model: PreTrainedModel) -> bool:
         """One model, again from the start each time a reply ends it; False if cancelled."""

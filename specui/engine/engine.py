@@ -61,16 +61,20 @@ class Engine:
         self.context_len = min(context_len, own) if context_len else own
         self.lock = threading.Lock()  # one generation at a time on these sessions
         self._pause_warmups()
+        self.profile_dir = profile_dir  # None: ~/.cache/specui/profiles
+        self.quantization = quantization
+        self.costs = EngineCosts()  # profile (measured on first need) + running acceptance
+        self.capture_notes: list[str] = []  # what the background measurement said (a failure)
+        self._measured_at = 0.0  # time.monotonic() when its choice was adopted
         # `auto` on a CPU, models never measured here: measured in the background, adopted after
         unmeasured = [(role, m) for role, m, s in (("target", target, self.target), ("draft", draft, self.draft))
                       if m is not None and s.runner is None and not reads_features(m.config)
                       and _unmeasured(capture, m)]
         measure = calibration.enabled() if measure_capture is None else measure_capture
-        self.calibration = Calibration(unmeasured, self.lock.locked) if unmeasured and measure else None
-        self.capture_notes: list[str] = []  # what the background measurement said (a failure)
-        self.profile_dir = profile_dir  # None: ~/.cache/specui/profiles
-        self.quantization = quantization
-        self.costs = EngineCosts()  # profile (measured on first need) + running acceptance
+        self.calibration = (Calibration(unmeasured, self.lock.locked, done=self.adopt_measurement)
+                            if unmeasured and measure else None)
+        if self.calibration is not None:
+            self.calibration.start()
 
     def _sessions(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> tuple:
         """(target session, draft session or None) as the capture setting and this machine's
@@ -96,15 +100,19 @@ class Engine:
             if runner.warmup is not None:
                 runner.warmup.paused = self.lock.locked
 
-    def adopt_measurement(self) -> bool:
+    def adopt_measurement(self, wait: bool = False) -> bool:
         """Once the background measurement is done: where it chose compiled forwards for a
         model, the sessions are rebuilt to run them (compiled in the background: no reply waits);
-        True if they were. Only while no reply decodes (else: at a later call)."""
-        measured = self.calibration
-        if measured is None or not measured.done or not self.lock.acquire(blocking=False):
+        True if they were. Only while no reply decodes: else at a later call, or, with `wait`,
+        once the reply is done."""
+        if self.calibration is None or not self.calibration.done or not self.lock.acquire(blocking=wait):
             return False
         try:
+            measured = self.calibration
+            if measured is None:  # adopted meanwhile (the measuring thread adopts as it ends)
+                return False
             self.calibration = None
+            self._measured_at = time.monotonic()
             self.capture_notes = [measured.note] if measured.note else []
             if "on" not in measured.choices().values():
                 return False
@@ -125,7 +133,8 @@ class Engine:
         time eager forwards for compiled ones): fixed defaults until the compiles settle."""
         if self.costs.profile is None or refresh:
             try:
-                if not refresh and not self.settled():
+                # (a background measurement of eager forwards does not count: eager ones run meanwhile)
+                if not refresh and not all(r.settled for r in self._runners()):
                     cached = cached_profile(self.target, self.draft, self.profile_dir, self.quantization)
                     if cached is None:
                         self.costs.note = ("cost profile measured once the forwards compiling in the background "
@@ -164,8 +173,8 @@ class Engine:
                 runner.warmup.cancel()
 
     def settled_at(self) -> float:
-        """time.monotonic() when the last background compile finished (0: none ran)."""
-        return max((r.warmup.finished_at for r in self._runners() if r.warmup is not None), default=0.0)
+        """time.monotonic() when the last background compile (or measurement) finished (0: none ran)."""
+        return max([r.warmup.finished_at for r in self._runners() if r.warmup is not None] + [self._measured_at])
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles (benches, before timing; `--capture on` never has
@@ -174,7 +183,7 @@ class Engine:
         if self.calibration is not None:  # measured first, then the forwards it chose compiled
             if not self.calibration.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 return False
-            self.adopt_measurement()
+            self.adopt_measurement(wait=True)
         for runner in self._runners():
             if runner.warmup is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
