@@ -1,6 +1,6 @@
 """`--capture auto` on a CPU whose compiled forwards measured faster: the forwards compile on a
 thread of their own (engine/warmup.py) and no forward waits for a compile. A reply
-ends the compile under way (it starts again after); forwards whose shape has not compiled yet run eagerly; every
+pauses the compile under way (it goes on after); forwards whose shape has not compiled yet run eagerly; every
 forward equals the eager model's; once a shape has compiled, forwards of that shape run
 compiled; a shape first met while decoding (a longer context, a grown cache) is compiled next;
 a compile that fails leaves the model eager with a note; the cost profile is not measured

@@ -1,6 +1,6 @@
 """`--capture auto` on a CPU with no record for a model: the pair decodes eagerly while the model
-is measured in the background (engine/calibration.py); a reply ends the measurement under way,
-which starts again once nothing decodes; the record is written for this machine, and the engine
+is measured in the background (engine/calibration.py); a reply pauses the compile under way (or
+ends timed rounds, timed again once nothing decodes); the record is written for this machine, and the engine
 adopts the faster forwards before its next reply (compiled ones compiling in the background, so
 no reply waits); replies equal eager decoding throughout."""
 
@@ -25,20 +25,25 @@ def record(tmp_path, monkeypatch):
     return path
 
 
-def quick_measure(on_ms: float, calls: list, interrupt: threading.Event | None = None):
-    """A prepare() whose rounds cost nothing: compiled forwards take `on_ms` a token, eager 2 ms;
-    with `interrupt` set, the first timed token finds a reply decoding (it takes `lock`)."""
+def quick_measure(on_ms: float, calls: list):
+    """A timers() whose kinds prepare at once and whose rounds cost nothing: compiled forwards
+    take `on_ms` a token, eager 2 ms; `calls` gets (model, kind) as each kind is prepared."""
 
-    def prepare(model, check):
-        calls.append(model)
+    def timers(model):
+        def kind(name: str, ms: float):
+            def make(check):
+                calls.append((model, name))
 
-        def eager() -> float:
-            check()  # the real rounds check before each timed token
-            return 2.0
+                def one_round() -> float:
+                    check()  # the real rounds check before each timed token
+                    return ms
 
-        return {"off": (eager, 0.0), "on": (lambda: on_ms, 0.1)}
+                return one_round, 0.0
+            return make
 
-    return prepare
+        return {"on": kind("on", on_ms), "off": kind("off", 2.0)}
+
+    return timers
 
 
 def greedy(engine: Engine, prompt: list[int], n: int = 12) -> list[int]:
@@ -51,7 +56,7 @@ def greedy(engine: Engine, prompt: list[int], n: int = 12) -> list[int]:
 
 def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
     target, draft = tiny_llama(0, layers=2, dtype=torch.float32), tiny_llama(1, layers=1, dtype=torch.float32)
     reference = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])  # eager, capture off
     prompt = [5, 9, 13, 17, 21, 25, 4]
@@ -62,7 +67,7 @@ def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, m
     assert engine.calibration is not None and not engine.settled()
     assert "target and draft measuring compiled against eager" in capture_line(engine.capture_report())
     assert engine.calibration.wait(WAIT_S)
-    assert calls == [target, draft]  # each model measured, in order
+    assert calls == [(target, "on"), (target, "off"), (draft, "on"), (draft, "off")]  # in order
     data = json.loads(record.read_text())
     assert {entry["choice"] for entry in data.values()} == {"on"} and len(data) == 2
     deadline = time.monotonic() + WAIT_S
@@ -84,7 +89,7 @@ def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, m
 
 def test_compiled_measured_slower_stays_eager_and_is_recorded(record, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(capture_choice, "prepare", quick_measure(3.0, calls))
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(3.0, calls))
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
     assert engine.settle(WAIT_S)  # benches settle: waits for the measurement, then adopts it
@@ -95,7 +100,7 @@ def test_compiled_measured_slower_stays_eager_and_is_recorded(record, monkeypatc
 
 def test_a_reply_ends_the_measurement_which_starts_again_after(record, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     lock = threading.Lock()
     lock.acquire()  # a reply decodes from the start: nothing is measured
@@ -114,13 +119,13 @@ def test_a_reply_ends_the_measurement_which_starts_again_after(record, monkeypat
 
     measured.decide = reply_starts()
     assert measured.wait(WAIT_S)
-    assert measured.interrupted == 1 and len(calls) == 2  # ended once, then again from the start
+    assert measured.interrupted == 1 and len(calls) == 2  # the rounds ended once, timed again; prepared once
     assert measured.state == "done" and measured.choices() == {"target": "on"}
 
 
 def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     for capture in ("off", "on"):
         assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture=capture, measure_capture=True).calibration is None
@@ -134,17 +139,17 @@ def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeyp
 
 def test_a_replaced_pair_measures_nothing_more(record, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(capture_choice, "prepare", quick_measure(1.0, calls))
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
     measured = calibration.Calibration([("target", tiny_llama(0, layers=1, dtype=torch.float32))], lambda: True).start()
     measured.cancel()  # Engine.close(): the load of another pair
     assert measured.wait(WAIT_S) and calls == [] and measured.state == "waiting" and not measured.entries
 
 
 def test_a_failed_measurement_leaves_the_pair_eager_with_a_note(record, monkeypatch):
-    def broken(model, check):
+    def broken(check):
         raise RuntimeError("inductor could not build a kernel")
 
-    monkeypatch.setattr(capture_choice, "prepare", broken)
+    monkeypatch.setattr(capture_choice, "timers", lambda model: {"on": broken})
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
     measured = engine.calibration

@@ -1,15 +1,15 @@
 """`--capture auto` on a CPU with no record for a model: eager against compiled forwards measured
-in the background (engine/capture_choice.py's prepare and decide), while no reply decodes.
+in the background (engine/capture_choice.py's timers and decide), while no reply decodes.
 
-The pair decodes eagerly meanwhile. One thread, at the lowest CPU priority: it compiles each
-model's padded shapes on sessions of its own (a reply that starts ends the compile under way,
-as the Warmup's do), then times eager and compiled rounds taking turns, with no profile hook
-(a hook on every Python call would slow eager rounds more than compiled ones) but a check
-before each timed token, so a reply that starts ends the round. Whatever a reply ended starts
-again from the beginning once nothing decodes (inductor's disk cache keeps what compiled).
-The record it writes is what the engine adopts before its next reply (Engine.generate):
-compiled in the background where compiled measured faster, eager otherwise, and what every
-later load on this machine reads without measuring again."""
+The pair decodes eagerly meanwhile. Each step runs on a fresh thread at the lowest CPU
+priority: preparing one kind of forward (compiled, compiled with grouped attention, eager) on a
+session of its own, the thread sleeping while a reply decodes (a profile hook, as the Warmup's
+compiles wait) and going on where it was after; then timing the kinds' rounds taking turns,
+with no profile hook (a hook on every Python call would slow eager rounds more than compiled
+ones) but a check before each timed token, so a reply that starts ends the rounds, which are
+timed again once nothing decodes. The record it writes is what the engine adopts (as the last
+step ends, or before its next reply): compiled in the background where compiled measured
+faster, eager otherwise; every later load on this machine reads it without measuring again."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.warmup import EXIT_WAIT_S, Stopped, lowest_priority
+from specui.engine.warmup import Stopped, end_threads, lowest_priority
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -39,31 +39,34 @@ def enabled() -> bool:
 class Calibration:
     """Measures `models` ([(role, model)], in order) in the background; plain bookkeeping for
     the report: `state` ("waiting", "compiling <role>", "timing <role>", "done", "failed"),
-    `entries` (role: the record's entry), `seconds`, `interrupted`, `note`."""
+    `entries` (role: the record's entry), `seconds`, `interrupted` (replies that paused a
+    compile or ended a timing), `note`."""
 
     def __init__(self, models: list[tuple[str, PreTrainedModel]], paused: Callable[[], bool],
                  measure: tuple[Callable, Callable] | None = None, done: Callable[[], object] | None = None) -> None:
         """`paused`: True while a reply decodes (the engine's lock's `locked`); `measure`:
-        (prepare, decide) as in capture_choice (a test passes quick ones); `done`: called on
-        this thread once finished (the engine adopts the choice then, if no reply decodes)."""
+        (timers, decide) as in capture_choice (a test passes quick ones); `done`: called on
+        the last thread once finished (the engine adopts the choice then, if no reply decodes)."""
         self.models = list(models)
         self.paused = paused
-        self.prepare, self.decide = measure or (capture_choice.prepare, capture_choice.decide)
+        self.timers, self.decide = measure or (capture_choice.timers, capture_choice.decide)
         self.entries: dict[str, dict] = {}
         self.state = "waiting"
         self.note = ""
         self.seconds = 0.0
         self.interrupted = 0
         self.threads = torch.get_num_threads()  # the pair's thread count: what is measured and recorded
+        self._kinds: dict[str, tuple] = {}  # the model under way's kinds prepared so far
         self._stopping = False
-        self._compiling = False  # prepare() runs: the profile hook may end it
+        self._compiling = False  # a kind is being prepared: the profile hook pauses it
+        self._ident: int | None = None  # the thread preparing it
         self._done = threading.Event()
         self._on_done = done
         atexit.register(_stop_at_exit, weakref.ref(self))
 
     def start(self) -> Calibration:
         """Begin on a thread of its own; returns self."""
-        threading.Thread(target=self._work, name="specui-measure", daemon=True).start()
+        self._next()
         return self
 
     @property
@@ -88,9 +91,16 @@ class Calibration:
             raise Stopped("a reply decodes")
 
     def _hook(self, _frame, event: str, _arg) -> None:
-        """This thread's profile hook while compiling: ends the compile when a reply starts."""
-        if event == "call" and self._compiling and (self._stopping or self.paused()):
-            raise Stopped("a reply decodes")
+        """This thread's profile hook while preparing a kind: wait (sleeping) while a reply
+        decodes, then go on where it was (as the Warmup's compiles do); end it at exit."""
+        if event != "call" or not self._compiling:
+            return
+        if self.paused() and not self._stopping:
+            self.interrupted += 1
+            while self.paused() and not self._stopping:
+                time.sleep(PAUSE_POLL_S)
+        if self._stopping:
+            raise Stopped("the interpreter is exiting")
 
     def _idle(self) -> bool:
         """Wait until no reply has decoded for IDLE_S; False if the measurement is cancelled."""
@@ -103,46 +113,70 @@ class Calibration:
             time.sleep(0.05)
         return False
 
+    def _next(self) -> None:
+        """The next step on a fresh thread: a thread that ran a model's forwards keeps an OpenMP
+        team while it lives, and a second team beside a reply's makes libgomp stop spinning its
+        workers (the reply's eager tokens 16 -> 25-29 ms on a 2-core EPYC: engine/warmup.py)."""
+        threading.Thread(target=self._work, name="specui-measure", daemon=True).start()
+
     def _work(self) -> None:
+        """One step: prepare the next kind of the model under way (one compile, the thread
+        waiting while replies decode), or time its kinds (a reply ends the rounds: timed again
+        on a fresh thread once nothing decodes), then hand on to a fresh thread."""
         lowest_priority()
         torch.set_num_threads(self.threads)
+        t0 = time.perf_counter()
         try:
-            for role, model in self.models:
-                if not self._measure(role, model):
-                    break
-            if not self._stopping:
-                self.state = "done"
+            if not self._idle() or not self.models:
+                return self._finish()
+            role, model = self.models[0]
+            kinds = self.timers(model)
+            todo = [kind for kind in kinds if kind not in self._kinds]
+            if todo:
+                self.state = f"compiling {role}"
+                self._prepare(todo[0], kinds[todo[0]])
+            else:
+                self.state = f"timing {role}"
+                try:
+                    self.entries[role] = self.decide(model, self._kinds)
+                except Stopped:
+                    self.interrupted += 1
+                else:
+                    self.models.pop(0)
+                    self._kinds = {}
+        except Stopped:  # the interpreter exits
+            return self._finish()
         except Exception as e:  # noqa: BLE001 - a measurement that fails leaves the pair eager, with a note
-            self.state = "failed"
-            self.note = f"measuring compiled forwards failed ({type(e).__name__}: {str(e)[:200]}); eager"
+            if not self._stopping:
+                self.state = "failed"
+                self.note = f"measuring compiled forwards failed ({type(e).__name__}: {str(e)[:200]}); eager"
+            return self._finish()
         finally:
-            self._done.set()
+            self.seconds += time.perf_counter() - t0
+        self._next()
+
+    def _prepare(self, kind: str, make: Callable) -> None:
+        """Compile (or warm) one kind under the profile hook; its rounds are timed later."""
+        self._ident = threading.get_ident()
+        self._compiling = True
+        sys.setprofile(self._hook)  # this thread only
+        try:
+            # kernels for the pair's thread count (inductor reads this thread's at compile time)
+            with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
+                self._kinds[kind] = make(self._check)
+        finally:
+            self._compiling = False
+            sys.setprofile(None)
+
+    def _finish(self) -> None:
+        if not self._stopping and self.state != "failed":
+            self.state = "done"
+        self._done.set()
         if self._on_done is not None and not self._stopping:
             self._on_done()
 
-    def _measure(self, role: str, model: PreTrainedModel) -> bool:
-        """One model, again from the start each time a reply ends it; False if cancelled."""
-        while self._idle():
-            t0 = time.perf_counter()
-            try:
-                self.state = f"compiling {role}"
-                self._compiling = True
-                sys.setprofile(self._hook)  # this thread only
-                # kernels for the pair's thread count (inductor reads this thread's at compile time)
-                with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
-                    kinds = self.prepare(model, self._check)
-                    self._compiling = False
-                    sys.setprofile(None)
-                    self.state = f"timing {role}"
-                    self.entries[role] = self.decide(model, kinds)
-                return True
-            except Stopped:
-                self.interrupted += 1
-            finally:
-                self._compiling = False
-                sys.setprofile(None)
-                self.seconds += time.perf_counter() - t0
-        return False
+
+PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
@@ -151,4 +185,4 @@ def _stop_at_exit(ref: weakref.ref) -> None:
     calibration = ref()
     if calibration is not None:
         calibration.cancel()
-        calibration.wait(EXIT_WAIT_S)
+        end_threads(lambda: calibration.wait(0.1), lambda: calibration._ident if calibration._compiling else None)

@@ -19,12 +19,12 @@ a few compiles serve every bucket and window (automatic dynamic shapes); a compi
 leaves the model eager, with a note. With `background` (what `--capture auto` runs on a CPU
 that measured compiled forwards faster) no forward waits for a compile: a Warmup compiles each
 shape on a scratch cache of the same size, one thread per shape, at the lowest CPU priority,
-while no reply decodes (a reply ends the compile under way; it starts again once the reply is
+while no reply decodes (a reply pauses the compile under way; it goes on once the reply is
 done); meanwhile a forward runs compiled where a call finds its shape compiled already
 (torch.compile's "fail_on_recompile" stance) and eagerly otherwise, asking the Warmup for that
 shape. Measured on a 2-core EPYC (bundled pair, bf16 on int4 blocks): a compile beside a
 decoding thread cost that thread 2-8x per token (each op waits to take the GIL back; a second
-OpenMP team makes libgomp stop spinning its workers), hence the interruption. Compiled code is
+OpenMP team makes libgomp stop spinning its workers), hence the pause. Compiled code is
 cached on disk by inductor, under ~/.cache/specui/inductor unless TORCHINDUCTOR_CACHE_DIR
 was set first; a failure that a stale cache may explain is retried once on a fresh one.
 Measured on an H100 (random weights, the bundled target's shape, bf16): one replayed graph

@@ -1,8 +1,9 @@
 """`--capture auto` on a CPU, chosen by measurement: eager forwards against compiled padded
 shapes (`--capture on`), one token at a time after a short context, per model, dtype, CPU,
 thread count and torch version, cached on disk like the dtype choice. Compiling costs a minute
-or more on a small CPU, so nothing measures it unasked: `python -m specui.bench.capture` records
-the choice, and `auto` reads it; with no record, a CPU stays eager. Measured on a 2-core Zen 4
+or more on a small CPU, so no reply waits for it: `python -m specui.bench.capture` records the
+choice in the foreground, and with no record `auto` decodes eagerly while engine/calibration.py
+measures in the background, while no reply decodes; `auto` then reads the record. Measured on a 2-core Zen 4
 EPYC: the bundled target in bf16 on int4 blocks 16.9 ms a token eager, 12.8 compiled (on); in
 float32 56.8 against 55.1 (off); the int4 draft in float32 12.5 against 2.0. Other CPUs differ
 (the issue's AMX Xeon: 1.17-1.52x with inductor's freezing), hence a choice per machine."""
@@ -81,13 +82,14 @@ def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None
     to end the round when a reply starts to decode)."""
     session = ModelSession(model, capture=capture, grouped=grouped)
     vocab = model.config.vocab_size
-    ids = [(7 * i + 3) % vocab for i in range(CONTEXT)]
+    ids = [(7 * i + 3) % vocab for i in range(CONTEXT)] + [5 % vocab] * 3
     with torch.inference_mode():
         t0 = time.perf_counter()
-        session.advance(ids, 1)
-        for _ in range(2):  # the shapes a reply needs: compiled (or warmed) before timing
-            ids.append(5 % vocab)
-            session.advance(ids, 1)
+        # one token at a time from the first: one shape, compiled (or warmed) before any other
+        # forward runs (a measuring thread that waits while a compile is under way then holds
+        # no OpenMP team: engine/calibration.py)
+        for n in range(1, len(ids) + 1):
+            session.advance(ids[:n], 1)
         first = time.perf_counter() - t0
 
     def one_round() -> float:
@@ -106,14 +108,20 @@ def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None
     return one_round, first
 
 
-def prepare(model: PreTrainedModel, check: Callable[[], None] | None = None) -> dict:
-    """The kinds measure() times, each compiled (or warmed) already: {kind: (one round, the
-    seconds its first forwards took)}; eager, compiled, and (where the model attends through
-    engine/attention.py) compiled with grouped attention, a compile of its own."""
-    kinds = {"off": round_timer(model, "off", check=check), "on": round_timer(model, "on", check=check)}
+def timers(model: PreTrainedModel) -> dict[str, Callable]:
+    """The kinds measure() times, each as a function of `check` that prepares it (compiles or
+    warms it) and returns round_timer()'s pair: compiled, compiled with grouped attention
+    (where the model attends through engine/attention.py: a compile of its own), eager."""
+    kinds = {"on": lambda check: round_timer(model, "on", check=check)}
     if routed_attention(model):
-        kinds["on+grouped"] = round_timer(model, "on", GROUPED, check)
+        kinds["on+grouped"] = lambda check: round_timer(model, "on", GROUPED, check)
+    kinds["off"] = lambda check: round_timer(model, "off", check=check)
     return kinds
+
+
+def prepare(model: PreTrainedModel, check: Callable[[], None] | None = None) -> dict:
+    """timers(), each prepared: {kind: (one round, the seconds its first forwards took)}."""
+    return {kind: make(check) for kind, make in timers(model).items()}
 
 
 def measure(model: PreTrainedModel, path: Path | None = None) -> dict:

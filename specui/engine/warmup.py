@@ -1,18 +1,20 @@
 """Compiling a model's padded shapes off the decoding thread (`--capture auto` on a CPU that
 measured compiled forwards faster; engine/capture.py runs them).
 
-One thread per shape, at the lowest CPU priority, only while no reply decodes: a reply ends the
-compile under way, which starts again once the reply is done. Measured on a 2-core EPYC
-(bundled pair, bf16 on int4 blocks), a compile beside a decoding thread cost that thread 2-8x
-per token (each op waits to take the GIL back), and a compile thread that lives on with its
-OpenMP team made libgomp stop spinning its workers (eager tokens 16 -> 25-29 ms, for as long
-as the thread lived). Compiled code is cached on disk by inductor, under
+One thread per shape, at the lowest CPU priority, only while no reply decodes: a reply pauses
+the compile under way (its thread sleeps, holding neither the GIL nor a core), which goes on
+where it was once the reply is done. Measured on a 2-core EPYC (bundled pair, bf16 on int4
+blocks), a compile beside a decoding thread cost that thread 2-8x per token (each op waits to
+take the GIL back), and a thread that lives on with its OpenMP team made libgomp stop spinning
+its workers (eager tokens 16 -> 25-29 ms, for as long as the thread lived): each shape
+compiles on a fresh thread, which ends after the shape's one forward. Compiled code is cached on disk by inductor, under
 ~/.cache/specui/inductor unless TORCHINDUCTOR_CACHE_DIR was set first; a failure a stale cache
 may explain is retried once on a fresh one."""
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import shutil
 import sys
@@ -38,13 +40,13 @@ class Warmup:
     the runner's capacity (zeros: what a forward reads there does not matter, only its shapes),
     so no forward waits for a compile. Asked at the start for every bucket over the first
     window and two over the second (the shapes a reply meets first), then for any shape a
-    decoding call found uncompiled. `paused` (the engine's lock held: a reply decodes) ends the
-    compile under way; it starts again once nothing decodes. A shape is (bucket, window,
+    decoding call found uncompiled. `paused` (the engine's lock held: a reply decodes) pauses the
+    compile under way; it goes on once nothing decodes. A shape is (bucket, window,
     capacity) for the runner's own one-row forwards, and (bucket, window, capacity, rows) for
     several rows over the same model (beam search's and DSBD's RowSession, which asks with the
     forward that builds and runs such a shape: `ask(shape, run)`). Plain bookkeeping for the
-    report: `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling),
-    `interrupted`, `note`."""
+    report: `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling, pauses
+    included), `interrupted` (pauses), `paused_s`, `note`."""
 
     def __init__(self, runner, first: list[tuple[int, int]]) -> None:
         """`runner`: the StaticForward to compile for; `first`: the (bucket, window) shapes to
@@ -61,8 +63,10 @@ class Warmup:
         self._busy = False
         self._compiling = False  # inside _compile (where the profile hook may pause)
         self._stopping = False  # the interpreter exits: end the compile under way
-        self._aborted = False  # the hook ended the compile under way
-        self.interrupted = 0  # compiles a reply ended (each started again after it)
+        self._aborted = False  # the exit ended the compile under way
+        self.interrupted = 0  # times a reply paused the compile under way
+        self.paused_s = 0.0  # seconds compiles spent paused while replies decoded
+        self._ident: int | None = None  # the compiling thread (threading.get_ident())
         self._restarts = 0
         self._retried = False
         self._scratch: StaticKVCache | None = None
@@ -119,15 +123,28 @@ class Warmup:
                 threading.Thread(target=self._work, name="specui-compile", daemon=True).start()
 
     def _yield(self, _frame, event: str, _arg) -> None:
-        """This thread's profile hook: at each call inside a compile, end the compile when a
-        reply starts to decode (or the interpreter exits); the shape stays queued. Ending, not
-        waiting: a thread that ran parallel ops keeps an OpenMP team while it lives, and two
-        teams oversubscribe the cores (libgomp then stops spinning its workers: measured on 2
-        cores, an eager reply beside a paused compile decoded at half speed). Never fires where
-        the thread holds the queue's lock, which a decoding thread may be asking for."""
-        if event == "call" and self._compiling and (self._stopping or self.paused()):
+        """This thread's profile hook: at each call inside a compile, wait while a reply
+        decodes (sleeping, so the compile holds neither the GIL nor a core), then go on where
+        it was; end the compile when the interpreter exits (the shape stays queued). Waiting,
+        not ending: raising here ended a compile only where nothing caught the exception, and
+        CPython drops a profile hook that raises, so a compile whose first exception was caught
+        (sympy catches them) ran on beside the reply with the GIL: measured on a 2-core Xeon
+        (bundled pair, bf16 on int4 blocks, speculative gamma 3, 48 tokens), a reply 20 s into
+        the compile spent 14-17 s in its first step (2.0-2.8 tok/s, eager alone 20-27), and each
+        reply that did end it threw the compile's progress away. While the profile runs
+        (`runner.blocking`: it waits for compiled forwards) nothing waits. Never fires where the
+        thread holds the queue's lock, which a decoding thread may be asking for."""
+        if event != "call" or not self._compiling:
+            return
+        if self.paused() and not self._stopping and not self.runner.blocking:
+            t0 = time.perf_counter()
+            self.interrupted += 1
+            while self.paused() and not self._stopping and not self.runner.blocking:
+                time.sleep(PAUSE_POLL_S)
+            self.paused_s += time.perf_counter() - t0
+        if self._stopping:
             self._aborted = True
-            raise Stopped("a reply decodes" if not self._stopping else "the interpreter is exiting")
+            raise Stopped("the interpreter is exiting")
 
     def _resume(self) -> None:
         """After a reply ended a compile: once no reply decodes, a fresh thread goes on."""
@@ -141,7 +158,7 @@ class Warmup:
 
     def _work(self) -> None:
         """Compile the first queued shape, then hand on to a fresh thread (this one's OpenMP
-        team ends with it) or, where a reply ended the compile, to `_resume`."""
+        team ends with it) or, where the exit ended the compile, to `_resume`."""
         sys.setprofile(self._yield)  # this thread only
         lowest_priority()
         with self._cond:
@@ -150,10 +167,11 @@ class Warmup:
                 return
             shape = self.queue[0]
         t0 = time.perf_counter()
+        self._ident = threading.get_ident()
         self._compiling, self._aborted = True, False
         try:
             ok = self._compile(shape)
-        except Exception as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
+        except (Exception, Stopped) as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
             ok = None if self._aborted else False
             if not self._aborted:
                 self.note = f"compiling {shape[0]} tokens over {shape[1]} slots failed: {type(e).__name__}: {e}"[:240]
@@ -162,8 +180,7 @@ class Warmup:
             sys.setprofile(None)
         with self._cond:
             self.seconds += time.perf_counter() - t0
-            if ok is None:  # ended by a reply (or the exit): the shape stays queued
-                self.interrupted += 1
+            if ok is None:  # ended by the exit: the shape stays queued
                 nxt = self._resume
             else:
                 self.queue.remove(shape)
@@ -242,6 +259,7 @@ def lowest_priority() -> None:
 
 
 RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
+PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
 EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
 
 
@@ -253,11 +271,26 @@ def _stop_at_exit(ref: weakref.ref) -> None:
     if warmup is not None:
         warmup._stopping = True
         warmup.cancel()
-        warmup.wait(EXIT_WAIT_S)
+        end_threads(lambda: warmup.wait(0.1), lambda: warmup._ident if warmup._compiling else None)
 
 
-class Stopped(Exception):
-    """Raised inside a compile by the Warmup's own hook to end it (a reply decodes, or exit)."""
+def end_threads(ended: Callable[[], bool], compiling: Callable[[], int | None]) -> None:
+    """At exit, until `ended()` (at most EXIT_WAIT_S; it waits a little itself): raise Stopped
+    in the thread `compiling()` names (None: none compiles now), again each second it goes on.
+    The hook's own exception may meet a clause that catches BaseException, and CPython drops
+    a hook that raised."""
+    deadline, sent = time.monotonic() + EXIT_WAIT_S, 0.0
+    while not ended() and time.monotonic() < deadline:
+        ident = compiling()
+        if ident is not None and time.monotonic() - sent > 1.0:  # the last one may still be unwinding
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
+            sent = time.monotonic()
+
+
+class Stopped(BaseException):
+    """Raised inside a compile to end it (the interpreter exits; a measurement's timed rounds
+    when a reply starts). Not an Exception: the compiler's own `except Exception` clauses (sympy,
+    dynamo) would swallow it and the compile would go on."""
 
 
 def compile_cache_dir() -> Path:

@@ -35,8 +35,8 @@ def capture_line(report: dict) -> str:
     measuring = report.get("measuring")
     if measuring:  # `auto` on a CPU with no record yet: eager until measured
         parts.append(f"{' and '.join(measuring['models'])} measuring compiled against eager forwards in the "
-                     f"background ({measuring['state']}, {measuring['seconds']:.0f} s so far; a reply interrupts "
-                     "it), the faster used from the next reply on and recorded for this machine")
+                     f"background ({measuring['state']}; a reply pauses it), the faster used once measured "
+                     "and recorded for this machine")
     parts += report.get("notes", [])
     return f"forwards (capture {report['setting']}): " + "; ".join(parts)
 
@@ -53,8 +53,7 @@ def _compile_state(state: dict) -> str:
         return (f"compiled ({ready}; {len(done)} shapes compiled in the background in "
                 f"{state['compile_s']:.0f} s)")
     return (f"compiling in the background: {ready} ready ({len(done)} of {total} shapes, "
-            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply interrupts it, "
-            "it starts again when idle")
+            f"{state['compile_s']:.0f} s so far), the rest eager until then; a reply pauses it")
 
 
 def options_report(pair: ModelPair, progress=None) -> tuple[str, list]:
