@@ -46,6 +46,14 @@ def quick_measure(on_ms: float, calls: list):
     return timers
 
 
+def adopted(engine: Engine) -> bool:
+    """Wait until the measuring thread has handed its choice to the engine."""
+    deadline = time.monotonic() + WAIT_S
+    while engine.calibration is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.calibration is None
+
+
 def greedy(engine: Engine, prompt: list[int], n: int = 12) -> list[int]:
     generation = engine.generate(GenerationRequest(list(prompt), n), make_method("speculative", gamma=3))
     with engine.lock:
@@ -70,10 +78,7 @@ def test_auto_measures_in_the_background_then_adopts_compiled_forwards(record, m
     assert calls == [(target, "on"), (target, "off"), (draft, "on"), (draft, "off")]  # in order
     data = json.loads(record.read_text())
     assert {entry["choice"] for entry in data.values()} == {"on"} and len(data) == 2
-    deadline = time.monotonic() + WAIT_S
-    while engine.calibration is not None and time.monotonic() < deadline:
-        time.sleep(0.05)  # the measuring thread adopts the choice as it ends, no reply decoding
-    assert engine.calibration is None and "measuring" not in engine.capture_report()
+    assert adopted(engine) and "measuring" not in engine.capture_report()  # on the measuring thread
 
     got = greedy(engine, prompt)  # compiled forwards, compiling in the background: eager until ready
     for session in (engine.target, engine.draft):
@@ -153,7 +158,7 @@ def test_a_failed_measurement_leaves_the_pair_eager_with_a_note(record, monkeypa
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
     measured = engine.calibration
-    assert measured.wait(WAIT_S) and measured.state == "failed"
+    assert measured.wait(WAIT_S) and measured.state == "failed" and adopted(engine)
     assert greedy_plain(engine) and engine.target.runner is None
     assert any("measuring compiled forwards failed" in note for note in engine.capture_report()["notes"])
     assert capture_choice.cached_choice(model) is None  # not recorded: measured again at the next load
@@ -183,8 +188,29 @@ def test_the_real_measurement_in_the_background_records_and_is_adopted(record, m
     assert measured.wait(WAIT_S) and measured.state == "done", measured.note
     entry = measured.entries["target"]
     assert set(entry["ms"]) == {"off", "on"} and entry["threads"] == torch.get_num_threads()
-    assert capture_choice.cached_choice(model) == entry["choice"]
+    assert capture_choice.cached_choice(model) == entry["choice"] and adopted(engine)
     assert greedy_plain(engine) == want  # adopted: compiled (in the background) or eager, as measured
     assert (engine.target.runner is not None) is (entry["choice"] == "on")
     engine.close()
     assert engine.settle(WAIT_S)
+
+
+def test_first_replies_bench_forgets_the_record_and_shows_the_background_work(tiny_dirs, record, monkeypatch, capsys):
+    from specui.bench import first_replies
+
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
+    monkeypatch.setattr(calibration, "IDLE_S", 0.05)
+    monkeypatch.setenv(calibration.ENV, "1")
+    target, draft, _ = tiny_dirs
+    argv = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--gap", "1", "--replies", "3",
+            "--max-new-tokens", "4"]
+    assert first_replies.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "reply  1:" in out and "reply  3:" in out and "tok/s, first step" in out
+    assert "as it began: measuring (" in out  # the first reply met the measurement under way
+    assert len(calls) == 4 and len(json.loads(record.read_text())) == 2  # target and draft recorded
+    assert first_replies.main(argv) == 0  # recorded: not measured again
+    assert len(calls) == 4
+    assert first_replies.main(argv + ["--forget", "--replies", "1"]) == 0  # forgotten: measured again
+    assert len(calls) == 8

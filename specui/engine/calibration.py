@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.warmup import Stopped, end_threads, lowest_priority
+from specui.engine.warmup import Stopped, end_threads, lowest_priority, may_pause
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -81,6 +81,10 @@ class Calibration:
         """Measure nothing more (the pair is replaced, or the interpreter exits)."""
         self._stopping = True
 
+    @property
+    def cancelled(self) -> bool:
+        return self._stopping
+
     def choices(self) -> dict[str, str]:
         """role: "on" / "off", for the models measured."""
         return {role: entry.get("choice", "off") for role, entry in self.entries.items()}
@@ -95,7 +99,7 @@ class Calibration:
         decodes, then go on where it was (as the Warmup's compiles do); end it at exit."""
         if event != "call" or not self._compiling:
             return
-        if self.paused() and not self._stopping:
+        if self.paused() and not self._stopping and may_pause(_frame):
             self.interrupted += 1
             while self.paused() and not self._stopping:
                 time.sleep(PAUSE_POLL_S)
@@ -172,7 +176,7 @@ class Calibration:
         if not self._stopping and self.state != "failed":
             self.state = "done"
         self._done.set()
-        if self._on_done is not None and not self._stopping:
+        if self._on_done is not None:
             self._on_done()
 
 

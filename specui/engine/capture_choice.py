@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,16 @@ def cached(model: PreTrainedModel, path: Path | None = None) -> tuple[str | None
     entry = entry if isinstance(entry, dict) else {}
     choice = entry.get("choice")
     return (choice if choice in ("on", "off") else None), (GROUPED if entry.get("attention") == "grouped" else None)
+
+
+def forget(model: PreTrainedModel, path: Path | None = None) -> bool:
+    """Drop this machine's record for `model` (it is measured again); True if there was one."""
+    path = path or cache_file()
+    data = read(path)
+    if data.pop(choice_key(model), None) is None:
+        return False
+    _write(path, data)
+    return True
 
 
 def cached_choice(model: PreTrainedModel, path: Path | None = None) -> str | None:
@@ -147,10 +158,14 @@ def decide(model: PreTrainedModel, kinds: dict, path: Path | None = None) -> dic
     data = read(path)
     data[choice_key(model)] = entry
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        _write(path, data)
     except OSError as e:
         entry["note"] = f"not cached ({e})"
     return entry
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)

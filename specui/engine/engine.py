@@ -53,14 +53,13 @@ class Engine:
         self.vocab = min(target.config.vocab_size, draft.config.vocab_size if draft is not None else 1 << 62)
         self.capture = capture  # auto / on / off: static caches and captured forwards (engine/capture.py)
         self._heads = (acceptance_head, head_config, head_problem, decision)
+        self.lock = threading.Lock()  # one generation at a time on these sessions
         self.target, self.draft = self._sessions(target, draft)
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         # a smaller window (--context) bounds the cache and truncates long chats earlier; never a larger one
         own = _context_len(target)
         self.context_len = min(context_len, own) if context_len else own
-        self.lock = threading.Lock()  # one generation at a time on these sessions
-        self._pause_warmups()
         self.profile_dir = profile_dir  # None: ~/.cache/specui/profiles
         self.quantization = quantization
         self.costs = EngineCosts()  # profile (measured on first need) + running acceptance
@@ -79,10 +78,11 @@ class Engine:
     def _sessions(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> tuple:
         """(target session, draft session or None) as the capture setting and this machine's
         records say, the draft's heads attached."""
-        target_session = ModelSession(target, self.vocab, *_measured(self.capture, target))
+        target_session = self._paused_while_decoding(ModelSession(target, self.vocab, *_measured(self.capture, target)))
         if draft is None:
             return target_session, None
-        draft_session = _draft_session(draft, self.vocab, target_session, *_measured(self.capture, draft))
+        draft_session = self._paused_while_decoding(
+            _draft_session(draft, self.vocab, target_session, *_measured(self.capture, draft)))
         acceptance_head, head_config, head_problem, decision = self._heads
         # SpecDec++ reads its head from the draft's session
         draft_session.acceptance_head, draft_session.head_config = acceptance_head, dict(head_config or {})
@@ -95,36 +95,40 @@ class Engine:
             draft_session.decision_problem = decision.problem
         return target_session, draft_session
 
-    def _pause_warmups(self) -> None:
-        for runner in self._runners():  # a background compile waits while a reply decodes
-            if runner.warmup is not None:
-                runner.warmup.paused = self.lock.locked
+    def _paused_while_decoding(self, session: ModelSession) -> ModelSession:
+        """A background compile of this session's waits while a reply decodes."""
+        runner = session.runner
+        if runner is not None and runner.warmup is not None:
+            runner.warmup.paused = self.lock.locked
+        return session
 
-    def adopt_measurement(self, wait: bool = False) -> bool:
-        """Once the background measurement is done: where it chose compiled forwards for a
-        model, the sessions are rebuilt to run them (compiled in the background: no reply waits);
-        True if they were. Only while no reply decodes: else at a later call, or, with `wait`,
-        once the reply is done."""
-        if self.calibration is None or not self.calibration.done or not self.lock.acquire(blocking=wait):
+    def adopt_measurement(self) -> bool:
+        """The background measurement is done (called on its last thread): where it chose
+        compiled forwards for a model, sessions that run them (compiled in the background: no
+        reply waits) are built, off the engine's lock (the first compiled model imports inductor:
+        20-40 s on a 2-core Xeon VM, which a reply must not wait for), then swapped in once no
+        reply decodes. True if they were."""
+        measured = self.calibration
+        if measured is None or not measured.done:
             return False
-        try:
-            measured = self.calibration
-            if measured is None:  # adopted meanwhile (the measuring thread adopts as it ends)
-                return False
+        if measured.cancelled:  # the pair was replaced (or the app exits): nothing to adopt
+            self.calibration = None
+            return False
+        fresh = None
+        if "on" in measured.choices().values():
+            fresh = self._sessions(self.target.model, None if self.draft is None else self.draft.model)
+        with self.lock:
             self.calibration = None
             self._measured_at = time.monotonic()
             self.capture_notes = [measured.note] if measured.note else []
-            if "on" not in measured.choices().values():
+            if fresh is None:
                 return False
             old = [s for s in (self.target, self.draft) if s is not None]
-            self.target, self.draft = self._sessions(old[0].model, None if self.draft is None else self.draft.model)
+            self.target, self.draft = fresh
             for session in old:
                 session.reset()
-            self._pause_warmups()
             self.costs.profile = None  # the profile of eager forwards: measured again for these
-            return True
-        finally:
-            self.lock.release()
+        return True
 
     def ensure_profile(self, progress: Progress | None = None, refresh: bool = False) -> EngineCosts:
         """Measure (or read from the disk cache) the pair's cost profile once. A failure or
@@ -180,10 +184,10 @@ class Engine:
         """Wait for the background compiles (benches, before timing; `--capture on` never has
         any); True once settled, False if `timeout` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.calibration is not None:  # measured first, then the forwards it chose compiled
-            if not self.calibration.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        while self.calibration is not None:  # measured and adopted first, then the forwards it chose compiled
+            if deadline is not None and time.monotonic() > deadline:
                 return False
-            self.adopt_measurement(wait=True)
+            time.sleep(0.05)
         for runner in self._runners():
             if runner.warmup is not None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -242,7 +246,6 @@ class Engine:
         self, request: GenerationRequest, method: Method, cancel: threading.Event | None = None,
     ) -> Generation:
         request = self.check(request, method)
-        self.adopt_measurement()
         if method.needs_profile and self.draft is not None:
             self.ensure_profile()
         return Generation(

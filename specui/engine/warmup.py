@@ -136,7 +136,7 @@ class Warmup:
         thread holds the queue's lock, which a decoding thread may be asking for."""
         if event != "call" or not self._compiling:
             return
-        if self.paused() and not self._stopping and not self.runner.blocking:
+        if self.paused() and not self._stopping and not self.runner.blocking and may_pause(_frame):
             t0 = time.perf_counter()
             self.interrupted += 1
             while self.paused() and not self._stopping and not self.runner.blocking:
@@ -244,6 +244,23 @@ class Warmup:
         scratch.set_length(window - bucket)
         probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
         return probe.compile_problem
+
+
+# code that may hold a lock the decoding thread can ask for (a module's import lock, a logging
+# handler's lock): a compile is not paused inside it, only once it is out again
+HOLDS_LOCKS = ("importlib._bootstrap", f"{os.sep}logging{os.sep}", f"{os.sep}threading.py")
+
+
+def may_pause(frame) -> bool:
+    """Whether a compile may sleep at `frame` (called from a profile hook while a reply decodes):
+    not inside an import or logging (a paused thread holding their locks would stall a reply that
+    imports or logs, and the reply holds what the pause waits for)."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in HOLDS_LOCKS):
+            return False
+        frame = frame.f_back
+    return True
 
 
 def lowest_priority() -> None:
