@@ -8,6 +8,7 @@ from eager stand-ins for compiled forwards."""
 
 import json
 import threading
+import time
 
 import torch
 from conftest import EOS, TinyTokenizer, tiny_llama
@@ -42,6 +43,11 @@ def test_forwards_never_wait_and_switch_to_compiled_when_ready():
     ids, ref_ids = list(prompt), list(prompt)
     got, want = decode(session, ids, 6), decode(reference, ref_ids, 6)
     assert session.runner.compiled_runs == 0 and session.runner.eager >= 6  # nothing compiled yet: eager
+    deadline = time.monotonic() + SETTLE_S
+    while not warmup.interrupted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warmup.interrupted and warmup._compiling  # the compile thread sleeps where it was
+    time.sleep(1.0)
     assert not warmup.settled and not warmup.compiled
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -208,3 +214,24 @@ def test_beam_rows_compile_in_the_background_and_run_compiled_once_ready():
     assert rows.compiled_runs == compiled + 2  # compiled from here on
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_compile_never_pauses_inside_an_import_or_logging():
+    """A paused compile holding an import's or a logging handler's lock would stall the reply
+    it waits for; anywhere else (a thread's own first frames included) it may pause."""
+    import logging
+    import sys
+
+    seen = {}
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            seen["emit"] = warmup_module.may_pause(sys._getframe())
+
+    logger = logging.getLogger("specui-test-may-pause")
+    logger.addHandler(Handler())
+    logger.warning("inside a handler")
+    thread = threading.Thread(target=lambda: seen.setdefault("thread", warmup_module.may_pause(sys._getframe())))
+    thread.start()
+    thread.join()
+    assert seen == {"emit": False, "thread": True} and warmup_module.may_pause(sys._getframe())

@@ -170,9 +170,9 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--stand-in", default="", metavar="SIZE",
                     help="the target zero-padded to 360m / 1.7b / 7b: its own function at that size's cost")
     ap.add_argument("--capture", default="auto", type=captures,
-                    help="our rows' forwards: auto (CUDA graphs on a GPU; on a CPU what `python -m specui.bench."
-                         "capture` measured faster, else eager), on (compiled), off; several (off,on): every row "
-                         "once per value, side by side")
+                    help="our rows' forwards: auto (CUDA graphs on a GPU; on a CPU what this machine measured "
+                         "faster: `python -m specui.bench.capture`, or in the background before the first timed "
+                         "reply), on (compiled), off; several (off,on): every row once per value, side by side")
     ap.add_argument("--prompts", default=str(HELDOUT))
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)

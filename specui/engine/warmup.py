@@ -248,7 +248,8 @@ class Warmup:
 
 # code that may hold a lock the decoding thread can ask for (a module's import lock, a logging
 # handler's lock): a compile is not paused inside it, only once it is out again
-HOLDS_LOCKS = ("importlib._bootstrap", f"{os.sep}logging{os.sep}", f"{os.sep}threading.py")
+# (not threading.py: every thread's first frames are there)
+HOLDS_LOCKS = ("importlib._bootstrap", f"{os.sep}logging{os.sep}")
 
 
 def may_pause(frame) -> bool:
