@@ -94,6 +94,12 @@ class Calibration:
         if self._stopping or self.paused():
             raise Stopped("a reply decodes")
 
+    def _past_the_compile(self) -> None:
+        """check() for a kind being prepared, called after its first forward: the compile is
+        done and this thread has an OpenMP team, so from here on a reply ends it, never pauses it."""
+        self._compiling = False
+        self._check()
+
     def _hook(self, _frame, event: str, _arg) -> None:
         """This thread's profile hook while preparing a kind: wait (sleeping) while a reply
         decodes, then go on where it was (as the Warmup's compiles do); end it at exit."""
@@ -138,7 +144,12 @@ class Calibration:
             todo = [kind for kind in kinds if kind not in self._kinds]
             if todo:
                 self.state = f"compiling {role}"
-                self._prepare(todo[0], kinds[todo[0]])
+                try:
+                    self._prepare(todo[0], kinds[todo[0]])
+                except Stopped:
+                    if self._stopping:
+                        raise
+                    self.interrupted += 1
             else:
                 self.state = f"timing {role}"
                 try:
@@ -160,14 +171,18 @@ class Calibration:
         self._next()
 
     def _prepare(self, kind: str, make: Callable) -> None:
-        """Compile (or warm) one kind under the profile hook; its rounds are timed later."""
+        """Compile (or warm) one kind under the profile hook; its rounds are timed later. A
+        reply that ends it (Stopped, from check()) leaves it to be prepared again on a fresh
+        thread (compiled already: the model keeps its compiled callable)."""
         self._ident = threading.get_ident()
-        self._compiling = True
+        # a compiled kind's first forward compiles: paused by replies; after it (and an eager
+        # kind's every forward) the thread has an OpenMP team, so a reply ends it (check())
+        self._compiling = kind.startswith("on")
         sys.setprofile(self._hook)  # this thread only
         try:
             # kernels for the pair's thread count (inductor reads this thread's at compile time)
             with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
-                self._kinds[kind] = make(self._check)
+                self._kinds[kind] = make(self._past_the_compile)
         finally:
             self._compiling = False
             sys.setprofile(None)

@@ -89,8 +89,8 @@ def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None
                 check: Callable[[], None] | None = None) -> tuple[Callable[[], float], float]:
     """(a function that times one round: ms per token decoding TOKENS tokens one at a time after
     CONTEXT, the seconds the first forwards took: the compile); `grouped`: compiled with grouped
-    attention; `check`: called before each timed token (a background measurement's: it raises
-    to end the round when a reply starts to decode)."""
+    attention; `check`: called before each forward after the first (the compile) and each timed
+    token (a background measurement's: it raises to end the round when a reply starts to decode)."""
     session = ModelSession(model, capture=capture, grouped=grouped)
     vocab = model.config.vocab_size
     ids = [(7 * i + 3) % vocab for i in range(CONTEXT)] + [5 % vocab] * 3
@@ -100,6 +100,8 @@ def round_timer(model: PreTrainedModel, capture: str, grouped: int | None = None
         # forward runs (a measuring thread that waits while a compile is under way then holds
         # no OpenMP team: engine/calibration.py)
         for n in range(1, len(ids) + 1):
+            if check is not None and n > 1:  # compiled by now: from here on a reply ends it
+                check()
             session.advance(ids[:n], 1)
         first = time.perf_counter() - t0
 
