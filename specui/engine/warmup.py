@@ -298,6 +298,9 @@ def end_threads(ended: Callable[[], bool], compiling: Callable[[], int | None]) 
     The hook's own exception may meet a clause that catches BaseException, and CPython drops
     a hook that raised."""
     deadline, sent = time.monotonic() + EXIT_WAIT_S, 0.0
+    previous = sys.unraisablehook
+    # one that lands in a weakref callback is printed as "ignored" (and raised again a second on)
+    sys.unraisablehook = lambda raised: None if isinstance(raised.exc_value, Stopped) else previous(raised)
     while not ended() and time.monotonic() < deadline:
         ident = compiling()
         if ident is not None and time.monotonic() - sent > 1.0:  # the last one may still be unwinding
