@@ -191,8 +191,12 @@ class Calibration:
         if not self._stopping and self.state != "failed":
             self.state = "done"
         self._done.set()
-        if self._on_done is not None:
+        if self._on_done is None:
+            return
+        if self._stopping:  # no thread may start as the interpreter exits
             self._on_done()
+        else:  # on a fresh thread: this one ran forwards (an OpenMP team), and on_done may wait for a reply
+            threading.Thread(target=self._on_done, name="specui-measure", daemon=True).start()
 
 
 PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done

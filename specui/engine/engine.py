@@ -114,13 +114,17 @@ class Engine:
         if measured.cancelled:  # the pair was replaced (or the app exits): nothing to adopt
             self.calibration = None
             return False
-        fresh = None
+        fresh, notes = None, [measured.note] if measured.note else []
         if "on" in measured.choices().values():
-            fresh = self._sessions(self.target.model, None if self.draft is None else self.draft.model)
+            try:
+                fresh = self._sessions(self.target.model, None if self.draft is None else self.draft.model)
+            except Exception as e:  # noqa: BLE001 - out of memory, a compile that cannot start: stay eager
+                notes.append(f"compiled forwards measured faster but could not be set up ({type(e).__name__}: "
+                              f"{str(e)[:160]}); eager")
         with self.lock:
             self.calibration = None
             self._measured_at = time.monotonic()
-            self.capture_notes = [measured.note] if measured.note else []
+            self.capture_notes = notes
             if fresh is None:
                 return False
             old = [s for s in (self.target, self.draft) if s is not None]
