@@ -1,8 +1,10 @@
 """Screenshots of the real app for the README (assets/screenshots/), taken in headless Debian
-Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd|quant|replay]   (only that method's panel)"""
+Chromium:  .venv/bin/python tests/screenshots.py [dsbd|specdec|mcsd|ems-sd|quant|replay|measuring]
+(only that method's panel)"""
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -100,8 +102,37 @@ def quantization_options(page: tb.Page) -> None:
     shoot(page, "quantization-options", "#quant-options")
 
 
+def measuring() -> None:
+    """The Model tab while `--capture auto` measures a pair this machine has no record for (the
+    records of the bundled pair in float32 dropped first, so it is measured again)."""
+    from specui.engine import capture_choice
+    from specui.service.pair import default_draft_source, load_pair
+    from specui.weights.loading import BUNDLED, ModelSpec
+
+    spec = ModelSpec(BUNDLED, dtype="float32", device="cpu")
+    pair = load_pair(spec, spec.with_source(default_draft_source()))
+    for loaded in (pair.target, pair.draft):
+        capture_choice.forget(loaded.model)
+    del pair
+    os.environ["SPECUI_MEASURE_CAPTURE"] = "1"
+    proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")
+    page = tb.Page(url)
+    try:
+        [b for b in page.driver.find_elements(tb.By.CSS_SELECTOR, "button[role=tab]") if b.text == "model"][0].click()
+        line = "measuring compiled against eager"
+        tb._wait_until(lambda: line in page.find("#memory").text, 120, "the measuring line")
+        time.sleep(1)
+        shoot(page, "model-measuring")
+    finally:
+        page.close()
+        tb.stop_app(proc)
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1:] == ["measuring"]:
+        measuring()
+        return
     proc, url = tb.start_app(Path(tempfile.mkdtemp()) / "app.log")  # as the browser tests start it
     page = tb.Page(url)
     try:

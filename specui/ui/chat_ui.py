@@ -141,9 +141,9 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     capture = gr.Dropdown(["auto", "on", "off"], value=service.capture_setting,
                                           label="captured forwards", elem_id="capture", **locked,
                                           info="static caches at a few shapes: CUDA graphs on a GPU; on a CPU "
-                                          "compiled forwards, where `python -m specui.bench.capture` measured "
-                                          "them faster (auto compiles them in the background, replies never "
-                                          "wait; on waits for the compile)")
+                                          "compiled forwards where they measured faster on this machine (auto "
+                                          "measures and compiles in the background, replies never wait; on "
+                                          "waits for the compile)")
                     load = gr.Button("Load models", elem_id="load", visible=owner)
                     load_status = gr.Markdown(elem_id="load-status")
                     memory = gr.Markdown(page.memory_view(), elem_id="memory")
