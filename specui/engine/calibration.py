@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.warmup import Stopped, end_threads, lowest_priority, may_pause
+from specui.engine.warmup import Stopped, end_threads, lowest_priority, sleep_while
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -105,12 +105,15 @@ class Calibration:
         decodes, then go on where it was (as the Warmup's compiles do); end it at exit."""
         if event != "call" or not self._compiling:
             return
-        if self.paused() and not self._stopping and may_pause(_frame):
-            self.interrupted += 1
-            while self.paused() and not self._stopping:
-                time.sleep(PAUSE_POLL_S)
+        sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
             raise Stopped("the interpreter is exiting")
+
+    def _waiting(self) -> bool:
+        return self.paused() and not self._stopping
+
+    def _count_pause(self) -> None:
+        self.interrupted += 1
 
     def _idle(self) -> bool:
         """Wait until no reply has decoded for IDLE_S; False if the measurement is cancelled."""
@@ -197,9 +200,6 @@ class Calibration:
             self._on_done()
         else:  # on a fresh thread: this one ran forwards (an OpenMP team), and on_done may wait for a reply
             threading.Thread(target=self._on_done, name="specui-measure", daemon=True).start()
-
-
-PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

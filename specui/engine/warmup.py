@@ -136,15 +136,17 @@ class Warmup:
         thread holds the queue's lock, which a decoding thread may be asking for."""
         if event != "call" or not self._compiling:
             return
-        if self.paused() and not self._stopping and not self.runner.blocking and may_pause(_frame):
-            t0 = time.perf_counter()
-            self.interrupted += 1
-            while self.paused() and not self._stopping and not self.runner.blocking:
-                time.sleep(PAUSE_POLL_S)
-            self.paused_s += time.perf_counter() - t0
+        self.paused_s += sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
             self._aborted = True
             raise Stopped("the interpreter is exiting")
+
+    def _waiting(self) -> bool:
+        """A reply decodes, and nothing else wants the compile to go on."""
+        return self.paused() and not self._stopping and not self.runner.blocking
+
+    def _count_pause(self) -> None:
+        self.interrupted += 1
 
     def _resume(self) -> None:
         """After a reply ended a compile: once no reply decodes, a fresh thread goes on."""
@@ -262,6 +264,19 @@ def may_pause(frame) -> bool:
             return False
         frame = frame.f_back
     return True
+
+
+def sleep_while(waiting: Callable[[], bool], frame, paused: Callable[[], object]) -> float:
+    """In a compile thread's profile hook at `frame`: while `waiting()` (a reply decodes), sleep,
+    holding neither the GIL nor a core, unless a pause there may stall the reply (may_pause);
+    `paused()` is called as the pause begins. Returns the seconds slept (0 where it did not)."""
+    if not waiting() or not may_pause(frame):
+        return 0.0
+    paused()
+    t0 = time.perf_counter()
+    while waiting():
+        time.sleep(PAUSE_POLL_S)
+    return time.perf_counter() - t0
 
 
 def lowest_priority() -> None:
