@@ -102,10 +102,16 @@ def choose_threads(model, local_browser: bool, requested: int = 0) -> ThreadChoi
 
 def use_long_threads(model: torch.nn.Module, threads: int, rows: int = LONG_ROWS) -> None:
     """Every forward of `model` over at least `rows` tokens a row runs with `threads` (then the
-    count before it is restored, also when the forward fails)."""
+    count before it is restored, also when the forward fails).
+
+    torch skips `always_call` hooks after a failed forward while any thread compiles (its
+    `is_compiling()` flag is process-wide, and the Warmup compiles beside replies), so each
+    forward first restores a count that a skipped end hook left set."""
     before: list[int] = []
 
     def start(_module, args, kwargs):
+        if before:  # the last long forward failed and its end hook was skipped
+            torch.set_num_threads(before.pop())
         ids = kwargs.get("input_ids")
         if ids is None:
             ids = kwargs.get("inputs_embeds", args[0] if args else None)
