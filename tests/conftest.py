@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -129,3 +131,19 @@ def form_values(**overrides) -> list:
                 lookup_tokens=10, padding="unpad", adaptive_gamma=True, adaptive_nodes=False, replies=1)
     base.update(overrides)
     return [base[k] for k in SETTING_FIELDS]
+
+
+
+BACKGROUND = ("specui-compile", "specui-measure", "specui-ending")  # engine/warmup.py, calibration.py, giving_way.py
+BACKGROUND_WAIT_S = 120
+
+
+@pytest.fixture(autouse=True)
+def _background_work_ends_with_its_test():
+    """A test's background compiles and measurements end before the next test starts (a closed
+    engine's finish the shape under way): left running they would take the next tests' cores and,
+    while compiling, make torch.compiler.is_compiling() true in every thread of the process."""
+    yield
+    deadline = time.monotonic() + BACKGROUND_WAIT_S
+    while time.monotonic() < deadline and any(t.name in BACKGROUND for t in threading.enumerate()):
+        time.sleep(0.05)

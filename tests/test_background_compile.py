@@ -13,7 +13,7 @@ import time
 import torch
 from conftest import EOS, TinyTokenizer, tiny_llama
 
-from specui.engine import Engine, GenerationRequest, capture_choice, make_method
+from specui.engine import Engine, GenerationRequest, capture_choice, giving_way, make_method
 from specui.engine import capture as capture_module
 from specui.engine import warmup as warmup_module
 from specui.engine.rows import RowSession
@@ -47,6 +47,7 @@ def test_forwards_never_wait_and_switch_to_compiled_when_ready():
     while not warmup.interrupted and time.monotonic() < deadline:
         time.sleep(0.05)
     assert warmup.interrupted and warmup._compiling  # the compile thread sleeps where it was
+    assert not torch.compiler.is_compiling()  # and replies' eager forwards are not "compiling" meanwhile
     time.sleep(1.0)
     assert not warmup.settled and not warmup.compiled
     for a, b in zip(got, want, strict=True):
@@ -164,6 +165,24 @@ def test_close_cancels_what_is_left():
     assert len(warmup.compiled) <= done + 1 and not warmup.queue  # at most the shape under way finished
 
 
+def test_a_replaced_pairs_compile_ends_where_it_was():
+    """Engine.close (the pair is replaced): the compile under way ends too. Nothing would pause
+    it any more, and beside the next pair's replies it would hold the GIL for minutes."""
+    model = tiny_llama(6, layers=1, dtype=torch.float32)
+    session = ModelSession(model, capture="on", background=True)
+    warmup = session.runner.warmup
+    warmup.paused = lambda: True  # a reply decodes: the compile pauses as it begins
+    deadline = time.monotonic() + SETTLE_S
+    while not (warmup.interrupted and warmup._compiling) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warmup.interrupted and warmup._compiling
+    warmup.stop()
+    assert warmup.wait(60) and not warmup.compiled and not warmup.queue  # ended where it was
+    warmup.ask((1, 64, session.cache.capacity))  # and nothing more is compiled for it
+    assert warmup.settled and not warmup.note
+    assert not torch.compiler.is_compiling()
+
+
 def start_beams(rows: RowSession) -> list[torch.Tensor]:
     """A prompt, one node, then three rows from it; the node's logits."""
     rows.prefill(list(range(5, 25)))
@@ -226,12 +245,12 @@ def test_a_compile_never_pauses_inside_an_import_or_logging():
 
     class Handler(logging.Handler):
         def emit(self, record):
-            seen["emit"] = warmup_module.may_pause(sys._getframe())
+            seen["emit"] = giving_way.may_pause(sys._getframe())
 
     logger = logging.getLogger("specui-test-may-pause")
     logger.addHandler(Handler())
     logger.warning("inside a handler")
-    thread = threading.Thread(target=lambda: seen.setdefault("thread", warmup_module.may_pause(sys._getframe())))
+    thread = threading.Thread(target=lambda: seen.setdefault("thread", giving_way.may_pause(sys._getframe())))
     thread.start()
     thread.join()
-    assert seen == {"emit": False, "thread": True} and warmup_module.may_pause(sys._getframe())
+    assert seen == {"emit": False, "thread": True} and giving_way.may_pause(sys._getframe())

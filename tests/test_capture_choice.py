@@ -24,7 +24,9 @@ def test_measure_records_a_choice_that_auto_then_follows(tmp_path, monkeypatch):
     for choice, compiled in (("on", True), ("off", False)):
         data[key]["choice"] = choice
         path.write_text(json.dumps(data))
-        runner = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto").target.runner
+        engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
+        runner = engine.target.runner
+        engine.close()  # its background compiles end here
         assert (runner is not None and runner.compiled) is compiled
     other = tiny_llama(1, layers=2, dtype=torch.float32)  # another model: not measured
     assert capture_choice.cached_choice(other) is None

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.warmup import Stopped, end_threads, lowest_priority, sleep_while
+from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -81,6 +81,11 @@ class Calibration:
         """Measure nothing more (the pair is replaced, or the interpreter exits)."""
         self._stopping = True
 
+    def stop(self) -> None:
+        """The pair is replaced: measure nothing more, and end the compile under way (end_soon)."""
+        self.cancel()
+        end_soon(lambda: self.wait(0.1), lambda: self._ident if self._compiling else None)
+
     @property
     def cancelled(self) -> bool:
         return self._stopping
@@ -107,7 +112,7 @@ class Calibration:
             return
         sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
-            raise Stopped("the interpreter is exiting")
+            raise Stopped("the interpreter is exiting, or the pair was replaced")
 
     def _waiting(self) -> bool:
         return self.paused() and not self._stopping

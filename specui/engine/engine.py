@@ -173,12 +173,13 @@ class Engine:
         return self.calibration is None and all(r.settled for r in self._runners())
 
     def close(self) -> None:
-        """The pair is being replaced: compile nothing more for it (the shape under way finishes)."""
+        """The pair is being replaced: compile and measure nothing more for it, and end the
+        compile under way (nothing pauses it once this engine decodes no more)."""
         if self.calibration is not None:
-            self.calibration.cancel()
+            self.calibration.stop()
         for runner in self._runners():
             if runner.warmup is not None:
-                runner.warmup.cancel()
+                runner.warmup.stop()
 
     def settled_at(self) -> float:
         """time.monotonic() when the last background compile (or measurement) finished (0: none ran)."""

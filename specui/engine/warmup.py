@@ -14,7 +14,6 @@ may explain is retried once on a fresh one."""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import shutil
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while
 from specui.engine.paths import cache_root
 from specui.engine.static_cache import StaticKVCache
 
@@ -62,7 +62,7 @@ class Warmup:
         self.note = ""
         self._busy = False
         self._compiling = False  # inside _compile (where the profile hook may pause)
-        self._stopping = False  # the interpreter exits: end the compile under way
+        self._stopping = False  # the interpreter exits or the pair is replaced: end the compile under way
         self._aborted = False  # the exit ended the compile under way
         self.interrupted = 0  # times a reply paused the compile under way
         self.paused_s = 0.0  # seconds compiles spent paused while replies decoded
@@ -108,12 +108,18 @@ class Warmup:
         with self._cond:
             self.queue[1 if self._busy else 0:] = []
 
+    def stop(self) -> None:
+        """The pair is replaced: compile nothing more, and end the compile under way (end_soon)."""
+        self._stopping = True
+        self.cancel()
+        end_soon(lambda: self.wait(0.1), lambda: self._ident if self._compiling else None)
+
     def ask(self, shape: tuple[int, ...], run: Callable | None = None) -> None:
         """Compile this shape when the thread gets to it: (bucket, window, capacity) of the
         runner's forward, or a rows shape with `run(probe, shape)`, which builds that shape on
         scratch rows over the probe runner, runs it, and returns what failed ("" if nothing)."""
         with self._cond:
-            if self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
+            if self._stopping or self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
                 return
             self.queue.append(shape)
             if run is not None:
@@ -139,7 +145,7 @@ class Warmup:
         self.paused_s += sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
             self._aborted = True
-            raise Stopped("the interpreter is exiting")
+            raise Stopped("the interpreter is exiting, or the pair was replaced")
 
     def _waiting(self) -> bool:
         """A reply decodes, and nothing else wants the compile to go on."""
@@ -174,8 +180,8 @@ class Warmup:
         try:
             ok = self._compile(shape)
         except (Exception, Stopped) as e:  # noqa: BLE001 - a warmup that fails must not leave the queue stuck
-            ok = None if self._aborted else False
-            if not self._aborted:
+            ok = None if self._aborted or self._stopping else False
+            if ok is False:
                 self.note = f"compiling {shape[0]} tokens over {shape[1]} slots failed: {type(e).__name__}: {e}"[:240]
         finally:
             self._compiling = False
@@ -248,52 +254,7 @@ class Warmup:
         return probe.compile_problem
 
 
-# code that may hold a lock the decoding thread can ask for (a module's import lock, a logging
-# handler's lock): a compile is not paused inside it, only once it is out again
-# (not threading.py: every thread's first frames are there)
-HOLDS_LOCKS = ("importlib._bootstrap", f"{os.sep}logging{os.sep}")
-
-
-def may_pause(frame) -> bool:
-    """Whether a compile may sleep at `frame` (called from a profile hook while a reply decodes):
-    not inside an import or logging (a paused thread holding their locks would stall a reply that
-    imports or logs, and the reply holds what the pause waits for)."""
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if any(part in name for part in HOLDS_LOCKS):
-            return False
-        frame = frame.f_back
-    return True
-
-
-def sleep_while(waiting: Callable[[], bool], frame, paused: Callable[[], object]) -> float:
-    """In a compile thread's profile hook at `frame`: while `waiting()` (a reply decodes), sleep,
-    holding neither the GIL nor a core, unless a pause there may stall the reply (may_pause);
-    `paused()` is called as the pause begins. Returns the seconds slept (0 where it did not)."""
-    if not waiting() or not may_pause(frame):
-        return 0.0
-    paused()
-    t0 = time.perf_counter()
-    while waiting():
-        time.sleep(PAUSE_POLL_S)
-    return time.perf_counter() - t0
-
-
-def lowest_priority() -> None:
-    """Run this thread, and the C++ compilers it starts, at the lowest CPU priority (Linux: a
-    thread's nice value is its own, and a child inherits it): a compiler running while a reply
-    decodes then takes only idle cores (measured on 2 cores: at equal priority the eager reply
-    decoded at about half speed beside inductor's g++)."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
-
-
 RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
-PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
-EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
@@ -305,28 +266,6 @@ def _stop_at_exit(ref: weakref.ref) -> None:
         warmup._stopping = True
         warmup.cancel()
         end_threads(lambda: warmup.wait(0.1), lambda: warmup._ident if warmup._compiling else None)
-
-
-def end_threads(ended: Callable[[], bool], compiling: Callable[[], int | None]) -> None:
-    """At exit, until `ended()` (at most EXIT_WAIT_S; it waits a little itself): raise Stopped
-    in the thread `compiling()` names (None: none compiles now), again each second it goes on.
-    The hook's own exception may meet a clause that catches BaseException, and CPython drops
-    a hook that raised."""
-    deadline, sent = time.monotonic() + EXIT_WAIT_S, 0.0
-    previous = sys.unraisablehook
-    # one that lands in a weakref callback is printed as "ignored" (and raised again a second on)
-    sys.unraisablehook = lambda raised: None if isinstance(raised.exc_value, Stopped) else previous(raised)
-    while not ended() and time.monotonic() < deadline:
-        ident = compiling()
-        if ident is not None and time.monotonic() - sent > 1.0:  # the last one may still be unwinding
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
-            sent = time.monotonic()
-
-
-class Stopped(BaseException):
-    """Raised inside a compile to end it (the interpreter exits; a measurement's timed rounds
-    when a reply starts). Not an Exception: the compiler's own `except Exception` clauses (sympy,
-    dynamo) would swallow it and the compile would go on."""
 
 
 def compile_cache_dir() -> Path:
