@@ -214,3 +214,7 @@ def test_first_replies_bench_forgets_the_record_and_shows_the_background_work(ti
     assert len(calls) == 4
     assert first_replies.main(argv + ["--forget", "--replies", "1"]) == 0  # forgotten: measured again
     assert len(calls) == 8
+    capsys.readouterr()
+    assert first_replies.main(argv + ["--replace-after", "0", "--replies", "2"]) == 0  # as loading another pair
+    out = capsys.readouterr().out
+    assert "replaced: the old engine was" in out and "reply  2:" in out

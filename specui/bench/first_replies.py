@@ -3,17 +3,21 @@ measured (engine/calibration.py) and compiled (engine/warmup.py) in the backgrou
 reply's seconds, tokens/s and first step beside what the background work was doing as it began.
 
     python -m specui.bench.first_replies [--forget] [--fresh-compile-cache] [--gap 20] [--replies 24]
+                                         [--replace-after S]
 
 `--forget` drops this pair's capture records first (this machine measures it again, as on a
 first run); `--fresh-compile-cache` compiles into an empty inductor cache, as a new user's
 first run does. The chat service's own order: `pair.engine()`, each reply under the engine's
-lock.
+lock. `--replace-after S` replaces the engine S seconds in, as loading another pair in the Model
+tab does (the old engine closed, its background work stopped): the replies after that run on an
+eager engine over the same weights, with the threads still working in the background named.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 
 from specui.bench.run import bench_prompts, common_parser
@@ -39,6 +43,12 @@ def background(engine) -> str:
     return "; ".join(parts)
 
 
+def still_working() -> str:
+    """The background threads alive now (a closed engine's included)."""
+    names = sorted(t.name for t in threading.enumerate() if t.name.startswith("specui-"))
+    return f"; threads {', '.join(names)}" if names else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common_parser(__doc__.splitlines()[0])
     ap.set_defaults(max_new_tokens=48, limit=1)
@@ -48,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--forget", action="store_true", help="drop this pair's capture records first")
     ap.add_argument("--fresh-compile-cache", action="store_true", help="compile into an empty inductor cache")
+    ap.add_argument("--replace-after", type=float, default=None, metavar="S",
+                    help="replace the engine S seconds in, as loading another pair does")
     args = ap.parse_args(argv)
     if args.fresh_compile_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="specui-inductor-")
@@ -67,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.replies):
             time.sleep(args.gap)
-            before = background(engine)
+            if args.replace_after is not None and time.monotonic() - t0 >= args.replace_after:
+                print(f"[{time.monotonic() - t0:6.1f} s] replaced: the old engine was {background(engine)}", flush=True)
+                engine.close()
+                engine, args.replace_after = pair.engine(capture="off"), None
+            before = background(engine) + still_working()
             request = GenerationRequest(list(prompt), args.max_new_tokens)
             generation = engine.generate(request, make_method(args.method, **params))
             start, first = time.perf_counter(), None
