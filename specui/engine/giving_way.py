@@ -110,8 +110,6 @@ class Stopped(BaseException):
     dynamo) would swallow it and the compile would go on."""
 
 
-
-
 @contextlib.contextmanager
 def eager_meanwhile():
     """While inside: torch.compiler.is_compiling() false again (the compile under way sleeps)."""
