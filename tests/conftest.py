@@ -133,7 +133,6 @@ def form_values(**overrides) -> list:
     return [base[k] for k in SETTING_FIELDS]
 
 
-
 BACKGROUND = ("specui-compile", "specui-measure", "specui-ending")  # engine/warmup.py, calibration.py, giving_way.py
 BACKGROUND_WAIT_S = 120
 
@@ -141,8 +140,9 @@ BACKGROUND_WAIT_S = 120
 @pytest.fixture(autouse=True)
 def _background_work_ends_with_its_test():
     """A test's background compiles and measurements end before the next test starts (a closed
-    engine's finish the shape under way): left running they would take the next tests' cores and,
-    while compiling, make torch.compiler.is_compiling() true in every thread of the process."""
+    engine's end within seconds; an engine left open compiles on, for at most the wait): left
+    running they would take the next tests' cores and, while compiling, make
+    torch.compiler.is_compiling() true in every thread of the process."""
     yield
     deadline = time.monotonic() + BACKGROUND_WAIT_S
     while time.monotonic() < deadline and any(t.name in BACKGROUND for t in threading.enumerate()):
