@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while
+from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while, stop_at_exit
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -62,7 +62,7 @@ class Calibration:
         self._ident: int | None = None  # the thread preparing it
         self._done = threading.Event()
         self._on_done = done
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        atexit.register(stop_at_exit, weakref.ref(self))
 
     def start(self) -> Calibration:
         """Begin on a thread of its own; returns self."""
@@ -81,10 +81,11 @@ class Calibration:
         """Measure nothing more (the pair is replaced, or the interpreter exits)."""
         self._stopping = True
 
-    def stop(self) -> None:
-        """The pair is replaced: measure nothing more, and end the compile under way (end_soon)."""
+    def stop(self, at_exit: bool = False) -> None:
+        """The pair is replaced (or the interpreter exits, waiting for it): measure nothing more,
+        and end the compile under way."""
         self.cancel()
-        end_soon(lambda: self.wait(0.1), lambda: self._ident if self._compiling else None)
+        (end_threads if at_exit else end_soon)(self)
 
     @property
     def cancelled(self) -> bool:
@@ -201,16 +202,7 @@ class Calibration:
         self._done.set()
         if self._on_done is None:
             return
-        if self._stopping:  # no thread may start as the interpreter exits
+        if self._stopping:  # the pair is replaced or the interpreter exits (where no thread may start)
             self._on_done()
         else:  # on a fresh thread: this one ran forwards (an OpenMP team), and on_done may wait for a reply
             threading.Thread(target=self._on_done, name="specui-measure", daemon=True).start()
-
-
-def _stop_at_exit(ref: weakref.ref) -> None:
-    """Interpreter exit: end the measurement under way (a thread still compiling as the
-    interpreter ends aborts the process)."""
-    calibration = ref()
-    if calibration is not None:
-        calibration.cancel()
-        end_threads(lambda: calibration.wait(0.1), lambda: calibration._ident if calibration._compiling else None)

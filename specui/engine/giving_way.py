@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -69,25 +70,35 @@ EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
 STOP_WAIT_S = 60.0  # a replaced pair's: it ends once it is back in Python (not inside the C++ compiler)
 
 
-def end_threads(ended: Callable[[], bool], compiling: Callable[[], int | None], wait_s: float = EXIT_WAIT_S) -> None:
-    """Until `ended()` (at most `wait_s`; it waits a little itself): raise Stopped in the thread
-    `compiling()` names (None: none compiles now), again each second it goes on. The hook's own
-    exception may meet a clause that catches BaseException, and CPython drops a hook that raised."""
+def end_threads(worker, wait_s: float = EXIT_WAIT_S) -> None:
+    """Until `worker` has nothing left (its `wait(0.1)`; at most `wait_s`): raise Stopped in its
+    thread while that one compiles (`worker._compiling`, `worker._ident`), again each second it
+    goes on. The hook's own exception may meet a clause that catches BaseException, and CPython
+    drops a hook that raised. `worker`: a Warmup or a Calibration."""
     deadline, sent = time.monotonic() + wait_s, 0.0
     _silence_stopped()
-    while not ended() and time.monotonic() < deadline:
-        ident = compiling()
+    while not worker.wait(0.1) and time.monotonic() < deadline:
+        ident = worker._ident if worker._compiling else None
         if ident is not None and time.monotonic() - sent > 1.0:  # the last one may still be unwinding
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
             sent = time.monotonic()
 
 
-def end_soon(ended: Callable[[], bool], compiling: Callable[[], int | None]) -> None:
-    """The pair is replaced: end its compile under way now, on a thread of its own (end_threads).
-    Nothing pauses that compile any more, and left to finish (minutes for a fresh shape of the
-    bundled pair) it would take the GIL from the next pair's replies."""
-    threading.Thread(target=end_threads, args=(ended, compiling, STOP_WAIT_S), name="specui-ending",
-                     daemon=True).start()
+def end_soon(worker) -> None:
+    """The pair is replaced: end `worker`'s compile under way now, on a thread of its own
+    (end_threads). Nothing pauses that compile any more, and left to finish (minutes for a fresh
+    shape of the bundled pair) it would take the GIL from the next pair's replies."""
+    threading.Thread(target=end_threads, args=(worker, STOP_WAIT_S), name="specui-ending", daemon=True).start()
+
+
+def stop_at_exit(ref: weakref.ref) -> None:
+    """Interpreter exit (atexit, with a weak reference to a Warmup or a Calibration): it does
+    nothing more and its compile under way ends before the interpreter does (a compile thread
+    still running as the interpreter ends aborts the process: "terminate called without an
+    active exception")."""
+    worker = ref()
+    if worker is not None:
+        worker.stop(at_exit=True)
 
 
 def _silence_stopped() -> None:

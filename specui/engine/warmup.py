@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while
+from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while, stop_at_exit
 from specui.engine.paths import cache_root
 from specui.engine.static_cache import StaticKVCache
 
@@ -72,7 +72,7 @@ class Warmup:
         self._scratch: StaticKVCache | None = None
         self._cond = threading.Condition()
         self.threads = torch.get_num_threads()  # the thread count the compiled kernels are built for
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        atexit.register(stop_at_exit, weakref.ref(self))
         capacity = runner.cache.capacity
         for bucket, window in first:
             if window <= capacity:
@@ -108,11 +108,12 @@ class Warmup:
         with self._cond:
             self.queue[1 if self._busy else 0:] = []
 
-    def stop(self) -> None:
-        """The pair is replaced: compile nothing more, and end the compile under way (end_soon)."""
+    def stop(self, at_exit: bool = False) -> None:
+        """The pair is replaced (or the interpreter exits, waiting for it): compile nothing more,
+        and end the compile under way."""
         self._stopping = True
         self.cancel()
-        end_soon(lambda: self.wait(0.1), lambda: self._ident if self._compiling else None)
+        (end_threads if at_exit else end_soon)(self)
 
     def ask(self, shape: tuple[int, ...], run: Callable | None = None) -> None:
         """Compile this shape when the thread gets to it: (bucket, window, capacity) of the
@@ -255,17 +256,6 @@ class Warmup:
 
 
 RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
-
-
-def _stop_at_exit(ref: weakref.ref) -> None:
-    """Interpreter exit: compile nothing more and end the compile under way (a compile thread
-    still running as the interpreter ends aborts the process: "terminate called without an
-    active exception")."""
-    warmup = ref()
-    if warmup is not None:
-        warmup._stopping = True
-        warmup.cancel()
-        end_threads(lambda: warmup.wait(0.1), lambda: warmup._ident if warmup._compiling else None)
 
 
 def compile_cache_dir() -> Path:
