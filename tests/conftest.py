@@ -133,7 +133,7 @@ def form_values(**overrides) -> list:
     return [base[k] for k in SETTING_FIELDS]
 
 
-BACKGROUND = ("specui-compile", "specui-measure", "specui-ending")  # engine/warmup.py, calibration.py, giving_way.py
+BACKGROUND = ("specui-compile", "specui-measure")  # engine/warmup.py, calibration.py
 BACKGROUND_WAIT_S = 120
 
 

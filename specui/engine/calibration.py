@@ -25,7 +25,14 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while, stop_at_exit
+from specui.engine.giving_way import (
+    Stopped,
+    end_threads,
+    lowest_priority,
+    sleep_while,
+    stop_at_exit,
+    stop_here,
+)
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -83,9 +90,10 @@ class Calibration:
 
     def stop(self, at_exit: bool = False) -> None:
         """The pair is replaced (or the interpreter exits, waiting for it): measure nothing more,
-        and end the compile under way."""
+        and end the compile under way (its thread ends it at the next place it may: stop_here)."""
         self.cancel()
-        (end_threads if at_exit else end_soon)(self)
+        if at_exit:
+            end_threads(self)
 
     @property
     def cancelled(self) -> bool:
@@ -113,7 +121,12 @@ class Calibration:
             return
         sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
-            raise Stopped("the interpreter is exiting, or the pair was replaced")
+            stop_here(_frame, self._rearm)
+
+    def _rearm(self) -> None:
+        """A Stopped let go of (stop_here): where this thread still compiles, hook it again."""
+        if self._compiling and self._ident == threading.get_ident():
+            sys.setprofile(self._hook)
 
     def _waiting(self) -> bool:
         return self.paused() and not self._stopping

@@ -1,5 +1,6 @@
 """How a compile thread gives way: to a reply (it sleeps while one decodes, at the lowest CPU
-priority otherwise) and to the interpreter's exit (it is ended). Shared by the Warmup's
+priority otherwise) and to the interpreter's exit or a replaced pair (it is ended, where ending
+it leaves no lock held: stop_here). Shared by the Warmup's
 per-shape compiles (engine/warmup.py) and the background measurement (engine/calibration.py).
 
 While any thread compiles, torch's `torch.compiler.is_compiling()` is true in every thread (one
@@ -11,7 +12,7 @@ paused compile clears the flag for as long as it sleeps (`eager_meanwhile`)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import inspect
 import os
 import sys
 import threading
@@ -21,10 +22,17 @@ from collections.abc import Callable
 
 import torch
 
-# code that may hold a lock the decoding thread can ask for (a module's import lock, a logging
-# handler's lock): a compile is not paused inside it, only once it is out again
-# (not threading.py: every thread's first frames are there)
-HOLDS_LOCKS = ("importlib._bootstrap", f"{os.sep}logging{os.sep}")
+# code that may hold a lock the decoding thread (or this one, later) can ask for: a module's
+# import lock, a logging handler's, an inductor cache's file lock, a pool's queue. A compile is
+# neither paused nor ended inside it, only once it is out again. threading.py only past a
+# thread's first frames (every thread starts there).
+HOLDS_LOCKS = tuple(part.replace("/", os.sep) for part in (
+    "importlib._bootstrap", "/logging/", "/filelock/", "/contextlib.py", "/concurrent/futures/",
+    "/queue.py", "/threading.py"))
+THREAD_START = frozenset({"_bootstrap", "_bootstrap_inner", "run"})
+# functions that release (or take) what a `try` or `with` holds: a compile is not ended in them
+CLEANUP = frozenset({"__exit__", "__aexit__", "__enter__", "__del__", "acquire", "release", "_release", "close"})
+SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def may_pause(frame) -> bool:
@@ -32,11 +40,39 @@ def may_pause(frame) -> bool:
     not inside an import or logging (a paused thread holding their locks would stall a reply that
     imports or logs, and the reply holds what the pause waits for)."""
     while frame is not None:
-        name = frame.f_code.co_filename
-        if any(part in name for part in HOLDS_LOCKS):
+        code = frame.f_code
+        if any(part in code.co_filename for part in HOLDS_LOCKS) and not (
+                code.co_filename.endswith("threading.py") and code.co_name in THREAD_START):
             return False
         frame = frame.f_back
     return True
+
+
+def may_stop(frame) -> bool:
+    """Whether a compile may be ended at the start of `frame` (a profile hook's "call"): where
+    it may pause, and not while this thread handles an exception (a Stopped unwinding runs the
+    `finally` and `__exit__` clauses that release locks: a second one there would skip the
+    release and leave the lock held for ever), not inside a function that takes or releases
+    something, not at a generator's resumption (its exception could land later than its start)."""
+    if sys.exc_info()[1] is not None or frame.f_code.co_flags & SUSPENDS:
+        return False
+    outer = frame
+    while outer is not None:
+        if outer.f_code.co_name in CLEANUP:
+            return False
+        outer = outer.f_back
+    return may_pause(frame)
+
+
+def stop_here(frame, rearm: Callable[[], object]) -> None:
+    """In a compile thread's profile hook once the compile is to end: where `may_stop(frame)`,
+    raise Stopped (at the start of `frame`). CPython drops a hook that raised, so the Stopped
+    carries `rearm` (re-install the hook), called where it is let go of: a clause that caught and
+    dropped it, or an unraisable one (a weakref callback); the compile then ends at the next place
+    it may instead of running on unhooked."""
+    if may_stop(frame):
+        _silence_stopped()
+        raise Stopped("the interpreter is exiting, or the pair was replaced", rearm=rearm)
 
 
 def sleep_while(waiting: Callable[[], bool], frame, paused: Callable[[], object]) -> float:
@@ -66,29 +102,13 @@ def lowest_priority() -> None:
 
 
 PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
-EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to finish
-STOP_WAIT_S = 60.0  # a replaced pair's: it ends once it is back in Python (not inside the C++ compiler)
+EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to end
 
 
 def end_threads(worker, wait_s: float = EXIT_WAIT_S) -> None:
-    """Until `worker` has nothing left (its `wait(0.1)`; at most `wait_s`): raise Stopped in its
-    thread while that one compiles (`worker._compiling`, `worker._ident`), again each second it
-    goes on. The hook's own exception may meet a clause that catches BaseException, and CPython
-    drops a hook that raised. `worker`: a Warmup or a Calibration."""
-    deadline, sent = time.monotonic() + wait_s, 0.0
-    _silence_stopped()
-    while not worker.wait(0.1) and time.monotonic() < deadline:
-        ident = worker._ident if worker._compiling else None
-        if ident is not None and time.monotonic() - sent > 1.0:  # the last one may still be unwinding
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(Stopped))
-            sent = time.monotonic()
-
-
-def end_soon(worker) -> None:
-    """The pair is replaced: end `worker`'s compile under way now, on a thread of its own
-    (end_threads). Nothing pauses that compile any more, and left to finish (minutes for a fresh
-    shape of the bundled pair) it would take the GIL from the next pair's replies."""
-    threading.Thread(target=end_threads, args=(worker, STOP_WAIT_S), name="specui-ending", daemon=True).start()
+    """Wait (at most `wait_s`) until `worker` (a Warmup or a Calibration, stopping: its compile
+    thread ends itself at the next place it may, stop_here) has nothing left."""
+    worker.wait(wait_s)
 
 
 def stop_at_exit(ref: weakref.ref) -> None:
@@ -118,7 +138,16 @@ def _silence_stopped() -> None:
 class Stopped(BaseException):
     """Raised inside a compile to end it (the interpreter exits; a measurement's timed rounds
     when a reply starts). Not an Exception: the compiler's own `except Exception` clauses (sympy,
-    dynamo) would swallow it and the compile would go on."""
+    dynamo) would swallow it and the compile would go on. `rearm`: called when it is let go of,
+    in the thread that lets go of it (stop_here)."""
+
+    def __init__(self, *args, rearm: Callable[[], object] | None = None) -> None:
+        super().__init__(*args)
+        self.rearm = rearm
+
+    def __del__(self) -> None:
+        if self.rearm is not None:
+            self.rearm()
 
 
 @contextlib.contextmanager

@@ -25,7 +25,14 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.giving_way import Stopped, end_soon, end_threads, lowest_priority, sleep_while, stop_at_exit
+from specui.engine.giving_way import (
+    Stopped,
+    end_threads,
+    lowest_priority,
+    sleep_while,
+    stop_at_exit,
+    stop_here,
+)
 from specui.engine.paths import cache_root
 from specui.engine.static_cache import StaticKVCache
 
@@ -110,10 +117,11 @@ class Warmup:
 
     def stop(self, at_exit: bool = False) -> None:
         """The pair is replaced (or the interpreter exits, waiting for it): compile nothing more,
-        and end the compile under way."""
+        and end the compile under way (its thread ends it at the next place it may: stop_here)."""
         self._stopping = True
         self.cancel()
-        (end_threads if at_exit else end_soon)(self)
+        if at_exit:
+            end_threads(self)
 
     def ask(self, shape: tuple[int, ...], run: Callable | None = None) -> None:
         """Compile this shape when the thread gets to it: (bucket, window, capacity) of the
@@ -146,7 +154,12 @@ class Warmup:
         self.paused_s += sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
             self._aborted = True
-            raise Stopped("the interpreter is exiting, or the pair was replaced")
+            stop_here(_frame, self._rearm)
+
+    def _rearm(self) -> None:
+        """A Stopped let go of (stop_here): where this thread still compiles, hook it again."""
+        if self._compiling and self._ident == threading.get_ident():
+            sys.setprofile(self._yield)
 
     def _waiting(self) -> bool:
         """A reply decodes, and nothing else wants the compile to go on."""

@@ -1,0 +1,178 @@
+"""Where a compile thread may be ended (engine/giving_way.py): never where ending it would leave a
+lock held for ever (a module's import lock, a cache's file lock), and again after a clause that
+swallowed the first Stopped. A lock left held hangs the next thread that asks for it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from specui.engine import giving_way
+from specui.engine.giving_way import Stopped, stop_here
+
+
+class Held:
+    """A lock taken and given back in Python code, as filelock's and an import's are."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> Held:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def run_stopping(body) -> list[str]:
+    """Run `body(armed)` on a thread whose profile hook ends it (stop_here at each call, as a
+    Warmup's does) once `armed` holds something; returns the calls the hook saw from there and
+    how the thread ended."""
+    seen: list[str] = []
+    armed: list[bool] = []
+    running = [True]
+
+    def hook(frame, event, _arg) -> None:
+        if event == "call" and armed:
+            seen.append(frame.f_code.co_name)
+            stop_here(frame, rearm)
+
+    def rearm() -> None:
+        if running[0]:
+            sys.setprofile(hook)
+
+    def target() -> None:
+        sys.setprofile(hook)
+        try:
+            body(armed)
+            seen.append("returned")
+        except Stopped:
+            seen.append("stopped")
+        finally:
+            running[0] = False
+            sys.setprofile(None)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    return seen
+
+
+def step() -> int:
+    return 1
+
+
+def test_a_stopped_compile_gives_back_what_it_holds():
+    """Asked to end from before a `with` that takes a lock in Python code: it does not end in
+    the taking (the lock would stay held), but at the first call inside, and the release in
+    __exit__ runs as the Stopped unwinds."""
+    held = Held()
+    reached = []
+
+    def body(armed) -> None:
+        armed.append(True)
+        with held:
+            reached.append("inside")
+            step()
+            reached.append("after step")
+
+    seen = run_stopping(body)
+    assert seen == ["__enter__", "acquire", "step", "stopped"]
+    assert reached == ["inside"] and not held.lock.locked()
+
+
+def test_a_swallowed_stop_is_raised_again():
+    """A clause that catches BaseException swallows the first Stopped: the hook stays in place
+    (it never raises itself) and the next call ends the compile."""
+    swallowed = []
+
+    def body(armed) -> None:
+        armed.append(True)
+        try:
+            step()
+        except BaseException:  # noqa: BLE001 - as some of the compiler's clauses do
+            swallowed.append(True)
+        step()
+
+    assert run_stopping(body)[-1] == "stopped" and swallowed == [True]
+
+
+def test_nowhere_unsafe():
+    """Not while an exception is being handled, not in a function that takes or releases, not
+    at a generator's resumption, not inside an import; at a plain call, yes."""
+    here = sys._getframe()
+    assert giving_way.may_stop(here)
+    try:
+        raise ValueError("handled")
+    except ValueError:
+        assert not giving_way.may_stop(sys._getframe())
+
+    def release() -> bool:
+        return giving_way.may_stop(sys._getframe())
+
+    def gen():
+        yield giving_way.may_stop(sys._getframe())
+
+    assert not release() and next(gen()) is False
+
+
+def test_a_stop_printed_as_unraisable_is_raised_again():
+    """A Stopped raised in a weakref callback (run wherever the collector runs) is printed as
+    unraisable, not raised in the compile: the hook is put back and the next call ends it."""
+    import weakref
+
+    class Thing:
+        pass
+
+    kept = []
+
+    def body(armed) -> None:
+        thing = Thing()
+        kept.append(weakref.ref(thing, lambda _ref: step()))
+        armed.append(True)
+        del thing  # the callback runs here, and is where the hook first may stop the thread
+        step()
+
+    assert run_stopping(body) == ["<lambda>", "step", "stopped"]
+
+
+EXITS_MID_COMPILE = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from conftest import tiny_llama
+from specui.engine.session import ModelSession
+session = ModelSession(tiny_llama(7, layers=1, dtype=torch.float32, hidden=40), capture="on", background=True)
+warmup = session.runner.warmup
+deadline = time.monotonic() + 120
+while not warmup._compiling and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(1.0)  # well inside the first shape's compile
+print("compiling", warmup._compiling, flush=True)
+"""
+
+
+def test_the_interpreter_exits_mid_compile(tmp_path):
+    """The app quits while a shape compiles: the compile ends (at a place where that leaves no
+    lock held) and the process exits cleanly within seconds, not aborting ("terminate called
+    without an active exception") nor hanging."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # a compile that takes a while
+    script = EXITS_MID_COMPILE.format(tests=str(Path(__file__).parent))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compiling True" in done.stdout and "terminate called" not in done.stderr
+    assert time.monotonic() - t0 < 200
