@@ -39,7 +39,7 @@ cli: setup
 
 test: setup-test
 	$(PY) -m ruff check specui app.py tests
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 bench: setup
 	$(PY) -m specui.bench.run $(ARGS)
