@@ -13,6 +13,33 @@ from specui.bench.cpu_usage import child_pids
 from specui.service.process_memory import rss_bytes as process_rss
 
 REPO = Path(__file__).resolve().parent.parent
+# the bundled GGUF converted (weights/gguf_cache.py: 48 s on a 2-core Xeon) once for every test
+# process and app it starts: each process's fresh cache (conftest.py) links its gguf folder here.
+# Beside the virtual environment, so it goes with it (a clean clone converts once).
+SHARED_GGUF = Path(sys.prefix) / "specui-test-gguf"
+
+
+def shared_gguf_cache(cache_home: Path) -> None:
+    """Link `cache_home`'s converted-GGUF folder to the shared one."""
+    SHARED_GGUF.mkdir(exist_ok=True)
+    (cache_home / "specui").mkdir(parents=True, exist_ok=True)
+    link = cache_home / "specui" / "gguf"
+    if not link.exists():
+        link.symlink_to(SHARED_GGUF, target_is_directory=True)
+
+
+def bundled_converted() -> None:
+    """The bundled GGUF's converted folder exists (the first process converts it; the others
+    wait for it rather than converting it again beside it)."""
+    import fcntl
+
+    from specui.weights.gguf_cache import open_source
+    from specui.weights.sources import bundled_gguf_path
+
+    SHARED_GGUF.mkdir(exist_ok=True)
+    with open(SHARED_GGUF / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        open_source(bundled_gguf_path())
 
 
 def _free_port() -> int:
@@ -24,6 +51,8 @@ def _free_port() -> int:
 def start_app(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     """`python app.py` on a free port with the default (bundled) pair in float32 (greedy replies of
     every method then equal each other exactly; see DESIGN.md 4.3); returns once it listens."""
+    if "--target" not in flags:
+        bundled_converted()
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
     with open(log, "w") as out:

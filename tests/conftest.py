@@ -6,9 +6,11 @@ import os
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from app_process import bundled_converted, shared_gguf_cache
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # under pytest-xdist the workers share the cores: one thread each on a 2-core machine
@@ -17,6 +19,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # cost profiles and dtype choices measured by the tests (and the apps they start) go to a
 # fresh cache, never the user's ~/.cache/specui
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specui-test-cache-")
+shared_gguf_cache(Path(os.environ["XDG_CACHE_HOME"]))  # but the bundled GGUF converts once for all
 # `--capture auto` measures unmeasured models in the background (engine/calibration.py): not in
 # every test that loads a pair (a compile per model beside the other tests); its own tests ask for it
 os.environ["SPECUI_MEASURE_CAPTURE"] = "0"
@@ -116,6 +119,7 @@ def bundled_pair():
     from specui.service.pair import default_draft_source, load_pair
     from specui.weights.loading import BUNDLED, ModelSpec
 
+    bundled_converted()
     spec = ModelSpec(BUNDLED, dtype="float32", device="cpu")
     return load_pair(spec, spec.with_source(default_draft_source()))
 
