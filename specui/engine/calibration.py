@@ -25,14 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.giving_way import (
-    Stopped,
-    end_threads,
-    lowest_priority,
-    sleep_while,
-    stop_at_exit,
-    stop_here,
-)
+from specui.engine.giving_way import Stopped, end_threads, lowest_priority, sleep_while, stop_at_exit, stop_here
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts

@@ -25,14 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.giving_way import (
-    Stopped,
-    end_threads,
-    lowest_priority,
-    sleep_while,
-    stop_at_exit,
-    stop_here,
-)
+from specui.engine.giving_way import Stopped, end_threads, lowest_priority, sleep_while, stop_at_exit, stop_here
 from specui.engine.paths import cache_root
 from specui.engine.static_cache import StaticKVCache
 
