@@ -37,7 +37,7 @@ def bundled_converted() -> None:
     from specui.weights.sources import bundled_gguf_path
 
     SHARED_GGUF.mkdir(exist_ok=True)
-    with open(SHARED_GGUF / ".lock", "w") as lock:
+    with open(SHARED_GGUF.with_name(SHARED_GGUF.name + ".lock"), "w") as lock:  # not in the folder: --doctor lists it
         fcntl.flock(lock, fcntl.LOCK_EX)
         open_source(bundled_gguf_path())
 
