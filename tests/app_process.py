@@ -36,7 +36,6 @@ def bundled_converted() -> None:
     from specui.weights.gguf_cache import open_source
     from specui.weights.sources import bundled_gguf_path
 
-    SHARED_GGUF.mkdir(exist_ok=True)
     with open(SHARED_GGUF.with_name(SHARED_GGUF.name + ".lock"), "w") as lock:  # not in the folder: --doctor lists it
         fcntl.flock(lock, fcntl.LOCK_EX)
         open_source(bundled_gguf_path())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 from specui.engine import giving_way
 from specui.engine.giving_way import Stopped, stop_here
@@ -38,18 +39,15 @@ def run_stopping(body) -> list[str]:
     how the thread ended."""
     seen: list[str] = []
     armed: list[bool] = []
-    running = [True]
+    worker = SimpleNamespace(_compiling=True, _ident=None)  # as a Warmup says what its thread does
 
     def hook(frame, event, _arg) -> None:
         if event == "call" and armed:
             seen.append(frame.f_code.co_name)
-            stop_here(frame, rearm)
-
-    def rearm() -> None:
-        if running[0]:
-            sys.setprofile(hook)
+            stop_here(frame, worker, hook)
 
     def target() -> None:
+        worker._ident = threading.get_ident()
         sys.setprofile(hook)
         try:
             body(armed)
@@ -57,7 +55,7 @@ def run_stopping(body) -> list[str]:
         except Stopped:
             seen.append("stopped")
         finally:
-            running[0] = False
+            worker._compiling = False
             sys.setprofile(None)
 
     thread = threading.Thread(target=target)
@@ -108,7 +106,8 @@ def test_a_swallowed_stop_is_raised_again():
 
 def test_nowhere_unsafe():
     """Not while an exception is being handled, not in a function that takes or releases, not
-    at a generator's resumption, not inside an import; at a plain call, yes."""
+    at a generator's resumption; at a plain call, yes (inside an import or logging: as may_pause,
+    tests/test_background_compile.py)."""
     here = sys._getframe()
     assert giving_way.may_stop(here)
     try:

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.giving_way import Stopped, end_threads, lowest_priority, sleep_while, stop_at_exit, stop_here
+from specui.engine.giving_way import EXIT_WAIT_S, Stopped, lowest_priority, sleep_while, stop_at_exit, stop_here
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -86,7 +86,7 @@ class Calibration:
         and end the compile under way (its thread ends it at the next place it may: stop_here)."""
         self.cancel()
         if at_exit:
-            end_threads(self)
+            self.wait(EXIT_WAIT_S)
 
     @property
     def cancelled(self) -> bool:
@@ -114,12 +114,7 @@ class Calibration:
             return
         sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
-            stop_here(_frame, self._rearm)
-
-    def _rearm(self) -> None:
-        """A Stopped let go of (stop_here): where this thread still compiles, hook it again."""
-        if self._compiling and self._ident == threading.get_ident():
-            sys.setprofile(self._hook)
+            stop_here(_frame, self, self._hook)
 
     def _waiting(self) -> bool:
         return self.paused() and not self._stopping

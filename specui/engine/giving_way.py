@@ -35,17 +35,23 @@ CLEANUP = frozenset({"__exit__", "__aexit__", "__enter__", "__del__", "acquire",
 SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
+def _frames(frame):
+    """`frame` and its callers, innermost first."""
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _holds_locks(code) -> bool:
+    return any(part in code.co_filename for part in HOLDS_LOCKS) and not (
+        code.co_filename.endswith("threading.py") and code.co_name in THREAD_START)
+
+
 def may_pause(frame) -> bool:
     """Whether a compile may sleep at `frame` (called from a profile hook while a reply decodes):
     not inside an import or logging (a paused thread holding their locks would stall a reply that
     imports or logs, and the reply holds what the pause waits for)."""
-    while frame is not None:
-        code = frame.f_code
-        if any(part in code.co_filename for part in HOLDS_LOCKS) and not (
-                code.co_filename.endswith("threading.py") and code.co_name in THREAD_START):
-            return False
-        frame = frame.f_back
-    return True
+    return not any(_holds_locks(f.f_code) for f in _frames(frame))
 
 
 def may_stop(frame) -> bool:
@@ -56,23 +62,24 @@ def may_stop(frame) -> bool:
     something, not at a generator's resumption (its exception could land later than its start)."""
     if sys.exc_info()[1] is not None or frame.f_code.co_flags & SUSPENDS:
         return False
-    outer = frame
-    while outer is not None:
-        if outer.f_code.co_name in CLEANUP:
-            return False
-        outer = outer.f_back
-    return may_pause(frame)
+    return not any(f.f_code.co_name in CLEANUP or _holds_locks(f.f_code) for f in _frames(frame))
 
 
-def stop_here(frame, rearm: Callable[[], object]) -> None:
-    """In a compile thread's profile hook once the compile is to end: where `may_stop(frame)`,
-    raise Stopped (at the start of `frame`). CPython drops a hook that raised, so the Stopped
-    carries `rearm` (re-install the hook), called where it is let go of: a clause that caught and
-    dropped it, or an unraisable one (a weakref callback); the compile then ends at the next place
-    it may instead of running on unhooked."""
+def stop_here(frame, worker, hook: Callable) -> None:
+    """In a compile thread's profile hook (`hook`, of `worker`: a Warmup or a Calibration) once
+    the compile is to end: where `may_stop(frame)`, raise Stopped (at the start of `frame`).
+    CPython drops a hook that raised, so the Stopped re-arms it where it is let go of (a clause
+    that caught and dropped it, or an unraisable one: a weakref callback), in the worker's thread
+    while that one still compiles (`worker._compiling`, `worker._ident`): the compile then ends at
+    the next place it may instead of running on unhooked."""
     if may_stop(frame):
         _silence_stopped()
-        raise Stopped("the interpreter is exiting, or the pair was replaced", rearm=rearm)
+        raise Stopped("the interpreter is exiting, or the pair was replaced", rearm=lambda: _rearm(worker, hook))
+
+
+def _rearm(worker, hook: Callable) -> None:
+    if worker._compiling and worker._ident == threading.get_ident():
+        sys.setprofile(hook)
 
 
 def sleep_while(waiting: Callable[[], bool], frame, paused: Callable[[], object]) -> float:
@@ -103,12 +110,6 @@ def lowest_priority() -> None:
 
 PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
 EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to end
-
-
-def end_threads(worker, wait_s: float = EXIT_WAIT_S) -> None:
-    """Wait (at most `wait_s`) until `worker` (a Warmup or a Calibration, stopping: its compile
-    thread ends itself at the next place it may, stop_here) has nothing left."""
-    worker.wait(wait_s)
 
 
 def stop_at_exit(ref: weakref.ref) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.giving_way import Stopped, end_threads, lowest_priority, sleep_while, stop_at_exit, stop_here
+from specui.engine.giving_way import EXIT_WAIT_S, Stopped, lowest_priority, sleep_while, stop_at_exit, stop_here
 from specui.engine.paths import cache_root
 from specui.engine.static_cache import StaticKVCache
 
@@ -114,7 +114,7 @@ class Warmup:
         self._stopping = True
         self.cancel()
         if at_exit:
-            end_threads(self)
+            self.wait(EXIT_WAIT_S)
 
     def ask(self, shape: tuple[int, ...], run: Callable | None = None) -> None:
         """Compile this shape when the thread gets to it: (bucket, window, capacity) of the
@@ -147,12 +147,7 @@ class Warmup:
         self.paused_s += sleep_while(self._waiting, _frame, self._count_pause)
         if self._stopping:
             self._aborted = True
-            stop_here(_frame, self._rearm)
-
-    def _rearm(self) -> None:
-        """A Stopped let go of (stop_here): where this thread still compiles, hook it again."""
-        if self._compiling and self._ident == threading.get_ident():
-            sys.setprofile(self._yield)
+            stop_here(_frame, self, self._yield)
 
     def _waiting(self) -> bool:
         """A reply decodes, and nothing else wants the compile to go on."""
