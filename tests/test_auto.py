@@ -270,3 +270,42 @@ def test_a_chains_timed_step_excludes_the_drafts_catch_up(tiny_target, monkeypat
     assert behind_at_start == [0] * len(behind_at_start)
     assert gen.output_ids == run(Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS]), prompt, 12,
                                  "autoregressive").output_ids
+
+
+def steep(t1=10.0, draft=0.5):
+    """A CPU whose GEMM repacks the weights for 3+ rows (Cascade Lake, bfloat16 or float32):
+    scoring 2 tokens costs about one, 4 cost three."""
+    profile = synthetic(t1=t1, slope=0.0, draft=draft)
+    row = {1: t1, 2: 1.1 * t1, 4: 3.4 * t1, 8: 4.2 * t1, 16: 6.0 * t1, 32: 10.0 * t1, 64: 18.0 * t1}
+    profile.target_ms = {64: row, 512: {k: 1.2 * v for k, v in row.items()}}
+    return profile
+
+
+def test_a_sure_draft_extends_chains_only_where_the_profile_says_it_pays():
+    """Where verification is flat a chain runs on while the draft is sure (up to max_gamma);
+    where 4 tokens cost 3x one it stays at the length chosen; drafts past that length that
+    the target keeps accepting (costs.sure) earn longer chains where they pay."""
+    auto = Auto(calibrate=False)
+    half = AcceptanceEstimate(accepted=5e5, rejected=5e5, decay=1.0)
+    level = EngineCosts(profile=flat(), acceptance=half)
+    assert auto.extended(level, 64, 2, 6) == 3  # drafts at 5% of a token: a third one still pays at alpha 1/2
+    level.sure = AcceptanceEstimate(accepted=9.5e5, rejected=5e4, decay=1.0)
+    assert auto.extended(level, 64, 2, 6) == 6
+    assert auto.extended(EngineCosts(profile=steep(), acceptance=half), 64, 1, 6) == 1
+    mild = synthetic(t1=10.0, slope=1.0, draft=0.5)
+    costs = EngineCosts(profile=mild, acceptance=half)
+    at_alpha = auto.extended(costs, 64, 1, 6)
+    costs.sure = AcceptanceEstimate(accepted=9.5e5, rejected=5e4, decay=1.0)
+    assert at_alpha < auto.extended(costs, 64, 1, 6) <= 6
+    costs.sure = AcceptanceEstimate(accepted=1e4, rejected=9.9e5, decay=1.0)  # never taken below alpha
+    assert auto.extended(costs, 64, 1, 6) == at_alpha
+    assert auto.extended(costs, 64, 3, 2) == 3  # the chosen length is kept whatever the limit
+
+
+def test_on_a_steep_profile_chains_keep_their_length_and_replies_stay_exact(tiny_target):
+    engine = engine_with(tiny_target, near_copy(tiny_target, 0.01, 0), steep(), alpha=0.6)
+    gen = run(engine, PROMPTS[0], 30, "auto", calibrate=False)
+    chains = [int(c.split(":")[1]) for c in choices(gen) if c.startswith("speculative:")]
+    assert chains and max(chains) <= 2 and max(s.drafted for s in gen.steps) <= 2
+    plain = run(Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS]), PROMPTS[0], 30, "autoregressive")
+    assert gen.output_ids == plain.output_ids

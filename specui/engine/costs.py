@@ -97,6 +97,8 @@ class EngineCosts:
     profile: CostProfile | None = None
     note: str = ""  # how the profile was obtained, or why there is none
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # auto's drafts past the length it chose, drafted because the draft was sure of every one before
+    sure: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     ratios: dict[str, TimeRatio] = field(default_factory=dict)  # by kind: "autoregressive", "speculative"
     trees: TreeVerdict = field(default_factory=TreeVerdict)  # auto's OPT-Tree probes
     chains: ChainProbes = field(default_factory=ChainProbes)  # auto's chain probes where chains do not pay

@@ -10,9 +10,14 @@ drafting does not pay the draft stays idle and auto decodes autoregressively. Af
 wait doubles while probes fail (up to 8x) and, kept in EngineCosts.chains, carries over to
 the next reply.
 
-With `confidence` set (default 0.4), a chain the profile chose runs up to G drafts and ends
-after the first token the draft itself gave less than that probability (as transformers'
-assisted generation does): long where the draft is sure, short where it is not. The stop
+With `confidence` set (default 0.4), a chain the profile chose may run past its length g and
+ends after the first token the draft itself gave less than that probability (as transformers'
+assisted generation does): long where the draft is sure, short where it is not. How far past g
+is the profile's choice too (`extended`): the length that maximises the expected rate when the
+drafts past g are accepted at the rate measured for such drafts (EngineCosts.sure, never taken
+below alpha). Where verification is flat that is up to G; where it grows steeply (a CPU whose
+GEMM costs 3x for 4 rows what it does for 1) the chain stays at g: unbounded, such chains
+verified 7 tokens at 2.4x the cost of the chosen 2 and ran at 0.91x autoregressive. The stop
 depends on the draft alone, so verification stays lossless.
 
 With a node budget (`nodes`, the UI's and CLI's; `trees=False` turns it off) OPT-Tree with an
@@ -133,6 +138,25 @@ class Auto(Method):
                 tokens = chain_tokens(alpha, g)
                 rates[g] = tokens / ((g * t_draft + profile.target(g + 1, context)) * r + tokens * share)
         return rates
+
+    def extended(self, costs: EngineCosts, context: int, gamma: int, limit: int) -> int:
+        """How many drafts a chain the profile chose at `gamma` may run to while the draft is
+        sure (at most `limit`): the length of the best expected rate, the first `gamma` drafts
+        accepted at alpha, later ones at the rate measured for drafts past the chosen length
+        (costs.sure, never below alpha: a draft sure of a token is right at least as often)."""
+        profile = costs.profile
+        assert profile is not None
+        alpha = min(costs.acceptance.alpha, 0.999)
+        sure = min(max(costs.sure.alpha, alpha), 0.999)
+        t_draft = profile.draft(1, context) or 0.0
+        best, best_rate, reach, tokens = gamma, -1.0, 1.0, 1.0
+        for g in range(1, max(gamma, limit) + 1):
+            reach *= alpha if g <= gamma else sure
+            tokens += reach
+            rate = tokens / (g * t_draft + profile.target(g + 1, context))
+            if g >= gamma and rate > best_rate:
+                best, best_rate = g, rate
+        return best
 
     def predicted_ms(self, costs: EngineCosts, gamma: int, context: int) -> float:
         profile = costs.profile
@@ -260,8 +284,11 @@ class Auto(Method):
             self.probes.since += 1
             self.since_ar = 0
         else:
+            chosen = gamma
             if self.confidence is not None and why.startswith("alpha"):  # chosen by the profile (no probe)
-                gamma = max(gamma, min(self.max_gamma, max(0, ctx.remaining - 1), max(0, ctx.room)))
+                gamma = self.extended(ctx.costs, context, gamma,
+                                      min(self.max_gamma, max(0, ctx.remaining - 1), max(0, ctx.room)))
+                why += f"; up to {gamma} drafts while the draft is sure" if gamma > chosen else ""
             chain = self.chains.setdefault(gamma, Speculative(gamma, confidence=self.confidence))
             result = chain.step(ctx)
             choice, kind = f"speculative:{gamma}", "speculative"
@@ -269,6 +296,8 @@ class Auto(Method):
             self.since_ar += 1
             if ctx.costs is not None:
                 ctx.costs.acceptance.observe(result.drafted, result.accepted)
+                if result.drafted > chosen and result.accepted >= chosen:  # drafts past the chosen length verified
+                    ctx.costs.sure.observe(result.drafted - chosen, result.accepted - chosen)
         ms = (time.perf_counter() - t0) * 1000.0
         costs = ctx.costs
         calibrated = costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft)

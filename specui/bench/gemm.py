@@ -1,0 +1,83 @@
+"""How this CPU's matrix products grow with the rows scored: the question under every
+speculative method's verification (is scoring k tokens about as cheap as one?).
+
+    python -m specui.bench.gemm [--shape 8192x2048] [--megabytes 512] [--rows 1,2,4,8,16,32]
+
+For float32 and bfloat16 weights of one shape, enough matrices to stream `--megabytes` of
+float32 weights (more than the CPU's caches, as a model's forward does), it times y = x W^T for
+each row count three ways: torch's `linear` on the plain (out, in) weight (what the models run),
+the same weight prepacked once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`),
+and, for float32, MKL's packed GEMM. Median ms of every matrix once, and each row count's cost
+against one row's. Prints the CPU; nothing is cached or chosen from it."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from specui.engine.measure import cpu_model
+
+
+def median_ms(run: Callable[[], object], repeats: int = 7) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000.0
+
+
+def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], object]]:
+    """name -> run(x) over every matrix, for the ways this build of torch offers."""
+    out: dict[str, Callable[[torch.Tensor], object]] = {
+        "plain": lambda x: [torch.nn.functional.linear(x, w) for w in weights]}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        out["oneDNN packed"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                          for p in packed]
+    if weights[0].dtype == torch.float32 and torch.backends.mkl.is_available():
+        mkl = {}
+
+        def mkl_packed(x: torch.Tensor) -> list:
+            n = x.shape[0]  # MKL packs for one batch size
+            if n not in mkl:
+                mkl[n] = [torch.ops.mkl._mkl_reorder_linear_weight(w, n) for w in weights]
+            return [torch.ops.mkl._mkl_linear(x, p, w, None, n) for p, w in zip(mkl[n], weights, strict=True)]
+
+        out["MKL packed"] = mkl_packed
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8192x2048", help="out x in of each matrix")
+    ap.add_argument("--megabytes", type=int, default=512, help="float32 weights streamed per timing")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args(argv)
+    out_f, in_f = (int(v) for v in args.shape.lower().split("x"))
+    count = max(1, (args.megabytes << 20) // (out_f * in_f * 4))
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{count} matrices of {out_f}x{in_f}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            weights = [torch.randn(out_f, in_f, generator=gen).to(dtype) for _ in range(count)]
+            for way, run in ways(weights).items():
+                inputs = [torch.randn(n, in_f, generator=gen).to(dtype) for n in rows]
+                ms = [median_ms(lambda x=x, run=run: run(x)) for x in inputs]
+                cells = "  ".join(f"{n}: {m:7.1f} ({m / ms[0]:.2f}x)" for n, m in zip(rows, ms, strict=True))
+                print(f"{name:9} {way:14} ms for rows {cells}", flush=True)
+            del weights
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
