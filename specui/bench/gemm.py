@@ -13,23 +13,15 @@ against one row's. Prints the CPU; nothing is cached or chosen from it."""
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from specui.engine.measure import cpu_model
+from specui.engine.timing import median_ms
 
-
-def median_ms(run: Callable[[], object], repeats: int = 7) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000.0
+REPEATS = 7  # timed calls per figure, after one warm-up call
+CPU = torch.device("cpu")
 
 
 def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], object]]:
@@ -72,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             weights = [torch.randn(out_f, in_f, generator=gen).to(dtype) for _ in range(count)]
             for way, run in ways(weights).items():
                 inputs = [torch.randn(n, in_f, generator=gen).to(dtype) for n in rows]
-                ms = [median_ms(lambda x=x, run=run: run(x)) for x in inputs]
+                ms = [median_ms(lambda x=x, run=run: run(x), CPU, REPEATS) for x in inputs]
                 cells = "  ".join(f"{n}: {m:7.1f} ({m / ms[0]:.2f}x)" for n, m in zip(rows, ms, strict=True))
                 print(f"{name:9} {way:14} ms for rows {cells}", flush=True)
             del weights
