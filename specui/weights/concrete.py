@@ -31,6 +31,7 @@ from specui.weights.sources import (
     resolve_dtype,
     short_error,
 )
+from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
 
 
 def _quantization_config(quantization: str, dtype: torch.dtype):
@@ -70,12 +71,13 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         if device.type != "cpu":
             raise SpecUIError(f"--quantization {spec.quantization} is SpecUI's CPU kernel; "
                               "on a GPU use 8bit or 4bit (bitsandbytes)")
-        if spec.dtype == "auto":
-            dtype = torch.bfloat16  # the kernels compute in bfloat16: the rest of the model follows them
+        if spec.dtype == "auto":  # int8 / int4 compute in bfloat16: the rest of the model follows them;
+            dtype = torch.float64 if spec.quantization == "w8a8" else torch.bfloat16  # w8a8: see _quantize_w8a8
+    built = torch.float32 if spec.quantization == "w8a8" else dtype  # w8a8 rounds float32 weights, then casts
     quant = _quantization_config(spec.quantization, dtype)
     shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant) if spec.stand_in else None
     tokenizer = load_tokenizer(spec, (where, gguf, local))
-    kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else dtype, trust_remote_code=spec.trust_remote_code,
+    kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else built, trust_remote_code=spec.trust_remote_code,
                   local_files_only=local)
     if quant is not None and shape is None:  # a stand-in is padded first, then quantized (stand_in.bitsandbytes)
         kwargs.update(quantization_config=quant, device_map={"": device})
@@ -92,7 +94,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     notes: tuple[str, ...] = given
     blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else None
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
-        padded = stand_in.build(model, shape, dtype, lambda done, total: say(
+        padded = stand_in.build(model, shape, built, lambda done, total: say(
             0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"))
         model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
         notes += (f"{role} {shape.label}",)
@@ -104,7 +106,11 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     if measures_dtype(spec, device) and model.dtype == torch.float32:
         model, choice = auto_dtype_model(model)
         notes += (choice.note(role),)
-    if spec.quantization in CPU_KERNELS:
+    if spec.quantization == "w8a8":
+        notes += (_quantize_w8a8(model, spec, role, progress=lambda done, total: say(
+            0.4 + 0.6 * done / total, f"{role}: w8a8, matrix {done + 1} of {total}")),)
+        model = model.to(dtype)  # the rest of the model (norms, attention, cache) in the dtype asked for
+    elif spec.quantization in CPU_KERNELS:
         notes += (_quantize(model, spec, role, source, blocks, chosen=bool(given), progress=lambda done, total: say(
             0.4 + 0.6 * done / total, f"{role}: {spec.quantization}, matrix {done + 1} of {total}")),)
         long_inputs = use_long_path(model, role)
@@ -129,6 +135,8 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
     per_param = torch.finfo(dtype).bits / 8
     if quant is not None:  # built in `dtype` on the CPU, then quantized as it moves to the device
         per_param, what = (0.5 if spec.quantization == "4bit" else 1.0), f"in bitsandbytes {spec.quantization}"
+    elif spec.quantization == "w8a8":  # float32 matrices replaced one by one by int8 ones
+        per_param, what = 4.5, "(built in float32, then put on the w8a8 kernel matrix by matrix)"
     elif spec.quantization in CPU_KERNELS:  # measured: a 6.74B stand-in in int4 peaked at 20.4 GB resident
         per_param, what = 3.0, (f"(built in {str(dtype).removeprefix('torch.')}, then put on the {spec.quantization} "
                                 "kernel matrix by matrix: about 3 bytes a parameter at the peak)")
@@ -167,3 +175,21 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     return f"{role} {spec.quantization}: " + ", ".join(said) + unread
 
 
+
+
+def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
+                   progress: Callable[[int, int], None] | None = None) -> str:
+    """Put `model`'s matrices on the int8 x int8 kernel (specui.weights.w8a8); the note of
+    what went where. Where it serves none, refused: the user asked for this rounding."""
+    counts = quantize_w8a8(model, progress)
+    # why float64 by default: rounding activations is discontinuous, so float32's differences between a token
+    # scored alone and with others (attention's kernels sum in other orders, ~1e-7) flip roundings and grow
+    # (logits 2.7 apart, bundled model); in float64 they stay below any rounding step: logits equal exactly
+    if not counts["w8a8"]:
+        why = "this torch build has no oneDNN int8 linear" if not has_w8a8_kernel() else \
+            "every matrix failed its self-check (product or row independence) on this CPU"
+        raise SpecUIError(f"--quantization w8a8: {why}; use int8, int4 or none")
+    bits = "8-bit" if counts["levels"] == 127 else "7-bit (this CPU's int8 dot product saturates at 8)"
+    kept = f", {counts['kept']} left in {str(model.dtype).removeprefix('torch.')}" if counts["kept"] else ""
+    return (f"{role} w8a8: {counts['w8a8']} matrices as int8 rows times {bits} activations rounded row by row "
+            f"(oneDNN){kept}")

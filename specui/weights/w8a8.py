@@ -1,0 +1,156 @@
+"""int8 weights and int8 activations on a CPU (`--quantization w8a8`): the matrix product that
+stays flat as a verification scores more tokens.
+
+Why: on CPUs without a bfloat16 dot product (AVX2, AVX-512 before Cooper Lake) torch's float
+and weight-only kernels repack or re-convert the weights for every product of more than two
+rows, so scoring k tokens costs up to k times one (README: 2.9x for 8 rows of an 8192x2048
+matrix in float32 on a Cascade Lake Xeon, 5.3x in bfloat16). An int8 x int8 product on oneDNN's
+prepacked weights (VNNI where the CPU has it) reads each weight once for all the rows: the
+same 8 matrices cost 10.8 / 11.0 / 13.3 / 17.4 ms for 1 / 4 / 8 / 16 rows there, against 27 ms
+for one row in float32.
+
+What it computes, so that a method stays lossless against it: each row x of the input is
+rounded on its own, q = round(x * Q / max|x|) (Q = 127, or 63 where the kernel saturates the
+full range, measured by `full_range_exact`), the product of q with the int8 rows of W is exact
+in int32, and y = (q W_q^T) * w_scale * max|x| / Q. Nothing mixes rows, so a token's output is
+the same whether it is scored alone or with others: `batch_invariant` checks exactly that on
+every matrix at load, and one that fails keeps its previous form. The rounding of activations
+makes this a new function of the weights (like int4's), lossy against float32; speculation is
+then lossless against this quantized target, as with every quantization."""
+
+from __future__ import annotations
+
+import torch
+
+from specui.weights.quantize import agrees, quantize_rows
+
+FULL, REDUCED = 127, 63  # activation levels each side of the zero point: 8 bits, or 7 where the kernel saturates
+
+
+def has_w8a8_kernel() -> bool:
+    """Whether this torch build has oneDNN's int8 linear and its weight packer."""
+    onednn = getattr(torch.ops, "onednn", None)
+    return (torch.backends.mkldnn.is_available() and onednn is not None
+            and hasattr(onednn, "qlinear_pointwise") and hasattr(onednn, "qlinear_prepack"))
+
+
+@torch.library.custom_op("specui::w8a8_mm", mutates_args=())
+def w8a8_mm(qx: torch.Tensor, zero: int, packed: torch.Tensor, w_scale: torch.Tensor,
+            w_zero: torch.Tensor) -> torch.Tensor:
+    """(rows, K) uint8 activations around `zero` times the prepacked int8 (N, K) weights ->
+    (rows, N) float32 = (qx - zero) W_q^T * w_scale. One op to torch.compile: its prepacked
+    weights are an opaque oneDNN tensor that inductor cannot trace through."""
+    return _onednn(qx, zero, packed, w_scale, w_zero)
+
+
+def _onednn(qx: torch.Tensor, zero: int, packed: torch.Tensor, w_scale: torch.Tensor,
+            w_zero: torch.Tensor) -> torch.Tensor:
+    return torch.ops.onednn.qlinear_pointwise(qx, 1.0, zero, packed, w_scale, w_zero, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
+@w8a8_mm.register_fake
+def _(qx, zero, packed, w_scale, w_zero):
+    return qx.new_empty((qx.shape[0], w_scale.shape[0]), dtype=torch.float32)
+
+
+def _product(qx: torch.Tensor, zero: int, w: torch.Tensor) -> torch.Tensor:
+    """The same product, one-off (w: (N, K) int8, unpacked): for the saturation probe."""
+    packed = torch.ops.onednn.qlinear_prepack(w, None)
+    ones, zeros = torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.int32)
+    return w8a8_mm(qx, zero, packed, ones, zeros)
+
+
+def full_range_exact() -> bool:
+    """Whether the kernel computes 8-bit activations exactly here: the worst case (every
+    activation 255 around zero point 0, every weight 127) is exact with a VNNI dot product and
+    saturates where pairs of products are summed in int16 (AVX2 without VNNI)."""
+    k = 256
+    got = _product(torch.full((2, k), 255, dtype=torch.uint8), 0, torch.full((8, k), 127, dtype=torch.int8))
+    return bool((got == 255 * 127 * k).all())
+
+
+class W8A8Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W as int8 rows (one scale per row) prepacked for oneDNN, and each
+    input row rounded to `levels` steps each side of zero by its own largest magnitude."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 levels: int = FULL) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.levels, self.zero = levels, levels + 1
+        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight.contiguous(), None))
+        self.register_buffer("w_scale", scale.reshape(-1).float().clone())
+        self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32))
+        self.rows: torch.Tensor | None = weight.clone()  # for dense() while self-checked, then dropped (memory)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dense(self) -> torch.Tensor:
+        if self.rows is None:
+            raise ValueError("this module's int8 rows were dropped after its self-check")
+        return self.rows.float() * self.w_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        flat = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()  # rounded in float64 where given
+        top = flat.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        qx = torch.round(flat * (self.levels / top)).add_(self.zero).to(torch.uint8)
+        if torch.compiler.is_compiling():  # one op inductor calls as it is (the same product)
+            product = w8a8_mm(qx, self.zero, self.packed, self.w_scale.float(), self.w_zero)
+        else:  # eagerly the op itself: the custom op's dispatch costs ~80 us a call (16 ms a 1.7b token)
+            product = _onednn(qx, self.zero, self.packed, self.w_scale.float(), self.w_zero)  # a float64 model casts it
+        out = product * (top / self.levels)
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    levels: int = FULL) -> W8A8Linear | None:
+        """The module over `weight` rounded to int8 rows, or None where the kernel cannot serve
+        it: not CPU, no kernel, a shape it refuses, a product that is not close to x W^T, or one
+        whose rows depend on each other (see batch_invariant)."""
+        if weight.device.type != "cpu" or not has_w8a8_kernel():
+            return None
+        rows, scale = quantize_rows(weight)
+        try:
+            module = cls(rows, scale, bias, levels)
+            x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
+            got = module(x)
+        except (RuntimeError, NotImplementedError):  # the kernel refuses this build or shape
+            return None
+        want = x @ module.dense().T + (0 if bias is None else bias.float())
+        if not (agrees(got, want) and batch_invariant(module, x)):
+            return None
+        module.rows = None
+        return module
+
+
+def batch_invariant(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether each row of module(x) equals that row computed alone, bit for bit: what makes
+    scoring k tokens in one forward give each the logits it gets alone."""
+    together = module(x)
+    return all(torch.equal(module(x[i:i + 1])[0], together[i]) for i in range(x.shape[0]))
+
+
+def quantize_w8a8(model: torch.nn.Module, progress=None) -> dict[str, int]:
+    """Swap every Linear of `model` (its output head included) for a W8A8Linear where the kernel
+    serves it; counts "w8a8" and "kept". `progress(done, total)` as each matrix starts."""
+    counts = {"w8a8": 0, "kept": 0}
+    if not has_w8a8_kernel():
+        counts["kept"] = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        return counts
+    levels = FULL if full_range_exact() else REDUCED
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for done, (name, module) in enumerate(linears):
+        if progress is not None:
+            progress(done, len(linears))
+        fast = W8A8Linear.from_weight(module.weight.detach(), module.bias, levels)
+        if fast is None:
+            counts["kept"] += 1
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, fast)
+        counts["w8a8"] += 1
+    counts["levels"] = levels
+    return counts
+

@@ -1,0 +1,130 @@
+"""`--quantization w8a8`: int8 rows times int8 activations rounded row by row (oneDNN). What makes
+it usable for speculation: a row's output does not depend on the rows scored with it, so every
+lossless method equals autoregressive decoding of the quantized target token for token; the
+padded rows and columns of a stand-in stay exact zeros; it compiles; the load says what it did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS, TinyTokenizer, save_tiny_model, tiny_llama
+from test_cache import assert_cache_is_fresh_prefill
+
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.weights import w8a8
+from specui.weights.quantize import quantize_rows
+from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, batch_invariant, quantize_w8a8
+
+pytestmark = pytest.mark.skipif(not w8a8.has_w8a8_kernel(), reason="this torch build has no oneDNN int8 linear")
+
+
+@pytest.mark.parametrize("levels", [FULL, REDUCED])
+def test_the_product_is_close_and_each_row_is_computed_on_its_own(levels):
+    g = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(96, 128, generator=g) * 0.05, torch.randn(96, generator=g)
+    module = W8A8Linear.from_weight(w, bias, levels)
+    assert module is not None and module.rows is None  # the int8 copy is dropped once checked
+    x = torch.randn(2, 9, 128, generator=g) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scale
+    x[0, 3, 5] = 400.0  # an outlier rounds its own row coarsely, not the others
+    got = module(x)
+    assert got.shape == (2, 9, 96) and got.dtype == x.dtype
+    want = x @ w.T + bias
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err[1].max() < (0.02 if levels == FULL else 0.04)
+    assert batch_invariant(module, x.reshape(-1, 128))
+    for i in range(9):
+        assert torch.equal(module(x[:, i:i + 1]), got[:, i:i + 1])
+
+
+def test_zero_rows_and_columns_stay_exact_zeros():
+    w = torch.zeros(64, 96)
+    w[:32, :48] = torch.randn(32, 48, generator=torch.Generator().manual_seed(1))
+    module = W8A8Linear.from_weight(w)
+    x = torch.zeros(3, 96)
+    x[:, :48] = torch.randn(3, 48)
+    out = module(x)
+    assert not out[:, 32:].any()
+    assert not module(torch.zeros(2, 96)).any()  # an all-zero row (no scale to take) gives zeros, not NaN
+
+
+def test_the_full_range_probe_matches_an_exact_int32_product():
+    k = 256
+    qx = torch.randint(0, 256, (3, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    w = torch.randint(-127, 128, (16, k), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    exact = (qx.long() - 128) @ w.long().T
+    got = w8a8._product(qx, 128, w)
+    if w8a8.full_range_exact():  # VNNI: exact; else 8-bit activations may saturate and levels fall to 7 bits
+        assert torch.equal(got, exact.float())
+
+
+def test_a_model_on_w8a8_scores_k_tokens_as_it_scores_each_alone():
+    model = tiny_llama(0, layers=2, dtype=torch.float32)
+    reference = tiny_llama(0, layers=2, dtype=torch.float32)
+    counts = quantize_w8a8(model)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in reference.modules())
+    assert counts["w8a8"] == linears and counts["kept"] == 0 and isinstance(model.lm_head, W8A8Linear)
+    ids = torch.tensor([[1, 5, 9, 13, 7, 21, 4, 30]])
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        want = reference(input_ids=ids).logits
+        first = model(input_ids=ids[:, :3], use_cache=True)
+        rest = model(input_ids=ids[:, 3:], past_key_values=first.past_key_values).logits
+    assert (whole - want).abs().max() <= 0.05 * want.abs().max()
+    assert torch.equal(rest.argmax(-1), whole[:, 3:].argmax(-1))
+    assert (rest - whole[:, 3:]).abs().max() <= 1e-5 * whole.abs().max()  # attention's own float rounding only
+
+
+def test_in_float64_a_token_scored_alone_or_with_others_gets_exactly_the_same_logits():
+    model = tiny_llama(0, layers=2, dtype=torch.float32)
+    quantize_w8a8(model)
+    model.to(torch.float64)  # what dtype auto does (specui.weights.concrete._quantize_w8a8 says why)
+    ids = torch.tensor([[1, 5, 9, 13, 7, 21, 4, 30, 2, 17]])
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        steps = [model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits for i in range(4, 10)]
+    assert whole.dtype == torch.float64 and torch.equal(torch.cat(steps, 1), whole[:, 4:])
+
+
+@pytest.mark.parametrize("method", ["speculative", "opt-tree", "dsbd"])
+def test_greedy_methods_equal_autoregressive_on_a_w8a8_target(tiny_draft, method):
+    target = tiny_llama(0, layers=3, dtype=torch.float32)
+    quantize_w8a8(target)
+    prompt = [1, 9, 4, 22]
+    want = Engine(target, TinyTokenizer(), eos_ids=[EOS]).generate(
+        GenerationRequest(prompt, 24), make_method("autoregressive")).run().output_ids
+    params = {"speculative": dict(gamma=4), "opt-tree": dict(nodes=8), "dsbd": dict(width=1)}[method]
+    engine = Engine(target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    gen = engine.generate(GenerationRequest(prompt, 24), make_method(method, **params))
+    for _ in gen:
+        if method == "speculative":
+            assert_cache_is_fresh_prefill(engine.target, prompt + gen.output_ids)
+    assert gen.output_ids == want
+
+
+def test_a_w8a8_module_compiles_to_the_same_product():
+    module = W8A8Linear.from_weight(torch.randn(64, 96, generator=torch.Generator().manual_seed(4)))
+    x = torch.randn(5, 96)
+    compiled = torch.compile(module)
+    got, want = compiled(x), module(x)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # inductor may fuse the rounding's arithmetic
+
+
+def test_load_model_w8a8_says_what_it_did(tmp_path):
+    from specui.weights.loading import ModelSpec, load_model
+
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=1, hidden=64)
+    loaded = load_model(ModelSpec(str(folder), quantization="w8a8"), role="target")
+    assert loaded.model.dtype == torch.float64  # dtype auto: see _quantize_w8a8 (float32 weights, rounded, then cast)
+    assert all(m.packed.dtype == torch.int8 for m in loaded.model.modules() if isinstance(m, W8A8Linear))
+    note = next(n for n in loaded.notes if n.startswith("target w8a8:"))
+    assert "int8 rows times" in note and "rounded row by row" in note
+    fp32 = load_model(ModelSpec(str(folder), dtype="float32"))
+    assert loaded.memory_bytes < fp32.memory_bytes
+
+
+def test_quantize_rows_gives_what_the_module_stores():
+    w = torch.randn(8, 32)
+    rows, scale = quantize_rows(w)
+    module = W8A8Linear(rows, scale)
+    assert torch.allclose(module.dense(), rows.float() * scale[:, None])
