@@ -5,10 +5,12 @@ speculative method's verification (is scoring k tokens about as cheap as one?).
 
 For float32 and bfloat16 weights of one shape, enough matrices to stream `--megabytes` of
 float32 weights (more than the CPU's caches, as a model's forward does), it times y = x W^T for
-each row count three ways: torch's `linear` on the plain (out, in) weight (what the models run),
-the same weight prepacked once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`),
-and, for float32, MKL's packed GEMM. Median ms of every matrix once, and each row count's cost
-against one row's. Prints the CPU; nothing is cached or chosen from it."""
+each row count several ways: torch's `linear` on the plain (out, in) weight (what the models
+run), the same weight prepacked once into oneDNN's blocked layout
+(`mkldnn._reorder_linear_weight`), and, for float32, MKL's packed GEMM and `--quantization
+w8a8`'s int8 x int8 product (specui/weights/w8a8.py: the weight rounded to int8 rows, each input
+row to 8 bits). Median ms of every matrix once, and each row count's cost against one row's.
+Prints the CPU; nothing is cached or chosen from it."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from specui.engine.measure import cpu_model
 from specui.engine.timing import median_ms
+from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
 
 REPEATS = 7  # timed calls per figure, after one warm-up call
 CPU = torch.device("cpu")
@@ -42,6 +45,10 @@ def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], obje
             return [torch.ops.mkl._mkl_linear(x, p, w, None, n) for p, w in zip(mkl[n], weights, strict=True)]
 
         out["MKL packed"] = mkl_packed
+    if weights[0].dtype == torch.float32 and has_w8a8_kernel():  # int8 rows x int8 activations (--quantization w8a8)
+        w8 = [W8A8Linear.from_weight(w) for w in weights]
+        if all(m is not None for m in w8):
+            out["w8a8"] = lambda x: [m(x) for m in w8]
     return out
 
 
