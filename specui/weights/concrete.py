@@ -175,16 +175,16 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     return f"{role} {spec.quantization}: " + ", ".join(said) + unread
 
 
-
-
 def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
                    progress: Callable[[int, int], None] | None = None) -> str:
     """Put `model`'s matrices on the int8 x int8 kernel (specui.weights.w8a8); the note of
-    what went where. Where it serves none, refused: the user asked for this rounding."""
+    what went where. Where it serves none, refused: the user asked for this rounding.
+    Why `--dtype auto` then runs the rest of the model in float64: rounding activations is
+    discontinuous, so float32's differences between a token scored alone and with others
+    (attention's kernels sum in other orders, ~1e-7 apart) flip a few roundings and grow (the
+    bundled model's logits for one position 2.66 apart); in float64 they stay below every
+    rounding step and the logits are exactly equal, so speculation stays lossless."""
     counts = quantize_w8a8(model, progress)
-    # why float64 by default: rounding activations is discontinuous, so float32's differences between a token
-    # scored alone and with others (attention's kernels sum in other orders, ~1e-7) flip roundings and grow
-    # (logits 2.7 apart, bundled model); in float64 they stay below any rounding step: logits equal exactly
     if not counts["w8a8"]:
         why = "this torch build has no oneDNN int8 linear" if not has_w8a8_kernel() else \
             "every matrix failed its self-check (product or row independence) on this CPU"
