@@ -128,3 +128,21 @@ def test_quantize_rows_gives_what_the_module_stores():
     rows, scale = quantize_rows(w)
     module = W8A8Linear(rows, scale)
     assert torch.allclose(module.dense(), rows.float() * scale[:, None])
+
+
+def test_compiled_forwards_on_a_w8a8_target_equal_its_compiled_autoregressive():
+    """`--capture on`: the padded buckets run through torch.compile, the product as one custom op."""
+    target = tiny_llama(0, layers=2, dtype=torch.float32)
+    quantize_w8a8(target)
+    target.to(torch.float64)
+    draft = tiny_llama(1, layers=1, dtype=torch.float32)
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    runner = on.target.runner
+    assert runner.compiled and not runner.notes or runner.notes[0].startswith("not compiled: ")
+    prompt = [1, 9, 4, 22, 7]
+
+    def reply(name, **params):
+        return on.generate(GenerationRequest(prompt, 20), make_method(name, **params)).run().output_ids
+
+    want = reply("autoregressive")
+    assert reply("speculative", gamma=3) == want and reply("opt-tree", nodes=8) == want
