@@ -129,7 +129,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                     quant = gr.Radio(list(service.quantizations), value=service.target_spec.quantization,
                                      label="quantization (target)", **locked, info="auto: a GGUF's own "
                                      "4-bit weights or its dequantized ones, measured here; int8/int4: CPU kernels; "
-                                     "8bit/4bit: bitsandbytes")
+                                     "w8a8: int8 weights and activations (CPU), cheap to verify many tokens on "
+                                     "large models; 8bit/4bit: bitsandbytes")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device", **locked)
                     dtype = gr.Dropdown(list(service.dtypes), value=service.target_spec.dtype, label="dtype",
                                         elem_id="dtype", **locked, info="auto: measured on CPU (float32 or "
