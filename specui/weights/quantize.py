@@ -81,7 +81,7 @@ class Int8Linear(_Quantized):
         if device.type != "cpu" or weight.shape[1] % 32 or not hasattr(torch, "_weight_int8pack_mm"):
             return None
         module = cls(weight, scale, bias)
-        return _self_checked(module, module.weight.float() * module.scale.float()[:, None], bias)
+        return self_checked(module, module.weight.float() * module.scale.float()[:, None], bias)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +97,8 @@ def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6)
 
 
-def _self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.nn.Module | None:
+def self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.nn.Module | None:
     """`module` if its product with a random input matches x W^T (+ b) for the weight it
     should hold; None where the kernel refuses it or gets it wrong on this machine."""
     x = torch.randn(5, want_weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -163,7 +163,7 @@ class Int4Linear(_Quantized):
         # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale
         scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
         module = cls(packed, scales_zeros, q.shape[1], bias, find_layout(packed, q, _pack_int4, learned))
-        return _self_checked(module, dequantize_groups(q, scale, low), bias)
+        return self_checked(module, dequantize_groups(q, scale, low), bias)
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
