@@ -27,6 +27,7 @@ from specui.weights.quantize import (
     pack4,
     quantize_groups,
     quantize_rows,
+    replace_module,
     unpack4,
     use_long_path,
 )
@@ -104,8 +105,7 @@ def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[
             fast, kind = Int8Linear.from_stored(state[key], state[key + SCALE], device), "int8"
         if fast is None:
             continue
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, fast)
+        replace_module(model, name, fast)
         swapped[kind] += 1
     return swapped
 

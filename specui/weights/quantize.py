@@ -112,6 +112,12 @@ def self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
     return module if agrees(got, want) else None
 
 
+def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    """Put `new` where `root`'s submodule `name` (a dotted path, as named_modules gives) was."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
 class Int4Linear(_Quantized):
     """y = x W^T (+ b) with W in 4-bit groups of GROUP inputs, w = q * scale + low (q in
     0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
@@ -241,8 +247,7 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
         if fast is None:
             counts["kept"] += 1
             continue
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, fast)
+        replace_module(model, name, fast)
         counts[used] += 1
     return counts
 

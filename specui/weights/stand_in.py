@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.ragged import free_memory
 from specui.errors import SpecUIError
+from specui.weights.quantize import replace_module
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # same module names: q/k/v/o, gate/up/down, two RMSNorms
 MULTIPLE = 64  # intermediate sizes rounded to this (4-bit groups of 32 along every input)
@@ -262,8 +263,7 @@ def bitsandbytes(model: torch.nn.Module, quantization: str, dtype: torch.dtype) 
             layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         if module.bias is not None:
             layer.bias = module.bias
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_decoder().get_submodule(parent) if parent else model.get_decoder(), child, layer)
+        replace_module(model.get_decoder(), name, layer)
         swapped += 1
     return f"stand-in quantized with bitsandbytes {quantization}: {swapped} decoder matrices"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from specui.weights.quantize import quantize_rows, self_checked
+from specui.weights.quantize import quantize_rows, replace_module, self_checked
 
 FULL, REDUCED = 127, 63  # activation levels each side of the zero point: 8 bits, or 7 where the kernel saturates
 
@@ -154,8 +154,7 @@ def quantize_w8a8(model: torch.nn.Module, progress=None) -> dict[str, int]:
         if fast is None:
             counts["kept"] += 1
             continue
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, fast)
+        replace_module(model, name, fast)
         counts["w8a8"] += 1
     counts["levels"] = levels
     return counts
