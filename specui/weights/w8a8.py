@@ -20,6 +20,8 @@ then lossless against this quantized target, as with every quantization."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specui.weights.quantize import quantize_rows, replace_module, self_checked
@@ -138,7 +140,8 @@ def batch_invariant(module: torch.nn.Module, x: torch.Tensor) -> bool:
     return all(torch.equal(module(x[i:i + 1])[0], together[i]) for i in range(x.shape[0]))
 
 
-def quantize_w8a8(model: torch.nn.Module, progress=None) -> dict[str, int]:
+def quantize_w8a8(model: torch.nn.Module,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Swap every Linear of `model` (its output head included) for a W8A8Linear where the kernel
     serves it; counts "w8a8" and "kept". `progress(done, total)` as each matrix starts."""
     counts = {"w8a8": 0, "kept": 0}
