@@ -7,9 +7,12 @@ For float32 and bfloat16 weights of one shape, enough matrices to stream `--mega
 float32 weights (more than the CPU's caches, as a model's forward does), it times y = x W^T for
 each row count several ways: torch's `linear` on the plain (out, in) weight (what the models
 run), the same weight prepacked once into oneDNN's blocked layout
-(`mkldnn._reorder_linear_weight`), and, for float32, MKL's packed GEMM and `--quantization
+(`mkldnn._reorder_linear_weight`), and, for float32, MKL's packed GEMM, `--quantization
 w8a8`'s int8 x int8 product (specui/weights/w8a8.py: the weight rounded to int8 rows, each input
-row to 8 bits). Median ms of every matrix once, and each row count's cost against one row's.
+row to 8 bits) and torch's int4 kernel on the weight rounded to 4-bit groups (`--quantization
+int4`, bfloat16 inputs). Median ms of every matrix once, and each row count's cost against one
+row's. (The weights are re-read from the caches where they fit: a CPU with a large L3 shows
+fewer ms than a model's forward, whose weights stream from memory.)
 Prints the CPU; nothing is cached or chosen from it."""
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from specui.engine.measure import cpu_model
 from specui.engine.timing import median_ms
+from specui.weights.quantize import Int4Linear, has_int4_kernel, quantize_groups
 from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
 
 REPEATS = 7  # timed calls per figure, after one warm-up call
@@ -49,6 +53,10 @@ def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], obje
         w8 = [W8A8Linear.from_weight(w) for w in weights]
         if all(m is not None for m in w8):
             out["w8a8"] = lambda x: [m(x) for m in w8]
+    if weights[0].dtype == torch.float32 and has_int4_kernel():  # torch's int4 kernel (--quantization int4)
+        i4 = [Int4Linear.from_groups(*quantize_groups(w), CPU) for w in weights]
+        if all(m is not None for m in i4):
+            out["int4"] = lambda x: [m(x.to(torch.bfloat16)) for m in i4]
     return out
 
 
