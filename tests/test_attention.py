@@ -95,3 +95,33 @@ def test_padding_masks_still_reach_the_attention(monkeypatch):
         batched = model(input_ids=ids, attention_mask=mask).logits[0, 2:].float()
         alone = model(input_ids=torch.tensor([short])).logits[0].float()
     assert (batched - alone).abs().max() <= 0.05 * alone.abs().max()
+
+
+def test_a_float64_model_shares_its_key_value_heads_and_keeps_its_logits():
+    """w8a8's float64 models: SDPA with the GQA heads shared in the kernel (no copy of the cache
+    per query head); the same logits, and a token scored with others exactly as alone."""
+    from specui.engine.attention import use_shared_kv_heads
+    from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
+
+    model = tiny_llama(0, layers=2, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    if has_w8a8_kernel():
+        quantize_w8a8(model)
+    model.to(torch.float64)
+    reference = tiny_llama(0, layers=2, dtype=torch.float32)
+    reference.config._attn_implementation = "sdpa"
+    if has_w8a8_kernel():
+        quantize_w8a8(reference)
+    reference.to(torch.float64)
+    assert use_shared_kv_heads(tiny_llama(0, layers=1, dtype=torch.float32)) is None  # float32: left on SDPA
+    note = use_shared_kv_heads(model)
+    assert "sharing 2 key/value heads" in note and model.config._attn_implementation == attention.ATTENTION
+    assert getattr(model.config, GROUPED_KEY) == 0 and getattr(model.config, CACHE_KEY) is None
+    ids = torch.tensor([[1, 5, 9, 13, 7, 21, 4, 30, 2, 17]])
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        want = reference(input_ids=ids).logits
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        steps = [model(input_ids=ids[:, i:i + 2], past_key_values=cache).logits for i in (4, 6, 8)]
+    assert (whole - want).abs().max() <= 1e-9 * want.abs().max()
+    assert torch.equal(torch.cat(steps, 1), whole[:, 4:])

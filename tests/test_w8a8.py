@@ -119,6 +119,7 @@ def test_load_model_w8a8_says_what_it_did(tmp_path):
     assert all(m.packed.dtype == torch.int8 for m in loaded.model.modules() if isinstance(m, W8A8Linear))
     note = next(n for n in loaded.notes if n.startswith("target w8a8:"))
     assert "int8 rows times" in note and "rounded row by row" in note
+    assert any("key/value heads inside the kernel" in n for n in loaded.notes)  # no copy of the cache per head
     fp32 = load_model(ModelSpec(str(folder), dtype="float32"))
     assert loaded.memory_bytes < fp32.memory_bytes
 

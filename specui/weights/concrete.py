@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from specui.engine.attention import use_measured_attention
+from specui.engine.attention import use_measured_attention, use_shared_kv_heads
 from specui.errors import SpecUIError
 from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
@@ -115,7 +115,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             0.4 + 0.6 * done / total, f"{role}: {spec.quantization}, matrix {done + 1} of {total}")),)
         long_inputs = use_long_path(model, role)
         notes += (long_inputs,) if long_inputs else ()
-    attention = use_measured_attention(model)
+    attention = use_measured_attention(model) or use_shared_kv_heads(model)
     notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     label = f"stand-in {shape.size} ({shape.params / 1e9:.2f}B) of {label}" if shape is not None else label
