@@ -137,6 +137,17 @@ def test_key_changes_with_the_draft_and_dtype(tiny_target, tiny_draft):
     assert describe["target_dtype"] == "float64" and describe["draft_dtype"] == "none"
 
 
+def test_key_changes_with_the_code_that_runs_the_forwards(tiny_target, monkeypatch):
+    """A profile measured by other code (an upgrade, a kernel change) is measured again."""
+    from specui.engine import measure
+
+    engine = Engine(tiny_target, TinyTokenizer())
+    key, describe = profile_key(engine.target, None)
+    assert describe["code"] == measure.code_stamp() and len(describe["code"]) == 16
+    monkeypatch.setattr(prof_module, "code_stamp", lambda: "another version")
+    assert profile_key(engine.target, None)[0] != key
+
+
 ZEN3 = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "stepping": "1", "flags": "fpu avx avx2 fma"}
 ZEN4 = {"model name": "AMD EPYC", "cpu family": "25", "model": "17", "stepping": "1",
         "flags": "fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni"}

@@ -6,6 +6,7 @@ model's files or config), and the time of one forward as the engine runs it (for
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -55,6 +56,23 @@ def cpu_signature() -> str:
     machine of the same name."""
     info = _cpuinfo()
     return "|".join([cpu_model()] + [info.get(k, "") for k in ("cpu family", "model", "stepping")])
+
+
+COSTING_PACKAGES = ("engine", "weights")  # SpecUI's code that decides what a forward costs
+
+
+def code_stamp() -> str:
+    """A hash of SpecUI's code that runs and shapes the forwards (specui/engine, specui/weights):
+    a measurement made by other code (an upgrade, a kernel change) is not reused. Before it, a
+    profile measured before a change to the attention's kernels kept `auto` predicting the old
+    costs until its file was deleted by hand."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in COSTING_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def model_identity(model: torch.nn.Module) -> str:

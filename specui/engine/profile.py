@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cache_root, cpu_signature, forward_ms, model_identity
+from specui.engine.measure import cache_root, code_stamp, cpu_signature, forward_ms, model_identity
 from specui.engine.measure import cpu_model as cpu_model  # re-exported: callers read it from here
 from specui.engine.session import ModelSession
 
@@ -177,6 +177,7 @@ def profile_key(target: ModelSession, draft: ModelSession | None, quantization: 
         "quantization": quantization,
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
+        "code": code_stamp(),
     }
     forwards = [s.runner.mode + ("+compiled" if s.runner.compiled else "")
                 for s in (target, draft) if s is not None and s.runner is not None]
