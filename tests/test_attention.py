@@ -125,3 +125,15 @@ def test_a_float64_model_shares_its_key_value_heads_and_keeps_its_logits():
         steps = [model(input_ids=ids[:, i:i + 2], past_key_values=cache).logits for i in (4, 6, 8)]
     assert (whole - want).abs().max() <= 1e-9 * want.abs().max()
     assert torch.equal(torch.cat(steps, 1), whole[:, 4:])
+
+
+def test_grouped_matmuls_keep_float64_precision():
+    """A compiled float64 model (w8a8's) may attend with grouped matmuls (capture_choice measures
+    it): its scores must stay float64, or a token scored with others differs from itself alone."""
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 3, 8, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(7)
+    got = attention._grouped(query, key, value, mask, 8 ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    assert got.dtype == torch.float64 and (got - want.transpose(1, 2)).abs().max() < 1e-12

@@ -74,17 +74,18 @@ def _grouped(query, key, value, attention_mask, scaling: float) -> torch.Tensor:
     b, h, q, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     rep = h // kv_heads
-    scores = (query.reshape(b, kv_heads, rep * q, d) @ key.transpose(-1, -2)).float() * scaling
+    wide = torch.promote_types(query.dtype, torch.float32)  # softmax in float32, or float64's own precision
+    scores = (query.reshape(b, kv_heads, rep * q, d) @ key.transpose(-1, -2)).to(wide) * scaling
     scores = scores.view(b, kv_heads, rep, q, length)
-    # masked scores get float32's lowest finite value, not -inf: a query that may see nothing
+    # masked scores get the lowest finite value, not -inf: a query that may see nothing
     # (a padding position) gets finite weights, and padding keys never spread NaN into a row
-    lowest = torch.finfo(torch.float32).min
+    lowest = torch.finfo(wide).min
     if attention_mask is not None:
         mask = attention_mask[..., :length]
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask[:, :, None], lowest)
         else:
-            scores = scores + mask[:, :, None].float()
+            scores = scores + mask[:, :, None].to(wide)
     elif q > 1:  # no mask given: causal over the last q positions
         allowed = torch.ones(q, length, dtype=torch.bool, device=query.device).tril(length - q)
         scores = scores.masked_fill(~allowed, lowest)
