@@ -161,14 +161,20 @@ def use_measured_attention(model: PreTrainedModel) -> str | None:
         cache_dtype, limit, note = measure_attention(heads, kv_heads, head_dim, model.dtype, device)
     if cache_dtype == model.dtype and not limit:
         return note
+    _route(model, None if cache_dtype == model.dtype else str(cache_dtype).removeprefix("torch."), limit)
+    return note
+
+
+def _route(model: PreTrainedModel, cache: str | None, limit: int) -> None:
+    """Make `model` attend through `specui_attention` with this cache dtype (None: its own) and
+    grouped limit (0: SDPA, the key/value heads shared inside the kernel)."""
     if ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION, specui_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     for c in attention_configs(model):
-        setattr(c, CACHE_KEY, None if cache_dtype == model.dtype else str(cache_dtype).removeprefix("torch."))
+        setattr(c, CACHE_KEY, cache)
         setattr(c, GROUPED_KEY, limit)
         c._attn_implementation = ATTENTION
-    return note
 
 
 def use_shared_kv_heads(model: PreTrainedModel) -> str | None:
@@ -185,13 +191,7 @@ def use_shared_kv_heads(model: PreTrainedModel) -> str | None:
     if (device.type != "cpu" or model.dtype != torch.float64 or not heads or kv_heads == heads
             or getattr(config, "_attn_implementation", None) != "sdpa"):
         return None
-    if ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION, specui_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
-    for c in attention_configs(model):
-        setattr(c, CACHE_KEY, None)
-        setattr(c, GROUPED_KEY, 0)
-        c._attn_implementation = ATTENTION
+    _route(model, None, 0)
     return (f"attention: SDPA with its {heads} query heads sharing {kv_heads} key/value heads inside the kernel "
             "(no copy of the cache per query head)")
 
