@@ -97,34 +97,50 @@ def test_padding_masks_still_reach_the_attention(monkeypatch):
     assert (batched - alone).abs().max() <= 0.05 * alone.abs().max()
 
 
-def test_a_float64_model_shares_its_key_value_heads_and_keeps_its_logits():
-    """w8a8's float64 models: SDPA with the GQA heads shared in the kernel (no copy of the cache
-    per query head); the same logits, and a token scored with others exactly as alone."""
-    from specui.engine.attention import use_shared_kv_heads
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_model_shares_its_key_value_heads_and_keeps_its_logits(dtype):
+    """SDPA with the GQA heads shared in the kernel (no copy of the cache per query head): the
+    same logits as transformers' own call, and for w8a8's float64 models a token scored with
+    others exactly as alone."""
+    from specui.engine.attention import SHARED_KEY, routed_attention, use_shared_kv_heads
     from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
 
-    model = tiny_llama(0, layers=2, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
-    if has_w8a8_kernel():
-        quantize_w8a8(model)
-    model.to(torch.float64)
-    reference = tiny_llama(0, layers=2, dtype=torch.float32)
-    reference.config._attn_implementation = "sdpa"
-    if has_w8a8_kernel():
-        quantize_w8a8(reference)
-    reference.to(torch.float64)
-    assert use_shared_kv_heads(tiny_llama(0, layers=1, dtype=torch.float32)) is None  # float32: left on SDPA
+    def build():
+        model = tiny_llama(0, layers=2, dtype=torch.float32)
+        model.config._attn_implementation = "sdpa"
+        if dtype == torch.float64 and has_w8a8_kernel():
+            quantize_w8a8(model)
+        return model.to(dtype)
+
+    model, reference = build(), build()
     note = use_shared_kv_heads(model)
     assert "sharing 2 key/value heads" in note and model.config._attn_implementation == attention.ATTENTION
     assert getattr(model.config, GROUPED_KEY) == 0 and getattr(model.config, CACHE_KEY) is None
+    assert getattr(model.config, SHARED_KEY) and not routed_attention(model)  # no grouped kind to capture
     ids = torch.tensor([[1, 5, 9, 13, 7, 21, 4, 30, 2, 17]])
     with torch.no_grad():
         whole = model(input_ids=ids).logits
         want = reference(input_ids=ids).logits
         cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
         steps = [model(input_ids=ids[:, i:i + 2], past_key_values=cache).logits for i in (4, 6, 8)]
-    assert (whole - want).abs().max() <= 1e-9 * want.abs().max()
-    assert torch.equal(torch.cat(steps, 1), whole[:, 4:])
+        cache = reference(input_ids=ids[:, :4], use_cache=True).past_key_values
+        theirs = [reference(input_ids=ids[:, i:i + 2], past_key_values=cache).logits for i in (4, 6, 8)]
+    assert (whole - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(torch.cat(steps, 1), torch.cat(theirs, 1))  # 2-token steps: the copy's path, the same bits
+    if dtype == torch.float64:
+        assert torch.equal(torch.cat(steps, 1), whole[:, 4:])
+
+
+def test_a_model_without_grouped_heads_is_left_alone():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specui.engine.attention import use_shared_kv_heads
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4)
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    assert use_shared_kv_heads(model) is None and model.config._attn_implementation == "sdpa"
 
 
 def test_grouped_matmuls_keep_float64_precision():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.attention import CACHE_KEY, GROUPED_KEY
+from specui.engine.attention import CACHE_KEY, GROUPED_KEY, SHARED_KEY
 from specui.engine.paths import cache_root  # noqa: F401 - where the rest of SpecUI reads it
 from specui.engine.session import ModelSession
 from specui.engine.timing import median_ms
@@ -97,7 +97,7 @@ def model_identity(model: torch.nn.Module) -> str:
         parts.append(type(model).__name__)
     else:  # what the load measured and a forward sets for itself is not the model: a key must not move with it
         described = json.loads(cfg.to_json_string(use_diff=False))
-        for key in (CACHE_KEY, GROUPED_KEY):
+        for key in (CACHE_KEY, GROUPED_KEY, SHARED_KEY):
             described.pop(key, None)
         parts.append(json.dumps(described, sort_keys=True))
     return "|".join(parts)

@@ -115,8 +115,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             0.4 + 0.6 * done / total, f"{role}: {spec.quantization}, matrix {done + 1} of {total}")),)
         long_inputs = use_long_path(model, role)
         notes += (long_inputs,) if long_inputs else ()
-    attention = use_measured_attention(model) or use_shared_kv_heads(model)
-    notes += (f"{role} {attention}",) if attention else ()
+    for attention in (use_measured_attention(model), use_shared_kv_heads(model)):
+        notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     label = f"stand-in {shape.size} ({shape.params / 1e9:.2f}B) of {label}" if shape is not None else label
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
