@@ -146,20 +146,28 @@ def attention_configs(model: PreTrainedModel) -> list:
     return list(configs.values())
 
 
+def _cpu_sdpa_heads(model: PreTrainedModel) -> tuple[int, int] | None:
+    """(query heads, key/value heads) of a model on a CPU that transformers' SDPA serves, else None."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if (not heads or next(model.parameters()).device.type != "cpu"
+            or getattr(config, "_attn_implementation", None) != "sdpa"):
+        return None
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
 def use_measured_attention(model: PreTrainedModel) -> str | None:
     """Measure and route `model`'s attention through `specui_attention` with the faster cache
     dtype and grouped limit. Only half-precision models on a CPU that use SDPA; returns a note
     of the choice (None when nothing was measured)."""
-    config = model.config
-    device = next(model.parameters()).device
-    if (device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float16)
-            or getattr(config, "_attn_implementation", None) != "sdpa"):
+    shape = _cpu_sdpa_heads(model)
+    if shape is None or model.dtype not in (torch.bfloat16, torch.float16):
         return None
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads = shape
+    config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     with torch.inference_mode():
-        cache_dtype, limit, note = measure_attention(heads, kv_heads, head_dim, model.dtype, device)
+        cache_dtype, limit, note = measure_attention(heads, kv_heads, head_dim, model.dtype, torch.device("cpu"))
     if cache_dtype == model.dtype and not limit:
         return note
     _route(model, None if cache_dtype == model.dtype else str(cache_dtype).removeprefix("torch."), limit)
@@ -186,13 +194,10 @@ def use_shared_kv_heads(model: PreTrainedModel) -> str | None:
     float64, 4.8 against 0.8 in float32, the outputs bit for bit equal. A model the load's
     measurement already routed keeps that choice. Returns a note, or None where nothing changed
     (not a CPU, not SDPA, or no grouped heads)."""
-    config = model.config
-    device = next(model.parameters()).device
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if (device.type != "cpu" or not heads or kv_heads == heads
-            or getattr(config, "_attn_implementation", None) != "sdpa"):
+    shape = _cpu_sdpa_heads(model)
+    if shape is None or shape[0] == shape[1]:
         return None
+    heads, kv_heads = shape
     _route(model, None, 0)
     for c in attention_configs(model):
         setattr(c, SHARED_KEY, True)
