@@ -17,15 +17,17 @@ REPO = Path(__file__).resolve().parent.parent
 # process and app it starts: each process's fresh cache (conftest.py) links its gguf folder here.
 # Beside the virtual environment, so it goes with it (a clean clone converts once).
 SHARED_GGUF = Path(sys.prefix) / "specui-test-gguf"
+SHARED_KERNELS = Path(sys.prefix) / "specui-test-kernels"  # likewise SpecUI's C++ kernels, built once
 
 
 def shared_gguf_cache(cache_home: Path) -> None:
-    """Link `cache_home`'s converted-GGUF folder to the shared one."""
-    SHARED_GGUF.mkdir(exist_ok=True)
+    """Link `cache_home`'s converted-GGUF and kernel folders to the shared ones."""
     (cache_home / "specui").mkdir(parents=True, exist_ok=True)
-    link = cache_home / "specui" / "gguf"
-    if not link.exists():
-        link.symlink_to(SHARED_GGUF, target_is_directory=True)
+    for name, shared in (("gguf", SHARED_GGUF), ("kernels", SHARED_KERNELS)):
+        shared.mkdir(exist_ok=True)
+        link = cache_home / "specui" / name
+        if not link.exists():
+            link.symlink_to(shared, target_is_directory=True)
 
 
 def bundled_converted() -> None:

@@ -100,7 +100,8 @@ def model_identity(model: torch.nn.Module) -> str:
         for key in (CACHE_KEY, GROUPED_KEY, SHARED_KEY):
             described.pop(key, None)
         parts.append(json.dumps(described, sort_keys=True))
-    return "|".join(parts)
+    parts.append(",".join(sorted({type(m).__name__ for m in model.modules() if hasattr(m, "in_features")})))
+    return "|".join(parts)  # the last part: which kernels its matrices run on (e.g. weights/stream.py's)
 
 
 def _context_ids(session: ModelSession, context: int) -> list[int]:

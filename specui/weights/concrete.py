@@ -31,6 +31,7 @@ from specui.weights.sources import (
     resolve_dtype,
     short_error,
 )
+from specui.weights.stream import use_stream_kernel
 from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
 
 
@@ -115,6 +116,9 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             0.4 + 0.6 * done / total, f"{role}: {spec.quantization}, matrix {done + 1} of {total}")),)
         long_inputs = use_long_path(model, role)
         notes += (long_inputs,) if long_inputs else ()
+    elif spec.quantization == "none" and device.type == "cpu":
+        streamed = use_stream_kernel(model, role)
+        notes += (streamed,) if streamed else ()
     for attention in (use_measured_attention(model), use_shared_kv_heads(model)):
         notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
