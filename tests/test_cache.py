@@ -26,6 +26,24 @@ def assert_cache_is_fresh_prefill(session: ModelSession, committed: list[int]):
         assert torch.allclose(k, fk, atol=1e-10) and torch.allclose(v, fv, atol=1e-10)
 
 
+GREEDY_PARAMS = {"speculative": dict(gamma=4), "opt-tree": dict(nodes=8), "dsbd": dict(width=1)}
+
+
+def assert_greedy_equals_autoregressive(target, draft, method: str, check_cache: bool = True) -> None:
+    """`method` (speculative / opt-tree / dsbd) on `target` with `draft` gives the target's own
+    autoregressive reply; speculative's cache after each commit equals a fresh prefill (where the
+    target's arithmetic makes that exact: `check_cache`)."""
+    prompt = [1, 9, 4, 22]
+    want = Engine(target, TinyTokenizer(), eos_ids=[EOS]).generate(
+        GenerationRequest(prompt, 24), make_method("autoregressive")).run().output_ids
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    gen = engine.generate(GenerationRequest(prompt, 24), make_method(method, **GREEDY_PARAMS[method]))
+    for _ in gen:
+        if check_cache and method == "speculative":
+            assert_cache_is_fresh_prefill(engine.target, prompt + gen.output_ids)
+    assert gen.output_ids == want
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculative_caches_equal_fresh_prefill_after_each_step(tiny_target, tiny_draft, temperature):
     for draft in (tiny_draft, near_copy(tiny_target, 0.003, 3)):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS, TinyTokenizer, tiny_llama
+from conftest import tiny_llama
+from test_cache import assert_greedy_equals_autoregressive
 
-from specui.engine import Engine, GenerationRequest, make_method
 from specui.weights import stream
 from specui.weights.stream import MAX_ROWS, StreamLinear, batch_invariant, use_stream_kernel
 
@@ -74,13 +74,7 @@ def test_a_model_on_the_kernel_scores_k_tokens_exactly_as_it_scores_each_alone()
 def test_greedy_methods_equal_autoregressive_on_a_streamed_target(tiny_draft, method):
     target = tiny_llama(0, layers=3, dtype=torch.float32)
     _streamed(target)
-    prompt = [1, 9, 4, 22]
-    want = Engine(target, TinyTokenizer(), eos_ids=[EOS]).generate(
-        GenerationRequest(prompt, 24), make_method("autoregressive")).run().output_ids
-    params = {"speculative": dict(gamma=4), "opt-tree": dict(nodes=8), "dsbd": dict(width=1)}[method]
-    engine = Engine(target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
-    gen = engine.generate(GenerationRequest(prompt, 24), make_method(method, **params))
-    assert gen.run().output_ids == want
+    assert_greedy_equals_autoregressive(target, tiny_draft, method, check_cache=False)
 
 
 def test_a_streamed_module_compiles_to_the_same_product():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EOS, TinyTokenizer, save_tiny_model, tiny_llama
-from test_cache import assert_cache_is_fresh_prefill
+from test_cache import assert_greedy_equals_autoregressive
 
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.weights import w8a8
@@ -90,16 +90,7 @@ def test_in_float64_a_token_scored_alone_or_with_others_gets_exactly_the_same_lo
 def test_greedy_methods_equal_autoregressive_on_a_w8a8_target(tiny_draft, method):
     target = tiny_llama(0, layers=3, dtype=torch.float32)
     quantize_w8a8(target)
-    prompt = [1, 9, 4, 22]
-    want = Engine(target, TinyTokenizer(), eos_ids=[EOS]).generate(
-        GenerationRequest(prompt, 24), make_method("autoregressive")).run().output_ids
-    params = {"speculative": dict(gamma=4), "opt-tree": dict(nodes=8), "dsbd": dict(width=1)}[method]
-    engine = Engine(target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
-    gen = engine.generate(GenerationRequest(prompt, 24), make_method(method, **params))
-    for _ in gen:
-        if method == "speculative":
-            assert_cache_is_fresh_prefill(engine.target, prompt + gen.output_ids)
-    assert gen.output_ids == want
+    assert_greedy_equals_autoregressive(target, tiny_draft, method)
 
 
 def test_a_w8a8_module_compiles_to_the_same_product():
