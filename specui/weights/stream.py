@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ def _kernel() -> tuple[object | None, str]:
         from torch.utils.cpp_extension import load
     except ImportError as e:  # pragma: no cover - part of every torch build
         return None, f"torch's C++ extension builder is missing ({e})"
+    _ninja_on_path()
     tag = hashlib.sha256((SOURCE.read_text() + cpu_signature() + torch.__version__).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"stream-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -65,6 +67,18 @@ def _kernel() -> tuple[object | None, str]:
                     lines[0])
         return None, f"the streaming kernel could not be built here ({said.strip()[:200]})"
     return module, ""
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH: where there is none, the one requirements.txt
+    installs (its own folder, not on PATH unless the virtual environment is activated)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then says that ninja is missing
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def has_stream_kernel() -> bool:
