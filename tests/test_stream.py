@@ -38,6 +38,8 @@ def test_each_row_is_close_to_the_product_and_computed_the_same_alone_or_with_ot
     assert batch_invariant(module)
     more = torch.randn(MAX_ROWS + 1, 96).to(dtype)  # a prefill: torch's kernel
     assert torch.equal(module(more), linear(more))
+    module.double()  # a model cast after its load: torch's kernel, not an error
+    assert module(x.double()).dtype == torch.float64
 
 
 def test_a_bias_and_bfloat16_inputs_come_back_as_the_linear_gives_them():

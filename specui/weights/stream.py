@@ -41,6 +41,7 @@ MIN_BYTES = 64 << 20  # smaller models' products are not bound by reading their 
 PROBE_ROWS = 8  # a verification's size: where the choice is measured, beside one token
 GAIN = 0.9  # the kernel must be this much faster at PROBE_ROWS ...
 SLACK = 1.1  # ... and no more than this much slower for one token
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 ENV = "SPECUI_STREAM_KERNEL"  # "0": never (to measure torch's kernels beside it)
 
 
@@ -113,8 +114,8 @@ class StreamLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > MAX_ROWS or x.device.type != "cpu":
-            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if flat.shape[0] > MAX_ROWS or x.device.type != "cpu" or self.weight.dtype not in KERNEL_DTYPES:
+            return torch.nn.functional.linear(x, self.weight, self.bias)  # a prefill, or a model cast or moved since
         flat = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float().contiguous()
         out = stream_mm(flat, self.weight) if torch.compiler.is_compiling() else self._mm(flat, self.weight)
         out = out.view(*x.shape[:-1], self.out_features)
@@ -127,7 +128,7 @@ def servable(linear: torch.nn.Module) -> bool:
     """A plain CPU Linear in float32 or bfloat16 whose input width the kernel's vectors divide."""
     weight = getattr(linear, "weight", None)
     return (type(linear) is torch.nn.Linear and weight is not None and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous()
+            and weight.dtype in KERNEL_DTYPES and weight.is_contiguous()
             and linear.in_features % 16 == 0)
 
 
