@@ -3,9 +3,9 @@ float32 and bfloat16 matrices on a CPU, chosen at load where it measures faster.
 
 Why: torch's float kernels repack or re-convert the weights for products of more than two rows,
 so on CPUs without bfloat16 matrix units scoring k tokens costs up to k times one (8 matrices of
-8192x2048 in float32 on a 2-core Emerald Rapids Xeon: 26.4 / 28.0 / 57.0 / 85.9 ms for 1 / 2 / 4 /
+8192x2048 in float32 on a 2-core Emerald Rapids Xeon: 22.2 / 25.0 / 46.8 / 67.0 ms for 1 / 2 / 4 /
 8 rows), which is what keeps speculation from paying there. This kernel reads each weight once and
-multiplies it into every row (24.7 / 29.3 / 32.5 / 44.3 ms for the same products).
+multiplies it into every row (20.6 / 25.1 / 31.3 / 38.3 ms for the same products).
 
 What it computes (specui/weights/kernels/stream.cpp): y = x W^T in float32 (a bfloat16 weight is
 widened exactly), each output summed in one fixed order whatever the number of rows, so a token's
