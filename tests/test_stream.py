@@ -11,7 +11,8 @@ from conftest import tiny_llama
 from test_cache import assert_greedy_equals_autoregressive
 
 from specui.weights import stream
-from specui.weights.stream import MAX_ROWS, StreamLinear, batch_invariant, use_stream_kernel
+from specui.weights.quantize import batch_invariant
+from specui.weights.stream import MAX_ROWS, StreamLinear, use_stream_kernel
 
 pytestmark = pytest.mark.skipif(not stream.has_stream_kernel(),
                                 reason=f"no streaming kernel here: {stream.stream_unavailable()}")
@@ -35,7 +36,7 @@ def test_each_row_is_close_to_the_product_and_computed_the_same_alone_or_with_ot
     assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     for rows in (1, 2, 5, 6, 7, 13, MAX_ROWS):  # full tiles of rows and each kind of remainder
         assert torch.equal(module(x[:rows]), got[:rows])
-    assert batch_invariant(module)
+    assert batch_invariant(module, x[:8])
     more = torch.randn(MAX_ROWS + 1, 96).to(dtype)  # a prefill: torch's kernel
     assert torch.equal(module(more), linear(more))
     module.double()  # a model cast after its load: torch's kernel, not an error

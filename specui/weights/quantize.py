@@ -112,6 +112,13 @@ def self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
     return module if agrees(got, want) else None
 
 
+def batch_invariant(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether each row of module(x) equals that row computed alone, bit for bit: what makes
+    scoring k tokens in one forward give each the logits it gets alone."""
+    together = module(x)
+    return all(torch.equal(module(x[i:i + 1])[0], together[i]) for i in range(x.shape[0]))
+
+
 def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     """Put `new` where `root`'s submodule `name` (a dotted path, as named_modules gives) was."""
     parent, _, child = name.rpartition(".")

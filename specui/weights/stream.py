@@ -33,7 +33,7 @@ import torch
 
 from specui.engine.measure import cpu_signature
 from specui.engine.paths import cache_root
-from specui.weights.quantize import agrees, replace_module
+from specui.weights.quantize import batch_invariant, replace_module, self_checked
 
 SOURCE = Path(__file__).parent / "kernels" / "stream.cpp"
 MAX_ROWS = 32  # more rows (a prefill): torch's kernel
@@ -132,13 +132,6 @@ def servable(linear: torch.nn.Module) -> bool:
             and linear.in_features % 16 == 0)
 
 
-def batch_invariant(module: StreamLinear, rows: int = PROBE_ROWS) -> bool:
-    """Whether each row's output is bit for bit the same scored alone as with the others."""
-    x = torch.randn(rows, module.in_features, generator=torch.Generator().manual_seed(1))
-    together = module(x)
-    return all(torch.equal(module(x[i:i + 1]), together[i:i + 1]) for i in range(rows))
-
-
 def _ms(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
     start = time.perf_counter()
     product(x)
@@ -158,10 +151,11 @@ def _both_ms(linears: list[torch.nn.Linear], rows: int, repeats: int) -> tuple[f
 
 
 def _exact(probe: torch.nn.Linear) -> bool:
+    """The kernel's product of `probe` passes the kernels' self-check and is batch-invariant."""
     fast = StreamLinear(probe)
-    x = torch.randn(5, probe.in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(PROBE_ROWS, probe.in_features, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        return agrees(fast(x.to(probe.weight.dtype)).float(), x @ probe.weight.float().T) and batch_invariant(fast)
+        return self_checked(fast, probe.weight, probe.bias) is not None and batch_invariant(fast, x)
 
 
 def _decide(model: torch.nn.Module, group: list[tuple[str, torch.nn.Linear]], what: str, timer) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from specui.weights.quantize import quantize_rows, replace_module, self_checked
+from specui.weights.quantize import batch_invariant, quantize_rows, replace_module, self_checked
 
 FULL, REDUCED = 127, 63  # activation levels each side of the zero point: 8 bits, or 7 where the kernel saturates
 
@@ -131,13 +131,6 @@ class W8A8Linear(torch.nn.Module):
             return None
         module.rows = None
         return module
-
-
-def batch_invariant(module: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether each row of module(x) equals that row computed alone, bit for bit: what makes
-    scoring k tokens in one forward give each the logits it gets alone."""
-    together = module(x)
-    return all(torch.equal(module(x[i:i + 1])[0], together[i]) for i in range(x.shape[0]))
 
 
 def quantize_w8a8(model: torch.nn.Module,

@@ -12,6 +12,16 @@
 
 namespace {
 
+#if defined(__AVX2__)
+// the 8 lanes of a 256-bit vector added in one fixed tree (both instruction sets end with it)
+inline float hsum8(__m256 s) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  return _mm_cvtss_f32(t);
+}
+#endif
+
 #if defined(__AVX512F__)
 constexpr int L = 16;
 using V = __m512;
@@ -24,14 +34,10 @@ inline V loadw(const at::BFloat16* p) {
 }
 inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-inline float hsum(V v) {
+inline float hsum(V v) {  // the two halves added, then the 8 lanes as AVX2 does
   __m256 lo = _mm512_castps512_ps256(v);
   __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  __m256 s = _mm256_add_ps(lo, hi);
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
+  return hsum8(_mm256_add_ps(lo, hi));
 }
 constexpr int NT = 4, MT = 6;
 const char* kIsa = "AVX-512";
@@ -47,12 +53,7 @@ inline V loadw(const at::BFloat16* p) {
 }
 inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-inline float hsum(V s) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_add_ss(t, _mm_movehdup_ps(t));
-  return _mm_cvtss_f32(t);
-}
+inline float hsum(V s) { return hsum8(s); }
 constexpr int NT = 4, MT = 2;
 const char* kIsa = "AVX2";
 #else
@@ -143,10 +144,8 @@ torch::Tensor stream_mm(torch::Tensor x, torch::Tensor w) {
 }
 
 std::string instructions() { return kIsa; }
-int64_t lanes() { return L; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_mm", &stream_mm);
   m.def("instructions", &instructions);
-  m.def("lanes", &lanes);
 }
