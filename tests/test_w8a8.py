@@ -12,6 +12,7 @@ from test_cache import assert_greedy_equals_autoregressive
 
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.weights import w8a8
+from specui.weights.native import has_native, native_unavailable
 from specui.weights.quantize import quantize_rows
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, batch_invariant, quantize_w8a8
 
@@ -34,6 +35,22 @@ def test_the_product_is_close_and_each_row_is_computed_on_its_own(levels):
     assert batch_invariant(module, x.reshape(-1, 128))
     for i in range(9):
         assert torch.equal(module(x[:, i:i + 1]), got[:, i:i + 1])
+
+
+@pytest.mark.skipif(not has_native(), reason=f"SpecUI's kernels are not built here: {native_unavailable()}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_fused_rounding_and_scaling_give_the_torch_ops_bits(dtype):
+    g = torch.Generator().manual_seed(3)
+    module = W8A8Linear.from_weight(torch.randn(80, 192, generator=g) * 0.05, levels=FULL).to(dtype)
+    assert module._native is not None  # eagerly, SpecUI's kernel rounds and scales
+    x = (torch.randn(11, 192, generator=g) * torch.logspace(-3, 3, 11)[:, None]).to(dtype)
+    x[1] = 0  # a zero row: max |x| clamped, every level the zero point
+    x[2, :40] = torch.arange(40, dtype=dtype) / 39 * 2 - 1  # inputs on exact halves of a level
+    fused = module(x)
+    kernel, module._native = module._native, None  # the torch ops (the compiled path's arithmetic)
+    assert fused.dtype == dtype and torch.equal(fused, module(x))
+    qx, top = kernel[0](x.double() if dtype == torch.float64 else x.float(), float(FULL), float(FULL + 1))
+    assert qx.dtype == torch.uint8 and top[1].item() == pytest.approx(1e-30) and qx[1].eq(FULL + 1).all()
 
 
 def test_zero_rows_and_columns_stay_exact_zeros():

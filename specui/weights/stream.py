@@ -14,28 +14,21 @@ checked on the model's own matrix at load). A method is then exactly lossless ag
 (no near-ties between a 1-token and a k-token forward). Inputs of more than MAX_ROWS rows (a
 prompt's prefill) go to torch's kernel, where the weights are reused across many rows anyway.
 
-The kernel is built here on first use with this CPU's instructions (g++, ninja and torch's headers,
-about 40 s) and cached under the SpecUI cache by a hash of its source, this CPU and torch; where it
-cannot be built (no compiler, not x86-64 with AVX2), `stream_unavailable()` says why and the model
-keeps torch's kernels."""
+The kernel is built here on first use with this CPU's instructions (native.py: g++, ninja and
+torch's headers, about 40 s, cached); where it cannot be built (no compiler, not x86-64 with
+AVX2), `stream_unavailable()` says why and the model keeps torch's kernels."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cpu_signature
-from specui.engine.paths import cache_root
+from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import batch_invariant, replace_module, self_checked
 
-SOURCE = Path(__file__).parent / "kernels" / "stream.cpp"
 MAX_ROWS = 32  # more rows (a prefill): torch's kernel
 MIN_BYTES = 64 << 20  # smaller models' products are not bound by reading their weights: left alone
 PROBE_ROWS = 8  # a verification's size: where the choice is measured, beside one token
@@ -45,56 +38,19 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 ENV = "SPECUI_STREAM_KERNEL"  # "0": never (to measure torch's kernels beside it)
 
 
-@functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
-def _kernel() -> tuple[object | None, str]:
-    """(the compiled extension, "") or (None, why it is not there)."""
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        return None, f"the streaming kernel is written for x86-64 (AVX2 / AVX-512), not {os.uname().machine}"
-    try:
-        from torch.utils.cpp_extension import load
-    except ImportError as e:  # pragma: no cover - part of every torch build
-        return None, f"torch's C++ extension builder is missing ({e})"
-    _ninja_on_path()
-    tag = hashlib.sha256((SOURCE.read_text() + cpu_signature() + torch.__version__).encode()).hexdigest()[:16]
-    folder = cache_root() / "kernels" / f"stream-{tag}"
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        module = load(name=f"specui_stream_{tag}", sources=[str(SOURCE)], build_directory=str(folder),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)  # at::parallel_for is OpenMP in the header
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no AVX2, a failed link: each says why
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        said = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
-                    lines[0])
-        return None, f"the streaming kernel could not be built here ({said.strip()[:200]})"
-    return module, ""
-
-
-def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH: where there is none, the one requirements.txt
-    installs (its own folder, not on PATH unless the virtual environment is activated)."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # the build then says that ninja is missing
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 def has_stream_kernel() -> bool:
-    return _kernel()[0] is not None
+    return has_native()
 
 
 def stream_unavailable() -> str:
-    return _kernel()[1]
+    return native_unavailable()
 
 
 @torch.library.custom_op("specui::stream_mm", mutates_args=())
 def stream_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(rows, K) float32 times (N, K) float32 or bfloat16 -> (rows, N) float32. One op to
     torch.compile (inductor calls the C++ kernel as it is)."""
-    return _kernel()[0].stream_mm(x, weight)
+    return native()[0].stream_mm(x, weight)
 
 
 @stream_mm.register_fake
@@ -110,7 +66,7 @@ class StreamLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self._mm = _kernel()[0].stream_mm  # eagerly the kernel itself: a custom op's dispatch costs ~80 us a call
+        self._mm = native()[0].stream_mm  # eagerly the kernel itself: a custom op's dispatch costs ~80 us a call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -196,5 +152,5 @@ def use_stream_kernel(model: torch.nn.Module, role: str = "model", repeats: int 
               ([(n, m) for n, m in linears if m is head], "output head")]
     timer = timer or (lambda probes, rows: _both_ms(probes, rows, repeats))
     said = [_decide(model, group, what, timer) for group, what in groups if group]
-    return (f"{role} float products ({_kernel()[0].instructions()} streaming kernel, the same output for a token "
+    return (f"{role} float products ({native()[0].instructions()} streaming kernel, the same output for a token "
             "scored alone or with others): " + "; ".join(said))

@@ -144,8 +144,3 @@ torch::Tensor stream_mm(torch::Tensor x, torch::Tensor w) {
 }
 
 std::string instructions() { return kIsa; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("stream_mm", &stream_mm);
-  m.def("instructions", &instructions);
-}

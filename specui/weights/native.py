@@ -1,0 +1,70 @@
+"""SpecUI's own CPU kernels (C++ in specui/weights/kernels/), built here on first use with this
+CPU's instructions and loaded as one extension: the streaming product of float weights
+(stream.py) and the rounding and scaling around the int8 product (w8a8.py).
+
+The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
+and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
+be built (no compiler, not x86-64 with AVX2), `native_unavailable()` says why and every caller
+keeps torch's own kernels."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from specui.engine.measure import cpu_signature
+from specui.engine.paths import cache_root
+
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp"))
+
+
+@functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
+def native() -> tuple[object | None, str]:
+    """(the compiled extension, "") or (None, why it is not there)."""
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return None, f"SpecUI's kernels are written for x86-64 (AVX2 / AVX-512), not {os.uname().machine}"
+    try:
+        from torch.utils.cpp_extension import load
+    except ImportError as e:  # pragma: no cover - part of every torch build
+        return None, f"torch's C++ extension builder is missing ({e})"
+    _ninja_on_path()
+    text = "".join(source.read_text() for source in SOURCES)
+    tag = hashlib.sha256((text + cpu_signature() + torch.__version__).encode()).hexdigest()[:16]
+    folder = cache_root() / "kernels" / f"native-{tag}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        module = load(name=f"specui_native_{tag}", sources=[str(source) for source in SOURCES],
+                      build_directory=str(folder), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      extra_ldflags=["-fopenmp"], verbose=False)  # at::parallel_for is OpenMP in the header
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no AVX2, a failed link: each says why
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        said = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
+                    lines[0])
+        return None, f"SpecUI's kernels could not be built here ({said.strip()[:200]})"
+    return module, ""
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH: where there is none, the one requirements.txt
+    installs (its own folder, not on PATH unless the virtual environment is activated)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then says that ninja is missing
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def has_native() -> bool:
+    return native()[0] is not None
+
+
+def native_unavailable() -> str:
+    return native()[1]
