@@ -4,8 +4,8 @@ CPU's instructions and loaded as one extension: the streaming product of float w
 
 The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
 and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
-be built (no compiler, not x86-64 with AVX2), `native_unavailable()` says why and every caller
-keeps torch's own kernels."""
+be built (no compiler, not x86-64 with AVX2), or with SPECUI_NATIVE=0, `native_unavailable()` says
+why and every caller keeps torch's own kernels."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from specui.engine.measure import cpu_signature
 from specui.engine.paths import cache_root
 
+ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp"))
 
@@ -27,6 +28,8 @@ SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cp
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
 def native() -> tuple[object | None, str]:
     """(the compiled extension, "") or (None, why it is not there)."""
+    if os.environ.get(ENV) == "0":
+        return None, f"{ENV}=0: SpecUI's kernels are switched off"
     if os.uname().machine not in ("x86_64", "AMD64"):
         return None, f"SpecUI's kernels are written for x86-64 (AVX2 / AVX-512), not {os.uname().machine}"
     try:
