@@ -12,7 +12,7 @@ from test_cache import assert_greedy_equals_autoregressive
 
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.weights import w8a8
-from specui.weights.native import has_native, native_unavailable
+from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import quantize_rows
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, batch_invariant, quantize_w8a8
 
@@ -51,6 +51,18 @@ def test_the_fused_rounding_and_scaling_give_the_torch_ops_bits(dtype):
     assert fused.dtype == dtype and torch.equal(fused, module(x))
     qx, top = kernel[0](x.double() if dtype == torch.float64 else x.float(), float(FULL), float(FULL + 1))
     assert qx.dtype == torch.uint8 and top[1].item() == pytest.approx(1e-30) and qx[1].eq(FULL + 1).all()
+
+
+def test_specui_native_0_keeps_the_torch_ops(monkeypatch):
+    monkeypatch.setenv("SPECUI_NATIVE", "0")
+    native.cache_clear()  # the build (or its refusal) is once per process
+    try:
+        assert native()[0] is None and "SPECUI_NATIVE=0" in native_unavailable()
+        module = W8A8Linear.from_weight(torch.randn(32, 64, generator=torch.Generator().manual_seed(4)))
+        assert module is not None and module._native is None
+    finally:
+        monkeypatch.delenv("SPECUI_NATIVE")
+        native.cache_clear()
 
 
 def test_zero_rows_and_columns_stay_exact_zeros():
