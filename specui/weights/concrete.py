@@ -16,6 +16,7 @@ from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
+from specui.weights.native import has_native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
     BUNDLED,
@@ -195,5 +196,7 @@ def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
         raise SpecUIError(f"--quantization w8a8: {why}; use int8, int4 or none")
     bits = "8-bit" if counts["levels"] == 127 else "7-bit (this CPU's int8 dot product saturates at 8)"
     kept = f", {counts['kept']} left in {str(model.dtype).removeprefix('torch.')}" if counts["kept"] else ""
+    rounding = ("rounded and scaled on SpecUI's kernel" if has_native() else
+                f"torch ops around it, {native_unavailable()}")
     return (f"{role} w8a8: {counts['w8a8']} matrices as int8 rows times {bits} activations rounded row by row "
-            f"(oneDNN){kept}")
+            f"(oneDNN; {rounding}){kept}")
