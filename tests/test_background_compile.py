@@ -55,7 +55,8 @@ def test_forwards_never_wait_and_switch_to_compiled_when_ready():
 
     decoding.clear()  # the reply ended: the compile starts again
     assert warmup.wait(SETTLE_S), warmup.queue
-    assert {shape[0] for shape in warmup.compiled} == set(capture_module.BUCKETS)
+    # every bucket, and the 21 tokens the prompt's forward met meanwhile (compiled, sizes are not padded)
+    assert {shape[0] for shape in warmup.compiled} == {*capture_module.BUCKETS, 21}
     assert not session.runner.notes and session.runner.compiled
     before = session.runner.compiled_runs
     got, want = decode(session, ids, 4), decode(reference, ref_ids, 4)
@@ -143,7 +144,8 @@ def test_engine_auto_compiles_in_the_background_and_a_reply_pauses_it(tmp_path, 
             gen = engine.generate(GenerationRequest([5, 6, 7, 8], 8), make_method("speculative", gamma=2)).run()
         assert engine.settle(SETTLE_S) and engine.settled()
         line = capture_line(engine.capture_report())
-        assert "target compiled (1, 2, 4, 8, 16, 32, 64 tokens" in line
+        # every bucket, and the 3 tokens gamma 2 scores (compiled, sizes are not padded: one dynamic compile)
+        assert "target compiled (1, 2, 3, 4, 8, 16, 32, 64 tokens" in line
         with engine.lock:
             again = engine.generate(GenerationRequest([5, 6, 7, 8], 8), make_method("speculative", gamma=2)).run()
         assert again.output_ids == gen.output_ids and runner.compiled_runs > 0
@@ -221,10 +223,10 @@ def test_beam_rows_compile_in_the_background_and_run_compiled_once_ready():
     compiled, eager = rows.compiled_runs, rows.eager_runs
     got += beam_steps(rows, 2)
     assert rows.compiled_runs == compiled and rows.eager_runs == eager + 2  # not compiled yet: eager
-    assert (4, 256, 256, 3) in warmup.queue  # (bucket, window, capacity, rows), asked once
+    assert (3, 256, 256, 3) in warmup.queue  # (width, window, capacity, rows), asked once; compiled: not padded
     decoding.clear()  # no reply decodes: the Warmup compiles it on scratch rows
     assert warmup.wait(SETTLE_S), warmup.queue
-    assert (4, 256, 256, 3) in warmup.compiled and not session.runner.notes
+    assert (3, 256, 256, 3) in warmup.compiled and not session.runner.notes
     report = {"setting": "auto", "target": {"mode": "buckets+compiled", "background": True, "notes": [],
                                             "compiled": [list(shape) for shape in warmup.compiled],
                                             "compiling": [], "compile_s": warmup.seconds}}

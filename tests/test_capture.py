@@ -119,6 +119,22 @@ def test_padded_rows_never_reach_real_ones():
     assert padded.length == len(ids) and padded.cache.length == len(ids)
 
 
+def test_compiled_forwards_on_a_cpu_run_unpadded_and_graphs_keep_their_buckets():
+    """Compiled outside CUDA graphs, every size from 2 is one dynamic compile: a forward runs
+    its own rows (a gamma-4 chain 5, not 8); CUDA graphs and eager padded shapes keep the bucket,
+    and a compile that failed (eager from then on) keeps it too."""
+    model = tiny_llama(3, layers=1)
+    cache = StaticKVCache(model.config, 64, torch.device("cpu"), model.dtype)
+    compiled = StaticForward(model, cache, "buckets", compiled=True)  # nothing compiles until a forward runs
+    padded = StaticForward(model, cache, "buckets")
+    graphs = StaticForward(model, cache, "graphs", graphs=EagerGraphs())
+    assert [compiled.width_for(m) for m in (1, 3, 5, 9, 64, 65)] == [1, 3, 5, 9, 64, None]
+    for runner in (padded, graphs):
+        assert [runner.width_for(m) for m in (1, 3, 5, 9, 64, 65)] == [1, 4, 8, 16, 64, None]
+    compiled.fn = compiled.model  # what a failed compile leaves
+    assert compiled.width_for(5) == 8
+
+
 def test_store_grows_and_graphs_are_captured_again(pair, monkeypatch):
     monkeypatch.setattr(session_module, "STATIC_SLOTS", 8)  # 8 + 64 slots: a 120-token reply must grow
     monkeypatch.setattr(capture_module, "WINDOW", 16)
@@ -208,7 +224,7 @@ def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerl
     for name, params in [("autoregressive", {}), ("speculative", {"gamma": 3}), ("opt-tree", {})]:
         assert run(on, PROMPTS[0], 24, name, **params).output_ids == run(off, PROMPTS[0], 24,
                                                                          "autoregressive").output_ids
-    for name, params in ROWS[:1]:  # beams' rows run compiled too, at padded widths (DSBD's: the same code)
+    for name, params in ROWS[:1]:  # beams' rows run compiled too, at their own widths (DSBD's: the same code)
         method = make_method(name, **params)
         got = on.generate(GenerationRequest(list(PROMPTS[0]), 16), method).run().output_ids
         assert got == run(off, PROMPTS[0], 16, name, **params).output_ids

@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention
-from specui.engine.capture import bucket_for, round_up
+from specui.engine.capture import round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
@@ -99,8 +99,8 @@ class RowSession:
         width = max((len(n) for n in new), default=0)
         if width == 0:
             return [torch.empty(0, self.vocab_size, device=self.device) for _ in new]
-        if self.compiled:  # a few widths, so a few compiles serve every step
-            width = bucket_for(width) or width
+        if self.compiled:  # one dynamic compile serves every width from 2 (capture.StaticForward.width_for)
+            width = self.runner.width_for(width) or width
         start = self.length + self._used
         total = start + width
         window = round_up(total) if self.compiled else total  # eager: no masked slots to read
