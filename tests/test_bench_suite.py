@@ -267,6 +267,6 @@ def test_every_rows_engine_settles_before_any_row_is_timed():
     rows = [Row("a", "x", runner("a")), peer, Row("b", "x", runner("b"))]
     bench(rows, [[1], [2]], 4, 1, say=lambda _text: None)
     runs = [i for i, event in enumerate(events) if event[0] == "run"]
-    assert len(runs) == 3 + 3 * 2  # a warm-up each, then 2 prompts x 3 rows
+    assert len(runs) == 3 * 2 + 3 * 2  # a warm-up reply to each prompt per row, then 2 prompts x 3 rows
     for i in runs:
         assert {name for kind, name in events[i - 2:i] if kind == "settle"} == {"a", "b"}, events[i - 2:i]

@@ -23,7 +23,7 @@ import torch
 
 from specui.bench.png import save_figure
 from specui.bench.prompts import HELDOUT
-from specui.bench.run import Row, bench_prompts, ours, settle_all
+from specui.bench.run import Row, bench_prompts, ours, settle_all, warm_up
 from specui.engine import make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
@@ -82,9 +82,7 @@ def measure(pair: ModelPair, configs: list[str], prompts: list[list[int]], n: in
         make_method(method, **params)  # bad settings fail before any time is spent
         run = ours(pair, method, params)
         rows.append(Row(spec, "", run))
-    for row in rows:  # warm-up
-        settle_all(rows)
-        row.run(prompts[0], 8)
+    warm_up(rows, prompts)
     for r in range(repeats):
         for row in rows:
             row.rounds.append([])
