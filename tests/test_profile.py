@@ -50,6 +50,16 @@ def test_a_noisy_longer_context_never_extrapolates_downwards():
     assert p.target(1, 4096) == 11.0  # held, never below the longest measured context
 
 
+def test_a_point_above_a_larger_forward_reads_as_the_larger_one():
+    """Scoring more tokens never costs less: a point timed in a slow spell (not enough to count
+    as disturbed) is read at the cheapest larger forward's cost; the file keeps what was timed."""
+    p = CostProfile(key="k", target_ms={64: {1: 230.0, 2: 158.5, 4: 160.9, 8: 195.0}, 512: {1: 160.0, 2: 170.0}})
+    assert disturbed(p) == []
+    assert p.target(1) == 158.5 and p.target(2) == 158.5 and p.target(3) == pytest.approx(159.7)
+    assert p.target(8) == 195.0 and p.target(1, 512) == 160.0
+    assert p.target_ms[64][1] == 230.0
+
+
 def test_bad_profiles_are_refused():
     d = synthetic().to_dict()
     for bad in ({**d, "version": 0}, {**d, "target_ms": {}}, {**d, "target_ms": {"64": {"1": -1.0}}},
