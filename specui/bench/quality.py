@@ -28,6 +28,7 @@ from specui.engine import make_method
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
 from specui.service.pair import ModelPair, default_draft_source, load_pair
+from specui.settings import QUANTIZATIONS
 from specui.weights.loading import BUNDLED, ModelSpec
 
 DEFAULT_GRID = ("autoregressive;speculative:gamma=3;beam:width=1;beam:width=2;beam:width=3;beam:width=4;"
@@ -156,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="';'-separated method:key=value,... (default: the DSBD grid and its peers)")
     ap.add_argument("--out", default="bench-out/quality")
     ap.add_argument("--stand-in", default="", metavar="SIZE", help="the target zero-padded to that size's cost")
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                    help="the target's (default none: its dtype's weights; w8a8: int8 products that stay flat)")
     args = ap.parse_args(argv)
 
-    target = ModelSpec(args.target, args.dtype, args.device, stand_in=args.stand_in)
+    target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, target.with_source(draft_src))
     prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)
