@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="target quantization: auto (default: int4 for a GGUF of 4-bit blocks on a CPU, its own "
                         "weights; else none), int8 / int4 (weight-only CPU kernels), w8a8 (int8 weights and "
-                        "activations, CPU: flat to verify), 8bit / 4bit (bitsandbytes)")
+                        "activations, CPU: flat to verify), w4a8 (4-bit weights, int8 activation groups, CPU: int4's "
+                        "bytes, nearly flat to verify), 8bit / 4bit (bitsandbytes)")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")
     m.add_argument("--specdec-head", default="default",
                    help="specdec++: the acceptance head folder ('default': the shipped one for the shipped draft; "

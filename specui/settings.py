@@ -16,9 +16,10 @@ METHOD_NAMES = ("auto", "autoregressive", "beam", "dsbd", "ems-sd", "lookup", "m
                 "speculative", "tree")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 # int8 / int4: SpecUI's weight-only CPU kernels (specui.weights.quantize); w8a8: int8 weights times int8
-# activations rounded row by row (specui.weights.w8a8), flat to verify on CPUs; 8bit / 4bit: bitsandbytes;
+# activations rounded row by row (specui.weights.w8a8), flat to verify on CPUs; w4a8: 4-bit groups times int8
+# activation groups on SpecUI's kernel (specui.weights.w4a8), int4's bytes, flat to verify; 8bit / 4bit: bitsandbytes;
 # auto: for a GGUF of 4-bit blocks on a CPU, int4 or none as measured (specui.weights.quant_choice), else none
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8", "8bit", "4bit")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8", "w4a8", "8bit", "4bit")
 CAPTURES = ("auto", "on", "off")
 
 
@@ -201,7 +202,7 @@ class ModelSpec:
     source: str  # hub id, local folder, path to a .gguf file, or BUNDLED
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 | float64
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str = "none"  # auto | none | int8 | int4 | w8a8 | 8bit | 4bit
+    quantization: str = "none"  # auto | none | int8 | int4 | w8a8 | w4a8 | 8bit | 4bit
     trust_remote_code: bool = False
     stand_in: str = ""  # "": the model itself; else a size of stand_in.SIZES: zero-padded to that model's cost
 

@@ -177,7 +177,7 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", help="auto (measured on CPU), float32, bfloat16, float16")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quantization", default="auto",
-                    help="target: auto (the app's default), none, int8 / int4 / w8a8 (CPU kernels), 8bit, 4bit")
+                    help="target: auto (the app's default), none, int8 / int4 / w8a8 / w4a8 (CPU kernels), 8bit, 4bit")
     ap.add_argument("--stand-in", default="", metavar="SIZE",
                     help="the target zero-padded to 360m / 1.7b / 7b: its own function at that size's cost")
     ap.add_argument("--capture", default="auto", type=captures,

