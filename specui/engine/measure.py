@@ -69,7 +69,7 @@ def code_stamp() -> str:
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for package in COSTING_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
+        for path in sorted(p for p in (root / package).rglob("*") if p.suffix in (".py", ".cpp")):  # kernels too
             digest.update(path.relative_to(root).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -77,6 +77,7 @@ void block_portable(const uint8_t* wb, const at::Half* sb, const int8_t* a, cons
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kVector = true;
+constexpr int64_t kAhead = 16;  // groups prefetched ahead (5 KB)
 
 // T activation rows at once, their sums and accumulators in registers across all groups.
 inline void store(float* out, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(out, keep, v); }
@@ -99,6 +100,11 @@ inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < NG; ++g) {
     const uint8_t* wg = wb + g * kBytes;
+    // the group kAhead on (prefetching never faults past the end): this loop computes too long per byte for
+    // the hardware's prefetchers to keep memory busy; with it, 48 matrices of 8192x2112 out of cache cost
+    // 0.47 / 0.65 ms a matrix for 1 / 9 rows against 0.67 / 1.12 without (2-core Xeon, README)
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead * kBytes + 64 * c), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sb + (g + kAhead) * 32), _MM_HINT_T0);
     __m512i w[8];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
