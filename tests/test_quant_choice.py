@@ -14,11 +14,16 @@ from specui.weights import quantize
 from specui.weights.loading import ModelSpec, load_model
 from specui.weights.quant_choice import choose_quantization, measure_options, options_table
 from specui.weights.quantize import Int4Linear, Int8Linear
+from specui.weights.w4a8 import W4A8Linear, w4a8_unavailable
 
 
 def _kind(model: torch.nn.Module) -> str:
     layer = model.model.layers[0].mlp.up_proj
-    return "int8" if isinstance(layer, Int8Linear) else "int4" if isinstance(layer, Int4Linear) else "none"
+    kinds = ((Int8Linear, "int8"), (Int4Linear, "int4"), (W4A8Linear, "w4a8"))
+    return next((name for kind, name in kinds if isinstance(layer, kind)), "none")
+
+
+W4A8 = () if w4a8_unavailable() else ("w4a8",)  # SpecUI's kernel, where it is built here
 
 
 def _timer(ms: dict[str, float], calls: list[str]):
@@ -86,10 +91,16 @@ def test_a_candidate_the_kernels_refuse_is_reported_and_skipped(folder, tmp_path
 
 def test_every_option_is_measured_with_its_weights_and_what_it_computes_with(folder):
     calls: list[str] = []
-    costs = measure_options(ModelSpec(str(folder)), timer=_timer({"none": 8.0, "int8": 5.0, "int4": 3.0}, calls))
-    assert calls == ["none", "int8", "int4"]
-    assert [c.quantization for c in costs] == ["none", "int8", "int4"]
-    none, int8, int4 = costs
+    ms = {"none": 8.0, "int8": 5.0, "int4": 3.0, "w4a8": 2.5}
+    costs = measure_options(ModelSpec(str(folder)), timer=_timer(ms, calls))
+    assert calls == ["none", "int8", "int4", *W4A8]
+    assert [c.quantization for c in costs] == ["none", "int8", "int4", "w4a8"]
+    none, int8, int4, w4a8 = costs
+    if W4A8:  # the same 4-bit groups as int4 (scales in float16), the rest in float64
+        assert w4a8.dtype == "float64" and not w4a8.own_weights and w4a8.weight_bytes > 0  # (embeddings in float64)
+        assert "| w4a8 |" in options_table(costs) and "activations rounded to 8-bit groups" in options_table(costs)
+    else:
+        assert w4a8.ms_token is None and w4a8.problem
     assert none.own_weights and not int8.own_weights and not int4.own_weights  # a folder: int4 re-rounds it
     assert int4.weight_bytes < int8.weight_bytes < none.weight_bytes
     assert (int8.ms_token, int8.ms_four, int4.ms_token) == (5.0, 7.5, 3.0)
@@ -101,12 +112,12 @@ def test_an_option_that_cannot_run_says_why_in_the_table(folder, monkeypatch):
     monkeypatch.setattr(quantize.Int8Linear, "from_stored", classmethod(lambda *a, **k: None))
     monkeypatch.setattr(quantize.Int4Linear, "from_groups", classmethod(lambda *a, **k: None))
     costs = measure_options(ModelSpec(str(folder)), timer=lambda m: (1.0, 1.0))
-    assert [c.ms_token for c in costs] == [1.0, None, None] and "serve none" in costs[1].problem
+    assert [c.ms_token for c in costs][:3] == [1.0, None, None] and "serve none" in costs[1].problem
     assert "| int4 | | | | cannot run here: --quantization int4" in options_table(costs)
 
 
 @pytest.mark.bundled
-def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights(bundled_pair):
+def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights_and_w4a8(bundled_pair):
     from specui.weights.loading import BUNDLED
 
     loaded = load_model(ModelSpec(BUNDLED, quantization="auto"), role="target")
@@ -114,14 +125,19 @@ def test_auto_on_the_bundled_gguf_measures_int4_against_its_dequantized_weights(
     # a CPU with fast bfloat16 matrices may disagree); what must hold is that both were measured
     # and the note's figures follow the rule: int4, the preferred one, unless none is 5% faster
     note = loaded.notes[0]
-    found = re.match(r"target quantization auto -> (int4|none)( \(the GGUF's own 4-bit blocks \(210 matrices\) "
-                     r"on torch's int4 kernel\))?: ([\d.]+) ms per token vs ([\d.]+) ms with (int4|none) "
-                     r"\((bfloat16|float32)\); measured on this machine", note)
+    found = re.match(r"target quantization auto -> (int4|none|w4a8)(?: \((.*?)\))?: ([\d.]+) ms per token vs (.*); "
+                     r"measured on this machine", note)
     assert found, note
-    chosen, why, mine, other_ms, other, _ = found.groups()
-    assert chosen == loaded.spec.quantization and other != chosen and bool(why) == (chosen == "int4")
-    int4_ms, none_ms = (float(mine), float(other_ms)) if chosen == "int4" else (float(other_ms), float(mine))
-    assert (chosen == "none") == (none_ms < 0.95 * int4_ms)
+    chosen, why, mine, rest = found.groups()
+    others = dict((q, float(ms)) for ms, q in re.findall(r"([\d.]+) ms with (int4|none|w4a8) \(\w+\)", rest))
+    assert chosen == loaded.spec.quantization and chosen not in others and bool(why) == (chosen != "none")
+    ms = others | {chosen: float(mine)}
+    assert set(ms) == {"int4", "none", *W4A8}
+    best = None  # the rule: the earlier (int4, then none, then w4a8) unless a later one is 5% faster
+    for q in ("int4", "none", "w4a8"):
+        if q in ms and (best is None or ms[q] < 0.95 * ms[best]):
+            best = q
+    assert chosen == best
 
 
 def test_the_cli_and_the_model_tab_print_the_measured_options(folder, capsys):

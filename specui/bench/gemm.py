@@ -10,7 +10,8 @@ run), the same weight prepacked once into oneDNN's blocked layout
 (`mkldnn._reorder_linear_weight`), and, for float32, MKL's packed GEMM, `--quantization
 w8a8`'s int8 x int8 product (specui/weights/w8a8.py: the weight rounded to int8 rows, each input
 row to 8 bits) and torch's int4 kernel on the weight rounded to 4-bit groups (`--quantization
-int4`, bfloat16 inputs). Median ms of every matrix once, and each row count's cost against one
+int4`, bfloat16 inputs) and SpecUI's 4-bit x 8-bit kernel on the same groups (`--quantization
+w4a8`, specui/weights/w4a8.py). Median ms of every matrix once, and each row count's cost against one
 row's. (The weights are re-read from the caches where they fit: a CPU with a large L3 shows
 fewer ms than a model's forward, whose weights stream from memory.)
 Prints the CPU; nothing is cached or chosen from it."""
@@ -25,6 +26,7 @@ import torch
 from specui.engine.measure import cpu_model
 from specui.engine.timing import median_ms
 from specui.weights.quantize import Int4Linear, has_int4_kernel, quantize_groups
+from specui.weights.w4a8 import W4A8Linear, w4a8_unavailable
 from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
 
 REPEATS = 7  # timed calls per figure, after one warm-up call
@@ -57,6 +59,10 @@ def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], obje
         i4 = [Int4Linear.from_groups(*quantize_groups(w), CPU) for w in weights]
         if all(m is not None for m in i4):
             out["int4"] = lambda x: [m(x.to(torch.bfloat16)) for m in i4]
+    if weights[0].dtype == torch.float32 and not w4a8_unavailable():  # 4-bit x int8 groups (--quantization w4a8)
+        w4 = [W4A8Linear.from_groups(*quantize_groups(w)) for w in weights]
+        if all(m is not None for m in w4):
+            out["w4a8"] = lambda x: [m(x) for m in w4]
     return out
 
 

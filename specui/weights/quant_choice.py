@@ -38,7 +38,7 @@ CONTEXT = 64
 REPEATS = 5
 MARGIN = 0.95  # a less preferred option (later in the candidates) must be 5% faster to be chosen
 CONFIRM_ROUNDS = 2  # a less preferred option that wins is timed again beside the best so far, this often
-CPU_OPTIONS = ("none", "int8", "int4")
+CPU_OPTIONS = ("none", "int8", "int4", "w4a8")
 GPU_OPTIONS = ("none", "8bit", "4bit")
 
 Timer = Callable[[torch.nn.Module], tuple[float, float]]  # (ms for 1 token, ms for 4 tokens)
@@ -133,6 +133,8 @@ def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], ca
     others = ", ".join(f"{c.ms_token:.1f} ms with {c.quantization} ({c.dtype})" if c.ms_token is not None
                        else f"{c.quantization} cannot run here ({c.problem})" for c in costs if c is not mine)
     why = f" ({reason})" if reason and chosen == "int4" else ""
+    if chosen == "w4a8":
+        why = " (the GGUF's own 4-bit blocks times 8-bit activation groups on SpecUI's kernel; the rest in float64)"
     where = "read from the cache" if cached else "measured on this machine"
     return (f"{role} quantization auto -> {chosen}{why}: {mine.ms_token:.1f} ms per token vs {others or 'nothing else'}"
             f"; {where} (--quantization {' or '.join(c.quantization for c in costs if c is not mine) or 'none'}"
@@ -228,7 +230,8 @@ def options_table(costs: list[OptionCost], with_draft: dict[str, str] | None = N
             rows.append(f"| {c.quantization} | | | |{gap} cannot run here: {c.problem} |")
             continue
         what = "its own weights" if c.own_weights else "a new rounding of the weights"
-        kernel = " (the kernel's matmuls in bfloat16)" if c.quantization in ("int8", "int4") else ""
+        kernel = {"int8": " (the kernel's matmuls in bfloat16)", "int4": " (the kernel's matmuls in bfloat16)",
+                  "w4a8": " (activations rounded to 8-bit groups)"}.get(c.quantization, "")
         predicted = f" {with_draft.get(c.quantization, '')} |" if with_draft else ""
         rows.append(f"| {c.quantization} | {c.weight_bytes / 2**20:,.0f} | {c.ms_token:.1f} / {c.ms_four:.1f} "
                     f"| {1000 / c.ms_token:.0f} |{predicted} {what}; the rest in {c.dtype}{kernel} |")
