@@ -44,6 +44,24 @@ def assert_greedy_equals_autoregressive(target, draft, method: str, check_cache:
     assert gen.output_ids == want
 
 
+
+def assert_compiled_methods_equal_compiled_autoregressive(target) -> None:
+    """`--capture on` on `target` (its product one custom op to torch.compile): speculative and
+    opt-tree give the compiled autoregressive reply."""
+    from conftest import tiny_llama
+
+    draft = tiny_llama(1, layers=1, dtype=torch.float32)
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    runner = on.target.runner
+    assert runner.compiled and not runner.notes or runner.notes[0].startswith("not compiled: ")
+    prompt = [1, 9, 4, 22, 7]
+
+    def reply(name, **params):
+        return on.generate(GenerationRequest(prompt, 20), make_method(name, **params)).run().output_ids
+
+    want = reply("autoregressive")
+    assert reply("speculative", gamma=3) == want and reply("opt-tree", nodes=8) == want
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculative_caches_equal_fresh_prefill_after_each_step(tiny_target, tiny_draft, temperature):
     for draft in (tiny_draft, near_copy(tiny_target, 0.003, 3)):

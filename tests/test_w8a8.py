@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS, TinyTokenizer, save_tiny_model, tiny_llama
-from test_cache import assert_greedy_equals_autoregressive
+from conftest import save_tiny_model, tiny_llama
+from test_cache import assert_compiled_methods_equal_compiled_autoregressive, assert_greedy_equals_autoregressive
 
-from specui.engine import Engine, GenerationRequest, make_method
 from specui.weights import w8a8
 from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import quantize_rows
@@ -156,14 +155,4 @@ def test_compiled_forwards_on_a_w8a8_target_equal_its_compiled_autoregressive():
     target = tiny_llama(0, layers=2, dtype=torch.float32)
     quantize_w8a8(target)
     target.to(torch.float64)
-    draft = tiny_llama(1, layers=1, dtype=torch.float32)
-    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
-    runner = on.target.runner
-    assert runner.compiled and not runner.notes or runner.notes[0].startswith("not compiled: ")
-    prompt = [1, 9, 4, 22, 7]
-
-    def reply(name, **params):
-        return on.generate(GenerationRequest(prompt, 20), make_method(name, **params)).run().output_ids
-
-    want = reply("autoregressive")
-    assert reply("speculative", gamma=3) == want and reply("opt-tree", nodes=8) == want
+    assert_compiled_methods_equal_compiled_autoregressive(target)
