@@ -20,7 +20,7 @@ from specui.weights.quantize import (
     quantize_model,
     quantize_rows,
 )
-from specui.weights.w4a8 import w4a8_unavailable
+from specui.weights.w4a8 import w4a8_vector
 
 
 def test_rows_round_trip_within_half_a_step():
@@ -213,7 +213,7 @@ def test_quantization_auto_weighs_int4_against_none_for_a_4bit_gguf_on_a_cpu_and
     eight = block_types(open_gguf(_gguf_with(tmp_path / "eight.gguf", {"blk.0.attn_q.weight": "Q8_0"})))
     spec = ModelSpec("x", quantization="auto")
     candidates, note = auto_candidates(spec, cpu, four, "target")
-    with_w4a8 = ("int4", "none") + (() if w4a8_unavailable() else ("w4a8",))  # w4a8: SpecUI's kernel, if built here
+    with_w4a8 = ("int4", "none") + (("w4a8",) if w4a8_vector() else ())  # w4a8: SpecUI's kernel, if fast here
     assert candidates == with_w4a8 and "own 4-bit blocks (1 matrices)" in note
     as_bfloat16 = ModelSpec("x", dtype="bfloat16", quantization="auto")  # w4a8's rest runs in float64: not then
     assert auto_candidates(as_bfloat16, cpu, four, "target")[0] == ("int4", "none")

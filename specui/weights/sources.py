@@ -88,8 +88,9 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     bfloat16) and none (its weights dequantized), unless a dtype other than bfloat16 was asked
     for, and with dtype auto also w4a8 (the same blocks times 8-bit activation groups on SpecUI's
     kernel, llama.cpp's arithmetic for these blocks; the rest of the model in float64) where that
-    kernel is built here; none otherwise. Between several, specui.weights.quant_choice measures,
-    and with a draft specui.service.joint predicts which commits the most tokens per second."""
+    kernel runs its vector path here (AVX512-VNNI); none otherwise. Between several,
+    specui.weights.quant_choice measures, and with a draft specui.service.joint predicts which
+    commits the most tokens per second."""
     if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):
         return ("none",), None
     four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
@@ -98,15 +99,15 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
         return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
                            "kernel, so it loads dequantized")
     why = f"the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 kernel"
-    if spec.dtype == "auto" and not _w4a8_unavailable():
+    if spec.dtype == "auto" and _w4a8_vector():
         return ("int4", "none", "w4a8"), why
     return ("int4", "none"), why
 
 
-def _w4a8_unavailable() -> str:
-    from specui.weights.w4a8 import w4a8_unavailable  # SpecUI's kernels, built on first use
+def _w4a8_vector() -> bool:
+    from specui.weights.w4a8 import w4a8_vector  # SpecUI's kernels, built on first use
 
-    return w4a8_unavailable()
+    return w4a8_vector()
 
 
 def gguf_path(spec: ModelSpec) -> Path | None:

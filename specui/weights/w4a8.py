@@ -45,6 +45,13 @@ def w4a8_unavailable() -> str:
     return ""
 
 
+def w4a8_vector() -> bool:
+    """Whether the kernel runs its AVX512-VNNI path here (else the portable loop: the same bits,
+    scalar speed, so quantization auto does not weigh w4a8)."""
+    kernels = native()[0]
+    return kernels is not None and bool(kernels.q4a8_vector())
+
+
 @torch.library.custom_op("specui::w4a8_mm", mutates_args=())
 def w4a8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """(rows, K) float32 / float64 input times the packed 4-bit (n, K) weights -> (rows, n) in the
