@@ -16,7 +16,7 @@ from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
-from specui.weights.native import has_native, native, native_unavailable
+from specui.weights.native import has_native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
     BUNDLED,
@@ -34,7 +34,7 @@ from specui.weights.sources import (
     short_error,
 )
 from specui.weights.stream import use_stream_kernel
-from specui.weights.w4a8 import quantize_w4a8, w4a8_unavailable
+from specui.weights.w4a8 import quantize_w4a8, w4a8_unavailable, w4a8_vector
 from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
 
 
@@ -221,7 +221,7 @@ def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: G
         why = w4a8_unavailable() or "every matrix failed its self-check (product or row independence) on this CPU"
         raise SpecUIError(f"--quantization w4a8: {why}; use int4, w8a8 or none")
     said = [f"{counts['w4a8']} matrices as 4-bit groups times 8-bit activation groups (SpecUI's kernel, "
-            f"{'AVX512-VNNI' if native()[0].q4a8_vector() else 'portable loop: no AVX512-VNNI here'})"]
+            f"{'AVX512-VNNI' if w4a8_vector() else 'portable loop: no AVX512-VNNI here'})"]
     if counts["from_file"]:
         said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
     elif source is not None and source.folder is None and source.reader is None:

@@ -125,6 +125,24 @@ def replace_module(root: torch.nn.Module, name: str, new: torch.nn.Module) -> No
     setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
+def swap_linears(model: torch.nn.Module, make: Callable[[str, torch.nn.Linear], tuple[torch.nn.Module | None, str]],
+                 counts: dict[str, int], progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+    """Put make(name, linear) -> (its replacement or None, the kind to count it under) in place of
+    every Linear of `model`, counting each kind in `counts` and the Linears left as they were
+    under "kept"; `progress(done, total)` as each matrix starts. The loop of every quantization."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for done, (name, module) in enumerate(linears):
+        if progress is not None:
+            progress(done, len(linears))
+        fast, used = make(name, module)
+        if fast is None:
+            counts["kept"] += 1
+            continue
+        replace_module(model, name, fast)
+        counts[used] += 1
+    return counts
+
+
 class Int4Linear(_Quantized):
     """y = x W^T (+ b) with W in 4-bit groups of GROUP inputs, w = q * scale + low (q in
     0..15, one scale and low per group), computed by torch's int4 CPU kernel in bfloat16."""
@@ -237,26 +255,19 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
     learned: dict[tuple[int, int], torch.Tensor] = {}  # int4 packing orders learned on this machine, by shape
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     counts = {"int8": 0, "int4": 0, "from_file": 0, "kept": 0}
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    for done, (name, module) in enumerate(linears):
-        if progress is not None:
-            progress(done, len(linears))
-        fast, used = None, "int8"
+
+    def make(name: str, module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
         if kind == "int4" and module is not head:
             given = groups.get(name)
             fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device,
                                           module.bias, learned)
-            used = "int4"
             counts["from_file"] += int(fast is not None and given is not None)
-        if fast is None:
-            rows, scale = quantize_rows(module.weight)
-            fast, used = Int8Linear.from_stored(rows, scale, module.weight.device, module.bias), "int8"
-        if fast is None:
-            counts["kept"] += 1
-            continue
-        replace_module(model, name, fast)
-        counts[used] += 1
-    return counts
+            if fast is not None:
+                return fast, "int4"
+        rows, scale = quantize_rows(module.weight)
+        return Int8Linear.from_stored(rows, scale, module.weight.device, module.bias), "int8"
+
+    return swap_linears(model, make, counts, progress)
 
 
 def _both_ms(module: _Quantized, x: torch.Tensor) -> tuple[float, float]:

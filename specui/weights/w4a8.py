@@ -29,8 +29,8 @@ from specui.weights.quantize import (
     batch_invariant,
     dequantize_groups,
     quantize_groups,
-    replace_module,
     self_checked,
+    swap_linears,
 )
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, full_range_exact, has_w8a8_kernel
 
@@ -138,22 +138,16 @@ def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     levels = FULL if has_w8a8_kernel() and full_range_exact() else REDUCED
     counts = {"w4a8": 0, "from_file": 0, "w8a8": 0, "kept": 0}
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    for done, (name, module) in enumerate(linears):
-        if progress is not None:
-            progress(done, len(linears))
+
+    def make(name: str, module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
         if module is head:
-            fast, used = W8A8Linear.from_weight(module.weight.detach().float(), module.bias, levels), "w8a8"
-        else:
-            given = groups.get(name)
-            whole = module.in_features % GROUP == 0  # the kernel takes whole groups of inputs
-            fast = W4A8Linear.from_groups(*(given or quantize_groups(module.weight)), module.bias) if whole else None
-            used = "w4a8"
-            counts["from_file"] += int(fast is not None and given is not None)
-        if fast is None:
-            counts["kept"] += 1
-            continue
-        replace_module(model, name, fast)
-        counts[used] += 1
-    return counts
+            return W8A8Linear.from_weight(module.weight.detach().float(), module.bias, levels), "w8a8"
+        if module.in_features % GROUP:  # the kernel takes whole groups of inputs
+            return None, "w4a8"
+        given = groups.get(name)
+        fast = W4A8Linear.from_groups(*(given or quantize_groups(module.weight)), module.bias)
+        counts["from_file"] += int(fast is not None and given is not None)
+        return fast, "w4a8"
+
+    return swap_linears(model, make, counts, progress)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from specui.weights.native import native
-from specui.weights.quantize import batch_invariant, quantize_rows, replace_module, self_checked
+from specui.weights.quantize import batch_invariant, quantize_rows, self_checked, swap_linears
 
 FULL, REDUCED = 127, 63  # activation levels each side of the zero point: 8 bits, or 7 where the kernel saturates
 
@@ -152,16 +152,8 @@ def quantize_w8a8(model: torch.nn.Module,
         counts["kept"] = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
         return counts
     levels = FULL if full_range_exact() else REDUCED
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    for done, (name, module) in enumerate(linears):
-        if progress is not None:
-            progress(done, len(linears))
-        fast = W8A8Linear.from_weight(module.weight.detach(), module.bias, levels)
-        if fast is None:
-            counts["kept"] += 1
-            continue
-        replace_module(model, name, fast)
-        counts["w8a8"] += 1
+    swap_linears(model, lambda _name, m: (W8A8Linear.from_weight(m.weight.detach(), m.bias, levels), "w8a8"),
+                 counts, progress)
     counts["levels"] = levels
     return counts
 

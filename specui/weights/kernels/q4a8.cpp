@@ -10,9 +10,10 @@
 // Activations: each row of x, each group of 32 on its own: top = max|x|, a = round-half-even(x * 127
 // / top) in int8, da = float(top / 127), sa = sum(a).
 // Output, per row and column, over the groups in order: acc = fma(fma(float(sum(q a)), d, m * sa),
-// da, acc) in float32 (written in x's dtype, float32 or float64). Nothing mixes rows and the order of every float operation is fixed, so a
-// row's output is bit for bit the same whatever else is scored with it, and the vector path (VNNI)
-// and the portable one (any CPU) give the same bits: `q4a8_mm_portable` is there to check that.
+// da, acc) in float32, written in x's dtype (float32 or float64). Nothing mixes rows and the order of
+// every float operation is fixed, so a row's output is bit for bit the same whatever else is scored
+// with it, and the vector path (VNNI) and the portable one (any CPU) give the same bits:
+// `q4a8_mm_portable` is there to check that.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -80,7 +81,7 @@ constexpr bool kVector = true;
 constexpr int64_t kAhead = 16;  // groups prefetched ahead (5 KB)
 constexpr int64_t kTile = 12;   // rows of activations a pass over the weights: 2 x 12 + 6 of the 32 vector registers
 
-// T activation rows at once, their sums and accumulators in registers across all groups.
+// An accumulator's 16 float32 sums into the output (float32, or widened exactly to float64).
 inline void store(float* out, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(out, keep, v); }
 
 inline void store(double* out, __mmask16 keep, __m512 v) {  // float32 sums widened exactly
