@@ -11,6 +11,8 @@ import torch
 from conftest import save_tiny_model
 
 from specui.weights import quantize
+from specui.weights.concrete import rest_dtype
+from specui.weights.dtypes import dtype_name
 from specui.weights.loading import ModelSpec, load_model
 from specui.weights.quant_choice import choose_quantization, measure_options, options_table
 from specui.weights.quantize import Int4Linear, Int8Linear
@@ -97,8 +99,8 @@ def test_every_option_is_measured_with_its_weights_and_what_it_computes_with(fol
     assert calls == ["none", "int8", "int4", *W4A8]
     assert [c.quantization for c in costs] == ["none", "int8", "int4", "w4a8"]
     none, int8, int4, w4a8 = costs
-    if W4A8:  # the same 4-bit groups as int4 (scales in float16), the rest in float64
-        assert w4a8.dtype == "float64" and not w4a8.own_weights and w4a8.weight_bytes > 0  # (embeddings in float64)
+    if W4A8:  # the same 4-bit groups as int4 (scales in float16), the rest row-exact (float32 with SpecUI's kernels)
+        assert w4a8.dtype == dtype_name(rest_dtype()) and not w4a8.own_weights and w4a8.weight_bytes > 0
         assert "| w4a8 |" in options_table(costs) and "activations rounded to 8-bit groups" in options_table(costs)
     else:
         assert w4a8.ms_token is None and w4a8.problem

@@ -12,6 +12,7 @@ import torch
 from conftest import save_tiny_model, tiny_llama
 from test_cache import assert_compiled_methods_equal_compiled_autoregressive, assert_greedy_equals_autoregressive
 
+from specui.weights.concrete import rest_dtype
 from specui.weights.native import native
 from specui.weights.quantize import GROUP, dequantize_groups, quantize_groups
 from specui.weights.w4a8 import W4A8Linear, pack_groups, quantize_w4a8, w4a8_unavailable
@@ -131,9 +132,11 @@ def test_load_model_w4a8_says_what_it_did(tmp_path):
 
     folder = save_tiny_model(tmp_path / "m", seed=0, layers=1, hidden=64)
     loaded = load_model(ModelSpec(str(folder), quantization="w4a8"), role="target")
-    assert loaded.model.dtype == torch.float64  # dtype auto: float32 weights rounded, then the rest cast
+    assert loaded.model.dtype == rest_dtype()  # dtype auto: float32 weights rounded, then the rest as rest_dtype says
     assert sum(isinstance(m, W4A8Linear) for m in loaded.model.modules()) == 7
     note = next(n for n in loaded.notes if n.startswith("target w4a8:"))
     assert "7 matrices as 4-bit groups times 8-bit activation groups" in note
+    if rest_dtype() == torch.float32:  # the rest in float32 needs attention that is row-exact too
+        assert "target attention: SpecUI's row-exact kernel" in " ".join(loaded.notes)
     fp32 = load_model(ModelSpec(str(folder), dtype="float32"))
     assert loaded.memory_bytes < fp32.memory_bytes

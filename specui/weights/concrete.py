@@ -14,6 +14,7 @@ from specui.engine.attention import use_measured_attention, use_shared_kv_heads
 from specui.errors import SpecUIError
 from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
+from specui.weights.attend import exact_attention_ready, use_exact_attention
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.native import has_native, native_unavailable
@@ -58,6 +59,17 @@ def _quantization_config(quantization: str, dtype: torch.dtype):
 Progress = Callable[[float, str], None]  # (fraction of this model's load done, what it is doing)
 
 
+def rest_dtype() -> torch.dtype:
+    """The dtype of the rest of a w8a8 / w4a8 model under `--dtype auto`. Rounding activations is
+    discontinuous, so a token's input must have the same bits scored alone (decoding) and among
+    others (verification): float32 with torch's SDPA does not (its sums run in other orders, ~1e-7
+    apart, flipping a few roundings that grow: the bundled model's logits for one position 2.66
+    apart). float32 with SpecUI's row-exact attention (specui.weights.attend) does, and is the
+    cheaper (the 1.7b stand-in on w4a8, one process: 64 / 94 ms for 1 / 9 tokens against 76 / 127
+    in float64); without SpecUI's kernels, float64, whose differences stay below every rounding step."""
+    return torch.float32 if exact_attention_ready() else torch.float64
+
+
 def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
                   source: GGUFSource | None = None, progress: Progress | None = None) -> LoadedModel:
     """Load with a concrete quantization. `given`: notes to put first (quantization auto's
@@ -76,8 +88,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             raise SpecUIError(f"--quantization {spec.quantization} is SpecUI's CPU kernel; "
                               "on a GPU use 8bit or 4bit (bitsandbytes)")
         if spec.dtype == "auto":  # int8 / int4 compute in bfloat16: the rest of the model follows them;
-            rounds = spec.quantization in ROUNDS_ACTIVATIONS  # w8a8 / w4a8: float64, see _quantize_w8a8
-            dtype = torch.float64 if rounds else torch.bfloat16
+            rounds = spec.quantization in ROUNDS_ACTIVATIONS  # w8a8 / w4a8: see rest_dtype
+            dtype = rest_dtype() if rounds else torch.bfloat16
     # w8a8 / w4a8 round float32 weights (or take a GGUF's blocks), then cast the rest
     built = torch.float32 if spec.quantization in ROUNDS_ACTIVATIONS else dtype
     quant = _quantization_config(spec.quantization, dtype)
@@ -128,7 +140,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     elif spec.quantization == "none" and device.type == "cpu":
         streamed = use_stream_kernel(model, role)
         notes += (streamed,) if streamed else ()
-    for attention in (use_measured_attention(model), use_shared_kv_heads(model)):
+    exact = use_exact_attention(model) if spec.quantization in ROUNDS_ACTIVATIONS else None
+    for attention in (exact,) if exact else (use_measured_attention(model), use_shared_kv_heads(model)):
         notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
     label = f"stand-in {shape.size} ({shape.params / 1e9:.2f}B) of {label}" if shape is not None else label
@@ -192,11 +205,7 @@ def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
                    progress: Callable[[int, int], None] | None = None) -> str:
     """Put `model`'s matrices on the int8 x int8 kernel (specui.weights.w8a8); the note of
     what went where. Where it serves none, refused: the user asked for this rounding.
-    Why `--dtype auto` then runs the rest of the model in float64: rounding activations is
-    discontinuous, so float32's differences between a token scored alone and with others
-    (attention's kernels sum in other orders, ~1e-7 apart) flip a few roundings and grow (the
-    bundled model's logits for one position 2.66 apart); in float64 they stay below every
-    rounding step and the logits are exactly equal, so speculation stays lossless."""
+    `--dtype auto` then runs the rest of the model as rest_dtype says."""
     counts = quantize_w8a8(model, progress)
     if not counts["w8a8"]:
         why = "this torch build has no oneDNN int8 linear" if not has_w8a8_kernel() else \
@@ -214,8 +223,7 @@ def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: G
                    blocks: dict | None, progress: Callable[[int, int], None] | None = None) -> str:
     """Put `model`'s matrices on the 4-bit x 8-bit kernel (specui.weights.w4a8; a GGUF's own
     4-bit blocks where it has them) and its output head on w8a8's; the note of what went where.
-    Where the kernel serves none, refused: the user asked for it. The rest of the model runs in
-    float64 under `--dtype auto` for the reason _quantize_w8a8 gives."""
+    Where the kernel serves none, refused: the user asked for it. The rest of the model: rest_dtype."""
     counts = quantize_w4a8(model, blocks, progress)
     if not counts["w4a8"]:
         why = w4a8_unavailable() or "every matrix failed its self-check (product or row independence) on this CPU"

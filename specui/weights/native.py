@@ -23,7 +23,7 @@ from specui.engine.paths import cache_root
 
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp"))
+SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "attend.cpp"))
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cache_root, cpu_signature, forward_ms
+from specui.engine.measure import cache_root, code_stamp, cpu_signature, forward_ms
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.weights.concrete import Progress, load_concrete
@@ -83,7 +83,8 @@ def identity(spec: ModelSpec) -> str:
 
 def choice_key(spec: ModelSpec, candidates: tuple[str, ...]) -> str:
     raw = json.dumps([identity(spec), spec.dtype, spec.device, list(candidates), cpu_signature(),
-                      torch.get_num_threads(), torch.__version__] + ([spec.stand_in] if spec.stand_in else []))
+                      torch.get_num_threads(), torch.__version__, code_stamp()]  # a kernel change re-measures
+                     + ([spec.stand_in] if spec.stand_in else []))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -134,7 +135,8 @@ def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], ca
                        else f"{c.quantization} cannot run here ({c.problem})" for c in costs if c is not mine)
     why = f" ({reason})" if reason and chosen == "int4" else ""
     if chosen == "w4a8":
-        why = " (the GGUF's own 4-bit blocks times 8-bit activation groups on SpecUI's kernel; the rest in float64)"
+        why = (" (the GGUF's own 4-bit blocks times 8-bit activation groups on SpecUI's kernel; "
+               f"the rest in {mine.dtype})")
     where = "read from the cache" if cached else "measured on this machine"
     return (f"{role} quantization auto -> {chosen}{why}: {mine.ms_token:.1f} ms per token vs {others or 'nothing else'}"
             f"; {where} (--quantization {' or '.join(c.quantization for c in costs if c is not mine) or 'none'}"

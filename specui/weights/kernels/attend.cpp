@@ -1,0 +1,281 @@
+// Attention whose every query row is computed by one fixed sequence of float operations, whatever
+// else is scored with it (specui/weights/attend.py): a token scored alone (decoding) or among a
+// chain's or a tree's tokens (verification) gets the same bits, so a float32 model whose matrices
+// are as row-independent (the w4a8 / w8a8 kernels) verifies losslessly. torch's SDPA is not: its
+// blocking depends on how many queries there are.
+//
+// query (B, H, q, D) contiguous; key / value (B, Hk, L, D), the last dimension contiguous (views of a
+// cache); H = rep * Hk (grouped heads); allowed (B or 1, q, L) bool, or empty: row i sees keys
+// 0 .. L - q + i. Per query row, over the keys in order 0 .. L - 1:
+//   s_j = fma(k_j[D-1], q[D-1], ... fma(k_j[0], q[0], 0)) * scale + (0, or -inf where not allowed);
+//   m = max s; e_j = exp(s_j - m) (exp below, exactly 0 for -inf); sum = e_0 + e_1 + ... in order;
+//   out = (fma(e_{L-1}, v_{L-1}, ... fma(e_0, v_0, 0))) / sum, element by element.
+// A masked key adds exact zeros, so a row that sees keys 0 .. n - 1 of a longer cache gets the bits
+// it gets over a cache of n keys. Rows of a head group share each key read (lanes of a vector).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // query rows computed side by side (lanes): each lane on its own
+constexpr int64_t kKeys = 4;    // keys whose dot products run interleaved (independent chains)
+
+// exp by range reduction and a polynomial (Cephes' expf): exactly 0 for -inf and underflow. The
+// vector path below computes the same operations lane by lane, so both give the same bits.
+inline float exp_lane(float x) {
+  const bool zero = !(x > -87.0f);
+  x = std::max(std::min(x, 88.0f), -87.0f);
+  const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return zero ? 0.0f : y * scale;
+}
+
+inline double exp_lane(double x) { return std::exp(x); }  // float64: the library's, one value at a time
+
+// The additive mask of one block of lanes: bias[j][lane] = 0 where the lane's query sees key j,
+// else -inf (lanes past the block's rows see nothing).
+template <typename T>
+std::vector<T> lane_bias(const bool* mask, bool causal, const int64_t* query_of, int64_t w, int64_t Q, int64_t L) {
+  const T hidden = -std::numeric_limits<T>::infinity();
+  std::vector<T> bias(static_cast<size_t>(L * kLanes), hidden);
+  for (int64_t r = 0; r < w; ++r) {
+    const int64_t i = query_of[r];
+    const bool* row = causal ? nullptr : mask + i * L;
+    for (int64_t j = 0; j < L; ++j)
+      if (causal ? j <= L - Q + i : row[j]) bias[j * kLanes + r] = T(0);
+  }
+  return bias;
+}
+
+// Scores of every key for the lanes: s[j][lane], masked and exponentiated in place; returns
+// nothing, fills `sum` (per lane, in key order). The portable loop, for float64 and CPUs without
+// AVX-512.
+template <typename T>
+void scores_portable(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_stride, T scale, const T* bias,
+                     T* s, T* sum) {
+  const T hidden = -std::numeric_limits<T>::infinity();
+  T top[kLanes];
+  for (int64_t r = 0; r < kLanes; ++r) top[r] = hidden, sum[r] = T(0);
+  for (int64_t j = 0; j < L; ++j) {
+    const T* kj = key + j * k_stride;
+    T acc[kLanes] = {0};
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t r = 0; r < kLanes; ++r) acc[r] = std::fma(kj[d], qt[d * kLanes + r], acc[r]);
+    for (int64_t r = 0; r < kLanes; ++r) {
+      s[j * kLanes + r] = acc[r] * scale + bias[j * kLanes + r];
+      top[r] = std::max(top[r], s[j * kLanes + r]);
+    }
+  }
+  for (int64_t j = 0; j < L; ++j)
+    for (int64_t r = 0; r < kLanes; ++r) {
+      T& e = s[j * kLanes + r];
+      e = top[r] == hidden ? T(0) : exp_lane(e - top[r]);
+      sum[r] += e;
+    }
+}
+
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NGT_UQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero), y, _mm512_castsi512_ps(bits));
+}
+
+void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int64_t k_stride, float scale,
+                   const float* bias, float* s, float* sum) {
+  const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 top = hidden;
+  int64_t j = 0;
+  for (; j + kKeys <= L; j += kKeys) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *k0 = key + j * k_stride, *k1 = k0 + k_stride, *k2 = k1 + k_stride, *k3 = k2 + k_stride;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 qd = _mm512_load_ps(qt + d * kLanes);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(k0[d]), qd, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(k1[d]), qd, a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(k2[d]), qd, a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(k3[d]), qd, a3);
+    }
+    const __m512 acc[kKeys] = {a0, a1, a2, a3};
+    for (int64_t u = 0; u < kKeys; ++u) {
+      const __m512 v = _mm512_add_ps(_mm512_mul_ps(acc[u], vscale), _mm512_loadu_ps(bias + (j + u) * kLanes));
+      _mm512_store_ps(s + (j + u) * kLanes, v);
+      top = _mm512_max_ps(top, v);
+    }
+  }
+  for (; j < L; ++j) {
+    const float* kj = key + j * k_stride;
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) a = _mm512_fmadd_ps(_mm512_set1_ps(kj[d]), _mm512_load_ps(qt + d * kLanes), a);
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(a, vscale), _mm512_loadu_ps(bias + j * kLanes));
+    _mm512_store_ps(s + j * kLanes, v);
+    top = _mm512_max_ps(top, v);
+  }
+  const __mmask16 seen = _mm512_cmp_ps_mask(top, hidden, _CMP_NEQ_UQ);
+  __m512 total = _mm512_setzero_ps();
+  for (j = 0; j < L; ++j) {
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_load_ps(s + j * kLanes), top)));
+    _mm512_store_ps(s + j * kLanes, e);
+    total = _mm512_add_ps(total, e);
+  }
+  _mm512_storeu_ps(sum, total);
+}
+#endif
+
+template <typename T>
+void scores(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_stride, T scale, const T* bias, T* s, T* sum) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    scores_vector(qt, key, L, D, k_stride, scale, bias, s, sum);
+    return;
+  }
+#endif
+  scores_portable<T>(qt, key, L, D, k_stride, scale, bias, s, sum);
+}
+
+// out_r = (sum over keys in order of fma(e_j, v_j, .)) / sum_r, for the block's w lanes.
+template <typename T>
+void weigh_values(const T* s, const T* sum, T* const* out_rows, int64_t w, const T* value, int64_t L, int64_t D,
+                  int64_t v_stride) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (D % 16 == 0 && D <= 256) {  // the same fma chain per element, 16 elements a vector
+      const int64_t chunks = D / 16;
+      for (int64_t r = 0; r < w; ++r) {
+        __m512 acc[16];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; ++j) {
+          const __m512 e = _mm512_set1_ps(s[j * kLanes + r]);
+          const float* vj = value + j * v_stride;
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+        }
+        float* o = out_rows[r];
+        const __m512 total = _mm512_set1_ps(sum[r]);
+        for (int64_t c = 0; c < chunks; ++c)
+          _mm512_storeu_ps(o + 16 * c, sum[r] > 0.0f ? _mm512_div_ps(acc[c], total) : acc[c]);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t r = 0; r < w; ++r) {
+    T* o = out_rows[r];
+    std::fill(o, o + D, T(0));
+    for (int64_t j = 0; j < L; ++j) {
+      const T e = s[j * kLanes + r];
+      const T* vj = value + j * v_stride;
+      for (int64_t d = 0; d < D; ++d) o[d] = std::fma(e, vj[d], o[d]);
+    }
+    if (sum[r] > T(0))
+      for (int64_t d = 0; d < D; ++d) o[d] /= sum[r];
+  }
+}
+
+template <typename T>
+void attend_all(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                const torch::Tensor& allowed, double scale, torch::Tensor& out) {
+  const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
+  const int64_t Hk = key.size(1), L = key.size(2), rep = H / Hk;
+  const T* qp = query.data_ptr<T>();
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const bool causal = allowed.numel() == 0;
+  const bool* mp = causal ? nullptr : allowed.data_ptr<bool>();
+  const int64_t mask_batch = causal || allowed.size(0) == 1 ? 0 : Q * L;
+  const int64_t rows = rep * Q;  // rows of one head group: (head, query) pairs, head-major
+  const int64_t blocks = (rows + kLanes - 1) / kLanes;
+  // the lanes' masks, the same for every head group of a batch row: built once
+  std::vector<std::vector<T>> biases(static_cast<size_t>(B * blocks));
+  for (int64_t c = 0; c < B * blocks; ++c) {
+    const int64_t b = c / blocks, r0 = (c % blocks) * kLanes, w = std::min(kLanes, rows - r0);
+    int64_t query_of[kLanes];
+    for (int64_t r = 0; r < w; ++r) query_of[r] = (r0 + r) % Q;
+    biases[c] = lane_bias<T>(causal ? nullptr : mp + b * mask_batch, causal, query_of, w, Q, L);
+  }
+  at::parallel_for(0, B * Hk * blocks, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<T> s(static_cast<size_t>(L * kLanes) + 16);
+    std::vector<T> qt(static_cast<size_t>(D * kLanes) + 16);
+    T* sa = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(s.data()) + 63) & ~uintptr_t(63));
+    T* qa = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(qt.data()) + 63) & ~uintptr_t(63));
+    T* out_rows[kLanes];
+    T sum[kLanes];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c = p % blocks, bg = p / blocks, b = bg / Hk, g = bg % Hk;
+      const int64_t r0 = c * kLanes, w = std::min(kLanes, rows - r0);
+      std::fill(qa, qa + D * kLanes, T(0));
+      for (int64_t r = 0; r < w; ++r) {
+        const int64_t h = g * rep + (r0 + r) / Q, i = (r0 + r) % Q;
+        const T* qr = qp + ((b * H + h) * Q + i) * D;
+        for (int64_t d = 0; d < D; ++d) qa[d * kLanes + r] = qr[d];
+        out_rows[r] = op + ((b * Q + i) * H + h) * D;
+      }
+      const T* kg = kp + b * key.stride(0) + g * key.stride(1);
+      const T* vg = vp + b * value.stride(0) + g * value.stride(1);
+      scores<T>(qa, kg, L, D, key.stride(2), static_cast<T>(scale), biases[b * blocks + c].data(), sa, sum);
+      weigh_values<T>(sa, sum, out_rows, w, vg, L, D, value.stride(2));
+    }
+  });
+}
+
+}  // namespace
+
+
+torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor allowed,
+                     double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "(B, H, q, D) query, (B, Hk, L, D) key/value");
+  TORCH_CHECK(query.is_contiguous(), "a contiguous query");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "key and value contiguous in their last dimension");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "query, key and value of one dtype");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(3),
+              "key and value of the query's batch and head size");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "query heads a multiple of key/value heads");
+  const int64_t Q = query.size(2), L = key.size(2);
+  TORCH_CHECK(L >= Q || allowed.numel() > 0, "fewer keys than queries needs a mask");
+  if (allowed.numel() > 0) {
+    TORCH_CHECK(allowed.scalar_type() == torch::kBool && allowed.is_contiguous() && allowed.dim() == 3,
+                "a contiguous bool (B or 1, q, L) mask");
+    TORCH_CHECK(allowed.size(1) == Q && allowed.size(2) == L &&
+                (allowed.size(0) == 1 || allowed.size(0) == query.size(0)), "a mask of (B or 1, q, L)");
+  }
+  auto out = torch::empty({query.size(0), Q, query.size(1), query.size(3)}, query.options());
+  if (query.scalar_type() == torch::kFloat64) {
+    attend_all<double>(query, key, value, allowed, scale, out);
+  } else {
+    TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 or float64");
+    attend_all<float>(query, key, value, allowed, scale, out);
+  }
+  return out;
+}
