@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
-from test_cache import assert_compiled_methods_equal_compiled_autoregressive, assert_greedy_equals_autoregressive
+from test_cache import (
+    assert_compiled_methods_equal_compiled_autoregressive,
+    assert_greedy_equals_autoregressive,
+    scored_together_and_alone,
+)
 
 from specui.weights.attend import ATTENTION, attend, exact_attention, exact_attention_ready, use_exact_attention
 from specui.weights.concrete import rest_dtype
@@ -83,12 +87,8 @@ def test_a_float32_model_on_rounding_kernels_scores_k_tokens_exactly_as_each_alo
     if kind == "w4a8" and w4a8_unavailable() or kind == "w8a8" and not has_w8a8_kernel():
         pytest.skip(f"no {kind} kernel here")
     model = _float32_model(quantize_w4a8 if kind == "w4a8" else quantize_w8a8)
-    ids = torch.tensor([[1, 5, 9, 13, 7, 21, 4, 30, 2, 17, 11, 3]])
-    with torch.no_grad():
-        whole = model(input_ids=ids).logits
-        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
-        steps = [model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits for i in range(4, 12)]
-    assert whole.dtype == torch.float32 and torch.equal(torch.cat(steps, 1), whole[:, 4:])
+    whole, alone = scored_together_and_alone(model, [1, 5, 9, 13, 7, 21, 4, 30, 2, 17, 11, 3])
+    assert whole.dtype == torch.float32 and torch.equal(alone, whole)
 
 
 @pytest.mark.parametrize("method", ["speculative", "opt-tree", "dsbd"])

@@ -29,6 +29,17 @@ def assert_cache_is_fresh_prefill(session: ModelSession, committed: list[int]):
 GREEDY_PARAMS = {"speculative": dict(gamma=4), "opt-tree": dict(nodes=8), "dsbd": dict(width=1)}
 
 
+def scored_together_and_alone(model, ids: list[int], start: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of `ids` in one forward, the same positions from `start` on scored one token at a
+    time over the cache): equal bit for bit where the model's arithmetic is row-exact."""
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        whole = model(input_ids=ids_t).logits
+        cache = model(input_ids=ids_t[:, :start], use_cache=True).past_key_values
+        steps = [model(input_ids=ids_t[:, i:i + 1], past_key_values=cache).logits for i in range(start, len(ids))]
+    return whole, torch.cat([whole[:, :start], *steps], 1)
+
+
 def assert_greedy_equals_autoregressive(target, draft, method: str, check_cache: bool = True) -> None:
     """`method` (speculative / opt-tree / dsbd) on `target` with `draft` gives the target's own
     autoregressive reply; speculative's cache after each commit equals a fresh prefill (where the

@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import save_tiny_model, tiny_llama
-from test_cache import assert_compiled_methods_equal_compiled_autoregressive, assert_greedy_equals_autoregressive
+from test_cache import (
+    assert_compiled_methods_equal_compiled_autoregressive,
+    assert_greedy_equals_autoregressive,
+    scored_together_and_alone,
+)
 
 from specui.weights import w8a8
 from specui.weights.concrete import rest_dtype
@@ -107,12 +111,8 @@ def test_in_float64_a_token_scored_alone_or_with_others_gets_exactly_the_same_lo
     model = tiny_llama(0, layers=2, dtype=torch.float32)
     quantize_w8a8(model)
     model.to(torch.float64)  # what dtype auto does (specui.weights.concrete._quantize_w8a8 says why)
-    ids = torch.tensor([[1, 5, 9, 13, 7, 21, 4, 30, 2, 17]])
-    with torch.no_grad():
-        whole = model(input_ids=ids).logits
-        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
-        steps = [model(input_ids=ids[:, i:i + 1], past_key_values=cache).logits for i in range(4, 10)]
-    assert whole.dtype == torch.float64 and torch.equal(torch.cat(steps, 1), whole[:, 4:])
+    whole, alone = scored_together_and_alone(model, [1, 5, 9, 13, 7, 21, 4, 30, 2, 17])
+    assert whole.dtype == torch.float64 and torch.equal(alone, whole)
 
 
 @pytest.mark.parametrize("method", ["speculative", "opt-tree", "dsbd"])
