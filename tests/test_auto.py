@@ -309,3 +309,26 @@ def test_on_a_steep_profile_chains_keep_their_length_and_replies_stay_exact(tiny
     assert chains and max(chains) <= 2 and max(s.drafted for s in gen.steps) <= 2
     plain = run(Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS]), PROMPTS[0], 30, "autoregressive")
     assert gen.output_ids == plain.output_ids
+
+
+def test_a_dip_in_acceptance_fades_while_auto_decodes_plainly(tiny_target):
+    """Steps without a chain pull the running alpha back toward the long-run one, so a few hard
+    tokens do not keep auto off chains until a probe (and a failed probe doubles the wait)."""
+    estimate = AcceptanceEstimate()
+    for _ in range(200):
+        estimate.observe(4, 2)
+    for _ in range(10):
+        estimate.observe(3, 0)
+    dipped, settled = estimate.alpha, estimate.settled
+    assert dipped < settled - 0.08 and settled == pytest.approx(2 / 3, abs=0.03)
+    for _ in range(40):
+        estimate.relax()
+    assert settled - estimate.alpha < 0.2 * (settled - dipped) and estimate.settled == settled
+    fixed = AcceptanceEstimate(accepted=3e5, rejected=7e5, decay=1.0)  # decay 1: a fixed alpha stays fixed
+    fixed.relax()
+    assert fixed.alpha == pytest.approx(0.3)
+    # in auto: the running alpha low (plain decoding), the long-run one high: chains come back before any probe
+    engine = engine_with(tiny_target, copy.deepcopy(tiny_target), synthetic(t1=10.0, slope=0.3, draft=1.0))
+    engine.costs.acceptance = AcceptanceEstimate(accepted=0.3, rejected=3.0, long_accepted=180.0, long_rejected=20.0)
+    c = choices(run(engine, PROMPTS[0], 40, "auto", probe_every=1000, calibrate=False, trees=False))
+    assert c[0] == "autoregressive" and any(x.startswith("speculative") for x in c)

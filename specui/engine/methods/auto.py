@@ -282,6 +282,8 @@ class Auto(Method):
             result = self.ar.step(ctx)
             choice, kind = AR, AR
             self.probes.since += 1
+            if ctx.costs is not None:
+                ctx.costs.acceptance.relax()  # a dip's evidence fades while no chain runs
             self.since_ar = 0
         else:
             chosen = gamma
