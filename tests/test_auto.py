@@ -118,6 +118,11 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
     assert any("a chain between OPT-Tree runs" in n for s in gen.steps for n in s.notes)
     assert gen.steps[trees[0]].tree_nodes and gen.steps[trees[0]].expected_accept is not None
     assert gen.output_ids == chains.output_ids == run(engine, PROMPTS[0], 60, "autoregressive").output_ids
+    # the probe's first tree is the size the bound found best (never above the cap), not the cap itself
+    probe = Auto(probe_every=8, calibrate=False)
+    bound, nodes = probe.tree_bound_at(engine.costs, 64)
+    assert bound == probe.tree_bound(engine.costs, 64) and 2 <= nodes <= 25
+    assert c[trees[0]] in {f"opt-tree:{m}" for m in (2, 4, 8, 16)}
 
 
 def test_trees_that_lose_wait_until_the_bound_makes_up_for_the_shortfall():

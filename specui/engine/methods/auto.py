@@ -211,16 +211,21 @@ class Auto(Method):
         """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most the budget): m/2
         layers (at most OPT-Tree's max depth and the reply's remaining tokens but one) of two
         candidates, each layer passed with probability 1 - (1 - alpha)^2."""
+        return self.tree_bound_at(costs, context, remaining)[0]
+
+    def tree_bound_at(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> tuple[float, int]:
+        """tree_bound's rate and the node count that reaches it."""
         assert self.tree is not None and costs.profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         passed = 1.0 - (1.0 - alpha) ** 2
         cap = self.tree.budget.cap if self.tree.budget else self.tree.nodes
-        ratio, best, m = self.tree_ratio(costs), 0.0, 2
+        ratio, best, best_m, m = self.tree_ratio(costs), 0.0, 2, 2
         while m <= cap:
             depth = max(1, min(m // 2, self.tree.max_depth, remaining - 1))
-            best = max(best, chain_tokens(passed, depth) / (step_ms(costs.profile, m, depth, context) * ratio))
+            rate = chain_tokens(passed, depth) / (step_ms(costs.profile, m, depth, context) * ratio)
+            best, best_m = (rate, m) if rate > best else (best, best_m)
             m *= 2
-        return best
+        return best, best_m
 
     def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True,
                     remaining: int = 1 << 30) -> str | None:
@@ -247,10 +252,12 @@ class Auto(Method):
                 return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
             return None  # one chain step now and then keeps alpha fresh
         if verdict.since >= (verdict.gap or self.probe_every) and caught_up:
-            bound = self.tree_bound(costs, context, remaining)
+            bound, nodes = self.tree_bound_at(costs, context, remaining)
             # the bound scaled by how far the last lost probe fell short of it: no new probe
             # until alpha or the costs moved enough to make up for that, or after the longest wait
             if bound * (1.0 if verdict.since >= longest else verdict.shortfall) > others * (1.0 + self.margin):
+                if self.tree.budget is not None:  # the probe starts at the bound's size, not the cap (25 nodes
+                    self.tree.nodes = nodes  # cost 489 ms at the 1.7b stand-in where 8 cost 130); the budget adapts
                 self.burst = PROBE_BURST - 1
                 verdict.yield_ = TreeYield()  # judged on this burst, not on trees long past
                 verdict.probe_bound = bound

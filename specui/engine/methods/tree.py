@@ -221,7 +221,7 @@ class OptTree(TreeMethod):
         if self.budget:
             profile = self._profile(ctx)
             if profile is not None and profile.has_draft:
-                self.budget.cap = self.nodes
+                self.budget.cap = min(self.budget.cap, max(1, room))  # nodes may start below the cap (auto's probes)
             else:
                 self.notes.append(f"node budget fixed at {self.nodes}: no cost profile of this pair to choose it from")
                 self.budget = None
