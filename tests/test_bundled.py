@@ -108,3 +108,14 @@ def test_specdec_with_the_shipped_head_equals_autoregressive(bundled_pair, promp
             assert gen.output_ids == reference
             assert all(s.threshold is not None and s.stop_reason for s in gen.steps)
         assert max(s.gamma for s in gen.steps) > 2  # at H = 0.9 some chains run long
+
+
+def test_a_draft_quantization_the_specui_draft_cannot_take_is_said_not_dropped(bundled_pair):
+    from specui.service.pair import default_draft_source, load_specui_draft
+    from specui.weights.loading import ModelSpec
+
+    draft = load_specui_draft(ModelSpec(default_draft_source(), dtype="float32", quantization="int8"),
+                              bundled_pair.target)
+    assert any(n.startswith("draft quantization int8 not applied") for n in draft.notes)
+    plain = load_specui_draft(ModelSpec(default_draft_source(), dtype="float32"), bundled_pair.target)
+    assert not any("not applied" in n for n in plain.notes)

@@ -247,5 +247,8 @@ def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     else:
         dtype = None if spec.dtype == "auto" else resolve_dtype(spec.dtype, target.device)
         model = load_draft(spec.source, target.model, target.tokenizer, dtype=dtype)
+    if spec.quantization not in ("none", "auto"):  # said, not silently dropped
+        notes += (f"draft quantization {spec.quantization} not applied: a SpecUI draft computes on the matrices it "
+                  "was saved with (4-bit groups and int8 rows, on the int4 / int8 kernels in float32)",)
     return LoadedModel(spec=spec, model=model, tokenizer=target.tokenizer, device=target.device,
                        label=Path(spec.source).name, notes=notes)
