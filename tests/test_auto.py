@@ -337,3 +337,13 @@ def test_a_dip_in_acceptance_fades_while_auto_decodes_plainly(tiny_target):
     engine.costs.acceptance = AcceptanceEstimate(accepted=0.3, rejected=3.0, long_accepted=180.0, long_rejected=20.0)
     c = choices(run(engine, PROMPTS[0], 40, "auto", probe_every=1000, calibrate=False, trees=False))
     assert c[0] == "autoregressive" and any(x.startswith("speculative") for x in c)
+
+
+def test_the_first_timed_step_moves_the_ratio_halfway_not_outright():
+    from specui.engine.costs import TimeRatio
+
+    ratio = TimeRatio()
+    ratio.observe(136.0, 84.0)  # one slow step on a noisy machine
+    assert ratio.value == pytest.approx((136.0 / 84.0) ** 0.5)
+    ratio.observe(84.0, 84.0)
+    assert 1.0 < ratio.value < (136.0 / 84.0) ** 0.5
