@@ -7,11 +7,12 @@ torch's SDPA does not promise that (its blocking follows the number of queries: 
 activations are rounded: w8a8 / w4a8 round every matrix input to int8, so a last-bit difference
 can flip a rounding and grow into different logits. Their models therefore ran the rest in
 float64 (differences far below any rounding step); with this attention the rest can run in
-float32: norms, SiLU and the other elementwise ops are row by row already (checked by
-`row_exact_here`), and so are the kernels.
+float32: RMSNorm, SiLU and the other elementwise ops are row by row already, and so are the
+kernels (tests/test_attend.py scores a float32 w4a8 / w8a8 model's tokens together and one by one).
 
 `use_exact_attention(model)` routes a float32 / float64 CPU model's attention here (a note, or
-None where it cannot: no kernels, another device or dtype, not SDPA-served)."""
+None where it cannot: no kernels, another device or dtype, not SDPA-served). The load routes
+float32 w8a8 / w4a8 models only: the float64 path is a scalar loop, slower than SDPA's."""
 
 from __future__ import annotations
 

@@ -65,8 +65,9 @@ def rest_dtype() -> torch.dtype:
     others (verification): float32 with torch's SDPA does not (its sums run in other orders, ~1e-7
     apart, flipping a few roundings that grow: the bundled model's logits for one position 2.66
     apart). float32 with SpecUI's row-exact attention (specui.weights.attend) does, and is the
-    cheaper (the 1.7b stand-in on w4a8, one process: 64 / 94 ms for 1 / 9 tokens against 76 / 127
-    in float64); without SpecUI's kernels, float64, whose differences stay below every rounding step."""
+    cheaper (the 1.7b stand-in on w4a8, one process, ms for 1 / 5 / 9 tokens: 73.9 / 90.4 / 116.2
+    against 74.5 / 104.3 / 139.4 in float64); without SpecUI's kernels, float64, whose differences
+    stay below every rounding step."""
     return torch.float32 if exact_attention_ready() else torch.float64
 
 
@@ -140,7 +141,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     elif spec.quantization == "none" and device.type == "cpu":
         streamed = use_stream_kernel(model, role)
         notes += (streamed,) if streamed else ()
-    exact = use_exact_attention(model) if spec.quantization in ROUNDS_ACTIVATIONS else None
+    rounds = spec.quantization in ROUNDS_ACTIVATIONS and model.dtype == torch.float32  # see rest_dtype
+    exact = use_exact_attention(model) if rounds else None
     for attention in (exact,) if exact else (use_measured_attention(model), use_shared_kv_heads(model)):
         notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
