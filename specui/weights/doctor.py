@@ -23,6 +23,7 @@ import torch
 
 from specui.engine.measure import cache_root, cpu_model, cpu_signature
 from specui.weights import w4a8, w8a8
+from specui.weights.attend import attend, exact_attention_ready
 from specui.weights.native import native
 from specui.weights.quantize import (
     Int4Linear,
@@ -172,6 +173,30 @@ def check_w4a8() -> Check:
     return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}")
 
 
+def check_attend() -> Check:
+    """SpecUI's row-exact attention (w8a8 / w4a8's float32 rest): each query row the bits it has
+    alone, on this CPU's path."""
+    name = "row-exact attention (SpecUI's kernel; w8a8 / w4a8 in float32)"
+    if not exact_attention_ready():
+        return Check(name, UNAVAILABLE, "SpecUI's kernels are not built here; w8a8 / w4a8 run their rest in float64")
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(1, 6, 9, 64, generator=g)
+    key, value = (torch.randn(1, 2, 40, 64, generator=g) for _ in range(2))
+    none = torch.empty(0, dtype=torch.bool)
+    together = attend(query, key, value, none, 0.125)
+    alone = [attend(query[:, :, i:i + 1].contiguous(), key[:, :, :32 + i], value[:, :, :32 + i], none, 0.125)
+             for i in range(9)]
+    if not torch.equal(torch.cat(alone, 1), together):
+        return Check(name, FAILED, "a row's bits depend on the rows scored with it here: w8a8 / w4a8 would not verify "
+                     "losslessly in float32")
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), is_causal=False, enable_gqa=True,
+        attn_mask=torch.ones(9, 40, dtype=torch.bool).tril(31)).transpose(1, 2)
+    if (together.double() - want).abs().max() > 1e-5:
+        return Check(name, FAILED, "its output differs from SDPA's here")
+    return Check(name, PASSED, "matches SDPA; each of 9 rows has the bits it has alone")
+
+
 def check_sdpa(dtype: torch.dtype = torch.bfloat16) -> Check:
     name = f"{str(dtype).removeprefix('torch.')} attention (scaled_dot_product_attention)"
     g = torch.Generator().manual_seed(11)
@@ -213,8 +238,8 @@ def check_bitsandbytes() -> Check:
     return Check(name, PASSED if err < 0.15 else FAILED, f"nf4 product within {err:.1%} of float32 on the GPU")
 
 
-CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_w4a8, check_sdpa,
-                                           check_bitsandbytes)
+CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_w4a8, check_attend,
+                                           check_sdpa, check_bitsandbytes)
 
 
 def run_checks(checks: tuple[Callable[[], Check], ...] = CHECKS) -> list[Check]:
