@@ -20,7 +20,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specui.engine.attention import attention_configs
+from specui.engine.attention import attention_configs, specui_attention
 from specui.weights.native import native
 
 ATTENTION = "specui_exact"
@@ -56,18 +56,14 @@ def _allowed(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor |
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: (B, q, H, D) output, no weights. Anything the kernel
-    does not serve (dropout, another dtype or device, a per-head mask) goes to SDPA."""
+    does not serve (dropout, another dtype or device, a per-head mask) goes to specui_attention (SDPA)."""
     allowed = None
     served = (not dropout and query.device.type == "cpu" and query.dtype in EXACT_DTYPES
               and key.dtype == query.dtype and value.dtype == query.dtype)
     if served:
         allowed = _allowed(attention_mask, key.shape[2])
     if allowed is None or (not allowed.numel() and key.shape[2] < query.shape[2]):
-        mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-            is_causal=mask is None and query.shape[2] > 1, enable_gqa=key.shape[1] != query.shape[1])
-        return out.transpose(1, 2), None
+        return specui_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()

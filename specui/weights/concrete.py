@@ -141,8 +141,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     elif spec.quantization == "none" and device.type == "cpu":
         streamed = use_stream_kernel(model, role)
         notes += (streamed,) if streamed else ()
-    rounds = spec.quantization in ROUNDS_ACTIVATIONS and model.dtype == torch.float32  # see rest_dtype
-    exact = use_exact_attention(model) if rounds else None
+    row_exact = spec.quantization in ROUNDS_ACTIVATIONS and model.dtype == torch.float32  # see rest_dtype
+    exact = use_exact_attention(model) if row_exact else None
     for attention in (exact,) if exact else (use_measured_attention(model), use_shared_kv_heads(model)):
         notes += (f"{role} {attention}",) if attention else ()
     label = f"{BUNDLED_GGUF} (bundled)" if spec.source == BUNDLED else spec.source
