@@ -270,3 +270,19 @@ def test_every_rows_engine_settles_before_any_row_is_timed():
     assert len(runs) == 3 * 2 + 3 * 2  # a warm-up reply to each prompt per row, then 2 prompts x 3 rows
     for i in runs:
         assert {name for kind, name in events[i - 2:i] if kind == "settle"} == {"a", "b"}, events[i - 2:i]
+
+
+def test_quality_bench_runs_its_rows_at_the_capture_asked(tiny_dirs, tmp_path, capsys):
+    from specui.bench import quality
+
+    target, draft, _ = tiny_dirs
+    argv = ["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--limit", "1",
+            "--max-new-tokens", "4", "--repeats", "1", "--capture", "off", "--out", str(tmp_path),
+            "--configs", "autoregressive;dsbd:width=2,gamma=2"]
+    assert quality.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["header"].endswith("capture off")
+    assert [p["name"] for p in data["points"]] == ["autoregressive", "dsbd:width=2,gamma=2"]
+    with pytest.raises(SystemExit):
+        quality.main(argv[:-2] + ["--capture", "sometimes"])
+    assert "invalid choice" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from specui.bench.png import save_figure
 from specui.bench.prompts import HELDOUT
 from specui.bench.run import Row, bench_prompts, ours, settle_all, warm_up
 from specui.engine import make_method
+from specui.engine.capture import CAPTURES
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
 from specui.service.pair import ModelPair, default_draft_source, load_pair
@@ -159,16 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stand-in", default="", metavar="SIZE", help="the target zero-padded to that size's cost")
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="the target's (default none: its dtype's weights; w8a8: int8 products that stay flat)")
+    ap.add_argument("--capture", default="auto", choices=CAPTURES,
+                    help="the rows' forwards: auto (compiled where this machine measured it faster, in the "
+                         "background before the first timed reply), on (compiled), off (eager)")
     args = ap.parse_args(argv)
 
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, target.with_source(draft_src))
+    pair.capture = args.capture
     prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)
     header = (f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device "
               f"{pair.target.device}; target {pair.target.label} ({pair.target.model.dtype}); draft {pair.draft.label} "
               f"({pair.draft.model.dtype}); {len(prompts)} prompts x {args.repeats} rounds, max {args.max_new_tokens} "
-              f"new tokens, temperature {args.temperature}")
+              f"new tokens, temperature {args.temperature}; capture {args.capture}")
     print(header)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     points = measure(pair, args.configs.split(";"), prompts, args.max_new_tokens, args.repeats, sampling)
