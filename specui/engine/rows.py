@@ -28,6 +28,7 @@ from specui.engine.capture import round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
+from specui.engine.unpadded import real_tokens_only, token_modules
 from specui.errors import SpecUIError
 
 STATIC_SLOTS = 256  # a static rows cache's first capacity in slots (it doubles when a reply needs more): a
@@ -64,6 +65,7 @@ class RowSession:
         self.compiled = runner is not None and runner.compiled and runner.mode == "buckets"
         self.compile_problem = ""
         self.compiled_runs = self.eager_runs = 0  # forwards that ran compiled / eagerly (not the prefill)
+        self._linears: list[torch.nn.Module] | None = None  # the per-token products (eager forwards skip padding)
         self.length = 0  # committed entries, the same in every row
         self.pending: list[list[PendingNode]] = [[]]
         self._used = 0  # cache entries past `length` (pending nodes and padding)
@@ -129,7 +131,8 @@ class RowSession:
             if self.runner is not None:
                 self.cache.grow(window)
                 self.cache.prepare(start, window)
-            out = self.clock.run(self._call, kw)
+            real = [r * width + j for r, nodes in enumerate(new) for j in range(len(nodes))]
+            out = self.clock.run(self._call, kw, real if len(real) < self.rows * width else None)
         except BaseException:
             self._drop_pending()
             raise
@@ -167,11 +170,13 @@ class RowSession:
         self.pending = [[] for _ in keep]
         self._used = 0
 
-    def _call(self, kw: dict):
+    def _call(self, kw: dict, real: list[int] | None = None):
         """One forward: the runner's compiled forward where it compiles (with its attention
         routing), else the model itself. Where the runner's compiles run in the background
         (its Warmup), a shape not compiled yet runs eagerly and the Warmup is asked for it
-        (`compile_shape` builds it there on scratch rows), so no forward waits for a compile."""
+        (`compile_shape` builds it there on scratch rows), so no forward waits for a compile.
+        `real`: the flat (row * width + column) indices of the real tokens where some are
+        padding; an eager forward's matrix products then skip the padding (engine/unpadded.py)."""
         runner = self.runner
         if self.compiled and runner.compiled:
             for name, dims in (("input_ids", (0, 1)), ("position_ids", (0, 1)), ("attention_mask", (0, 2, 3))):
@@ -196,7 +201,13 @@ class RowSession:
                 self.compiled_runs += 1
                 return out
         self.eager_runs += 1
-        return self.model(**kw)
+        if real is None:
+            return self.model(**kw)
+        if self._linears is None:
+            self._linears = token_modules(self.model)
+        keep = torch.tensor(real, dtype=torch.long, device=self.device)
+        with real_tokens_only(self._linears, tuple(kw["input_ids"].shape), keep):
+            return self.model(**kw)
 
     @classmethod
     def scratch(cls, runner, rows: int, length: int, capacity: int) -> RowSession:
