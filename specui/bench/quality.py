@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"header": header, "points": [p.__dict__ for p in points]}, indent=1))
-    title = "DSBD: throughput vs quality" + (f" (A STAND-IN: {pair.target.label})" if args.stand_in else "")
+    title = "DSBD: throughput vs quality" + (f"<br><sup>A STAND-IN: {pair.target.label}</sup>" if args.stand_in else "")
     written = save_figure(figure(points, title), out, "quality")
     print(f"\nwrote {out / 'results.json'} and " + " and ".join(str(p) for p in written))
     return 0
