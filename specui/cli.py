@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dsbd: continue from the best output beam only (one KV cache, as speculative decoding)")
     g.add_argument("--threshold", type=float, default=d.threshold,
                    help="specdec++: stop drafting once the predicted P(some candidate is rejected) exceeds this "
-                        "(default: the threshold tuned for the head)")
+                        "(default: chosen for this pair's measured costs from the head's held-out replay)")
     g.add_argument("--gamma-max", type=int, default=d.gamma_max, help="specdec++: the most candidates per step")
     g.add_argument("--k-config", default=d.k_config,
                    help="mcsd baseline: candidates the draft samples under each node at each depth (e.g. "

@@ -39,7 +39,7 @@ class ChatSettings:
     width_threshold: float | None = None  # dsbd: dynamic width threshold t (None: fixed width)
     min_width: int = 1  # dsbd: W_min of the dynamic width
     memory_mode: bool = False  # dsbd: continue from the best output beam only (one KV cache)
-    threshold: float | None = None  # specdec++: stop once P(a candidate is rejected) exceeds it (None: head's)
+    threshold: float | None = None  # specdec++: stop once P(a candidate is rejected) exceeds it (None: by costs)
     gamma_max: int = 16  # specdec++: the most candidates per step
     k_config: str = ""  # mcsd: candidates per node at each depth (4,2,2,1,1: the baseline); empty: forks
     root_selection: str = "lossless"  # mcsd forks: lossless | approximate (the seed's; not distribution-preserving)

@@ -241,3 +241,69 @@ def test_panels_show_the_head_and_the_threshold(tiny_target):
     text = step_markdown(gen.steps[0])
     assert "predicted acceptance" in text and "threshold 0.6" in text
     assert ChatService.method_fields("specdec++") == {"threshold", "gamma_max", "gamma"}
+
+
+# --- the threshold chosen for this machine's costs ------------------------------------------
+REPLAY = [  # the shipped head's held-out replay at three thresholds (D/N, V/N)
+    {"threshold": 0.2, "discard_rate": 0.3198, "verification_rate": 0.583},
+    {"threshold": 0.5, "discard_rate": 0.6761, "verification_rate": 0.489},
+    {"threshold": 0.9, "discard_rate": 2.0796, "verification_rate": 0.4331},
+]
+
+
+def test_the_threshold_follows_the_costs():
+    from specui.engine.methods.specdec import threshold_for_costs
+
+    def steep(k):  # verification grows with the tokens scored, the draft a fifth of a token: stop early
+        return 45.6 + 9.0 * (k - 1)
+
+    def flat(k):  # verification nearly flat (the w4a8 stand-in's profile), the draft cheap
+        return 84.0 + 4.0 * (k - 1)
+
+    assert threshold_for_costs(REPLAY, steep, 8.5)[0] == 0.2
+    assert threshold_for_costs(REPLAY, flat, 3.6)[0] == 0.5
+    assert threshold_for_costs(REPLAY, lambda k: 100.0, 0.01)[0] == 0.9  # free drafts, free verification
+    h, ms = threshold_for_costs(REPLAY, flat, 3.6)
+    drafted = 1 - 0.489 + 0.6761
+    assert ms == pytest.approx(3.6 * drafted + 0.489 * flat(1 + drafted / 0.489))
+    assert threshold_for_costs([], flat, 3.6) is None and threshold_for_costs([{"x": 1}], flat, 3.6) is None
+
+
+def test_a_heads_replay_travels_with_it_and_older_heads_read_it_from_their_metrics(tmp_path):
+    from specui.heads.acceptance import threshold_replay
+
+    points = [{"method": "speculative", "setting": "gamma 2", "discard_rate": 0.5, "verification_rate": 0.5},
+              {"method": "specdec++", "setting": "H 0.3", "discard_rate": 0.4, "verification_rate": 0.55}]
+    want = [{"threshold": 0.3, "discard_rate": 0.4, "verification_rate": 0.55}]
+    assert threshold_replay(points) == threshold_replay(repr(points)) == want  # older metrics: a repr
+    assert threshold_replay("not a list") == []
+    draft = tiny_llama(1, layers=1)
+    save_head(make_head(32, 0, 1.0).float(), tmp_path, draft_fingerprint(draft), {"threshold": 0.3})
+    assert load_head(tmp_path, draft)[1]["threshold_replay"] == []  # no replay anywhere: the tuned H only
+    (tmp_path / "metrics.json").write_text(json.dumps({"heldout_replay": repr(points)}))
+    assert load_head(tmp_path, draft)[1]["threshold_replay"] == want
+    shipped = json.loads((__import__("pathlib").Path(__file__).parents[1] / "models" / "smollm2-135m-specdec-head"
+                          / "config.json").read_text())
+    assert len(shipped["threshold_replay"]) >= 10  # the shipped head carries its own
+
+
+def test_specdec_chooses_its_threshold_from_the_profile_and_says_so(tiny_target):
+    from test_profile import synthetic
+
+    from specui.engine.costs import EngineCosts
+
+    draft = tiny_llama(1, layers=1)
+    config = {"threshold": 0.2, "threshold_replay": REPLAY}
+    engine = Engine(tiny_target, TinyTokenizer(), draft=draft, eos_ids=[EOS], acceptance_head=make_head(32, 0, 2.0),
+                    head_config=config)
+    reference = run(engine, PROMPTS[0], 24, "autoregressive").output_ids
+    for t1, slope, draft_ms, want in ((84.0, 4.0, 3.6, 0.5), (45.6, 9.0, 8.5, 0.2), (40.0, 0.5, 0.2, 0.9)):
+        engine.costs = EngineCosts(profile=synthetic(t1=t1, slope=slope, draft=draft_ms), note="synthetic")
+        gen = run(engine, PROMPTS[0], 24, "specdec++")
+        assert gen.output_ids == reference  # lossless whatever H
+        assert {s.threshold for s in gen.steps if s.threshold is not None} == {want}
+        said = [n for s in gen.steps for n in s.notes if "specdec++ threshold" in n]
+        assert len(said) == 1 and f"H = {want:g}, chosen for this pair's measured costs" in said[0]
+    given = run(engine, PROMPTS[0], 24, "specdec++", threshold=0.9)
+    assert {s.threshold for s in given.steps if s.threshold is not None} == {0.9}
+    assert not any("specdec++ threshold" in n for s in given.steps for n in s.notes)

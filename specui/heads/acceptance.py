@@ -6,10 +6,12 @@ A D-layer ResNet of SiLU blocks (D = 0: one linear layer) and a sigmoid. Every b
 own weights (the seed's public code repeats one block object, so its layers share weights).
 
 A head folder holds config.json (depth, hidden size, the draft it was trained for, the
-tuned threshold) and head.safetensors; `load_head` refuses a head made for another draft."""
+tuned threshold, the held-out replay at each threshold) and head.safetensors; `load_head`
+refuses a head made for another draft."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from pathlib import Path
@@ -144,6 +146,30 @@ def read_head_config(folder: str | Path) -> dict:
     return read_marked_config(folder, HEAD_MARKER, "acceptance head", TRAIN_COMMAND)
 
 
+def threshold_replay(points) -> list[dict]:
+    """The SpecDec++ rows of a head's held-out greedy replay (`heldout_replay` in its metrics: a
+    list, or its Python repr as older heads wrote it) as {threshold, discard_rate,
+    verification_rate}: what choosing the threshold for a machine's costs reads. [] if unreadable."""
+    try:
+        rows = ast.literal_eval(points) if isinstance(points, str) else points
+        return [{"threshold": float(str(p["setting"]).removeprefix("H ")), "discard_rate": float(p["discard_rate"]),
+                 "verification_rate": float(p["verification_rate"])}
+                for p in rows if p.get("method") == "specdec++" and str(p.get("setting", "")).startswith("H ")]
+    except (ValueError, SyntaxError, TypeError, KeyError, AttributeError):
+        return []
+
+
+def _replay_of(folder: Path, config: dict) -> list[dict]:
+    """The config's threshold replay, else the one in the folder's metrics.json (heads saved
+    before configs carried it); [] where neither has one."""
+    if isinstance(config.get("threshold_replay"), list):
+        return config["threshold_replay"]
+    try:
+        return threshold_replay(json.loads((folder / "metrics.json").read_text()).get("heldout_replay", []))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
 def load_head(folder: str | Path, draft: torch.nn.Module) -> tuple[AcceptanceHead, dict]:
     """The head in `folder` for this draft, on the draft's device (float32), and its config.
     Raises SpecUIError naming the training command when it is missing, corrupt or made
@@ -166,4 +192,5 @@ def load_head(folder: str | Path, draft: torch.nn.Module) -> tuple[AcceptanceHea
         raise SpecUIError(f"the acceptance head in {folder} is corrupt ({type(e).__name__}: {str(e)[:200]}); "
                           f"retrain it with: {TRAIN_COMMAND}") from None
     device = next(draft.parameters()).device
+    config = {**config, "threshold_replay": _replay_of(folder, config)}
     return head.to(device=device, dtype=torch.float32).eval(), config

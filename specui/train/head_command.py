@@ -23,7 +23,7 @@ from specui.chat import stop_token_ids
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.engine.profile import cpu_model, get_profile
 from specui.engine.session import ModelSession
-from specui.heads.acceptance import draft_fingerprint, save_head
+from specui.heads.acceptance import draft_fingerprint, save_head, threshold_replay
 from specui.train import acceptance as acc
 from specui.train.data import AnswerSet, collect
 from specui.weights.draft import load_draft
@@ -236,7 +236,7 @@ def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet
                            best["reads"] == "after")
     command = "python -m specui.train " + " ".join(sys.argv[1:])
     meta = {k: best[k] for k in ("depth", "mix", "w_rej", "labels", "inputs", "reads", "threshold")}
-    meta.update(gamma_max=args.gamma_max, draft=args.draft.name)
+    meta.update(gamma_max=args.gamma_max, draft=args.draft.name, threshold_replay=threshold_replay(points))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_head(best["head"], tmp, draft_fingerprint(draft), meta)

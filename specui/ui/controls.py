@@ -72,7 +72,7 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str], max_new_t
                                    info="dsbd: continue from the best output beam only (one KV cache)"),
         "threshold": gr.Number(value=defaults.threshold, label="stop threshold H",
                                info="specdec++: stop drafting once the head's P(at least one candidate is rejected) "
-                                    "exceeds H (higher: longer chains); empty = the value tuned for the head"),
+                                    "exceeds H (higher: longer chains); empty = chosen for this pair's measured costs"),
         "gamma_max": gr.Slider(1, 32, value=defaults.gamma_max, step=1, label="gamma max",
                                info="specdec++: the most candidates per step"),
         "k_config": gr.Textbox(value=defaults.k_config, label="k-config",

@@ -12,9 +12,19 @@ cache when accepted). A "before" head reads the hidden state that gave q~ for to
 q~'s entropy, top probabilities and q~(t)) and decides before t is fed: no extra forward.
 
 Without a usable head (missing, made for another draft, corrupt) the method decodes as
-`speculative` with the fixed gamma and says so in the step's notes."""
+`speculative` with the fixed gamma and says so in the step's notes.
+
+The threshold (unless given): the one this pair's measured costs favour. A head carries its
+held-out greedy replay at each H (`threshold_replay`: discard rate D/N and verification rate
+V/N, which depend on the draft, head and target but not on the hardware, as the seed notes), so
+the time per committed token at each H is t_draft x (1 - V/N + D/N) + V/N x t_target(mean call
+size) from the cost profile; the least wins. The head's own tuned H was chosen with the costs of
+the machine and target it was trained beside (0.2 for the bundled int4 target on a 2-core EPYC);
+at the 1.7b stand-in on w4a8 the profile picks 0.5. Without a profile or a replay: the tuned H."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -26,6 +36,28 @@ from specui.errors import SpecUIError
 from specui.heads.acceptance import AcceptanceHead
 
 DEFAULT_THRESHOLD = 0.5  # used only when a head's config names no tuned threshold
+
+
+def modelled_ms(row: dict, target_ms: Callable[[float], float], draft_ms: float) -> float:
+    """Ms per committed token of a replay row (discard and verification rates per token)."""
+    v, d = float(row["verification_rate"]), float(row["discard_rate"])
+    drafted = 1.0 - v + d  # draft tokens (forwards) per committed token: accepted ones and discarded
+    return draft_ms * drafted + v * target_ms(1.0 + drafted / v)
+
+
+def threshold_for_costs(replay: list[dict], target_ms: Callable[[float], float],
+                        draft_ms: float) -> tuple[float, float] | None:
+    """The replay's threshold with the least modelled ms per committed token, and that ms; None
+    for an empty or malformed replay."""
+    try:
+        rows = [(modelled_ms(r, target_ms, draft_ms), float(r["threshold"])) for r in replay
+                if float(r["verification_rate"]) > 0]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not rows:
+        return None
+    ms, threshold = min(rows)
+    return threshold, ms
 
 
 class DraftedChain:
@@ -93,10 +125,38 @@ class SpecDecPP(Method):
             raise SpecUIError(f"threshold must be in (0, 1), got {threshold}")
         if gamma_max < 1:
             raise SpecUIError(f"gamma max must be >= 1, got {gamma_max}")
-        self.threshold = threshold  # None: the head's tuned threshold
+        self.threshold = threshold  # None: chosen from the cost profile, else the head's tuned one
+        self.needs_profile = threshold is None  # the engine measures (or reads) it before the first step
         self.gamma_max = gamma_max
         self.fallback = Speculative(gamma=gamma)  # when no head can be used
         self._told = False
+        self._chosen: float | None = None  # the last threshold chosen from the costs (said when it changes)
+
+    def _threshold(self, ctx: DecodeContext, notes: list[str]) -> float:
+        if self.threshold is not None:
+            return self.threshold
+        config = ctx.draft.head_config
+        tuned = float(config.get("threshold", DEFAULT_THRESHOLD))
+        profile = ctx.costs.profile if ctx.costs is not None else None
+        replay = config.get("threshold_replay")
+        t_draft = profile.draft(1, len(ctx.ids)) if profile is not None else None
+        if not replay or t_draft is None:
+            return tuned
+        context = len(ctx.ids)
+        chosen = threshold_for_costs(replay, lambda k: profile.target(k, context), t_draft)
+        if chosen is None:
+            return tuned
+        threshold, ms = chosen
+        if threshold != self._chosen:
+            self._chosen = threshold
+            ar = profile.target(1, context)
+            at_tuned = next((modelled_ms(r, lambda k: profile.target(k, context), t_draft) for r in replay
+                             if float(r["threshold"]) == tuned), None)
+            versus = "" if at_tuned is None or threshold == tuned else (
+                f"; the head's tuned H = {tuned:g}: {ar / at_tuned:.2f}x")
+            notes.append(f"specdec++ threshold H = {threshold:g}, chosen for this pair's measured costs (modelled "
+                         f"{ar / ms:.2f}x autoregressive from the head's held-out replay{versus})")
+        return threshold
 
     def step(self, ctx: DecodeContext) -> StepResult:
         assert ctx.draft is not None
@@ -109,8 +169,8 @@ class SpecDecPP(Method):
                                     f"{ctx.draft.head_problem}")
             return result
         cfg = ctx.sampling
-        threshold = self.threshold if self.threshold is not None else float(
-            ctx.draft.head_config.get("threshold", DEFAULT_THRESHOLD))
+        notes: list[str] = []
+        threshold = self._threshold(ctx, notes)
         gamma_max = max(0, min(self.gamma_max, ctx.remaining - 1, ctx.room))
         with ctx.timer.phase("draft"):
             chain = draft_adaptive(ctx.draft, head, ctx.ids, threshold, gamma_max, cfg, ctx.generator,
@@ -134,4 +194,5 @@ class SpecDecPP(Method):
             gamma=len(drafts),
             threshold=threshold,
             stop_reason=chain.stop_reason,
+            notes=notes,
         )
