@@ -26,7 +26,7 @@ def pareto_figure(results: list[dict], title: str) -> go.Figure:
                      key=lambda r: r["discard_rate"])
         fig.add_scatter(x=[p["discard_rate"] for p in pts], y=[p["verification_rate"] for p in pts],
                         mode="lines+markers+text", name=prefix, textposition="top right",
-                        text=[p["method"].removeprefix(prefix).strip() or "tuned H" for p in pts],
+                        text=[p["method"].removeprefix(prefix).strip() or "H by costs" for p in pts],
                         customdata=[round(p["tokens_per_s"], 2) for p in pts],
                         hovertemplate="D/N %{x:.3f}, V/N %{y:.3f}: %{customdata} tok/s<extra>%{text}</extra>")
     fig.update_layout(title=title, xaxis_title="discard rate D/N (drafted tokens thrown away per token)",
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = common_parser(__doc__.splitlines()[0])
     ap.add_argument("--gammas", default="1,2,3,4,5,6,8")
     ap.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9",
-                    help="SpecDec++ thresholds H (a bare 'specdec++' row with the head's tuned H is added)")
+                    help="SpecDec++ thresholds H (and a bare 'specdec++' row: H chosen by the measured costs)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     ap.add_argument("--out", type=Path, default=Path("out/bench-specdec"))
     args = ap.parse_args(argv)
