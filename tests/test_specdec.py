@@ -147,6 +147,9 @@ def test_head_training_end_to_end(tiny_head_setup):
     # D x w_rej x (hidden after, hidden+q after, hidden+q before)
     assert len(metrics["sweep"]) == 12 and metrics["heldout_bce"] > 0
     assert {p["method"] for p in metrics["heldout_replay"]} == {"speculative", "specdec++"}
+    replay = config["threshold_replay"]  # travels with the head: the threshold is priced per machine at load
+    assert replay and {r["threshold"] for r in replay} == {
+        float(p["setting"].removeprefix("H ")) for p in metrics["heldout_replay"] if p["method"] == "specdec++"}
     assert "| r | D | w_rej |" in (out / "README.md").read_text()
     cache = acc.draft_cache(root / "work", "head-fit-r0.5-v2", load_draft(root / "draft", target.model))
     assert cache.is_file()  # the examples are cached under this draft's weights' hash
