@@ -139,19 +139,22 @@ class SpecDecPP(Method):
         tuned = float(config.get("threshold", DEFAULT_THRESHOLD))
         profile = ctx.costs.profile if ctx.costs is not None else None
         replay = config.get("threshold_replay")
-        t_draft = profile.draft(1, len(ctx.ids)) if profile is not None else None
+        context = len(ctx.ids)
+        t_draft = profile.draft(1, context) if profile is not None else None
         if not replay or t_draft is None:
             return tuned
-        context = len(ctx.ids)
-        chosen = threshold_for_costs(replay, lambda k: profile.target(k, context), t_draft)
+
+        def target(k: float) -> float:
+            return profile.target(k, context)
+
+        chosen = threshold_for_costs(replay, target, t_draft)
         if chosen is None:
             return tuned
         threshold, ms = chosen
         if threshold != self._chosen:
             self._chosen = threshold
-            ar = profile.target(1, context)
-            at_tuned = next((modelled_ms(r, lambda k: profile.target(k, context), t_draft) for r in replay
-                             if float(r["threshold"]) == tuned), None)
+            ar = target(1)
+            at_tuned = next((modelled_ms(r, target, t_draft) for r in replay if float(r["threshold"]) == tuned), None)
             versus = "" if at_tuned is None or threshold == tuned else (
                 f"; the head's tuned H = {tuned:g}: {ar / at_tuned:.2f}x")
             notes.append(f"specdec++ threshold H = {threshold:g}, chosen for this pair's measured costs (modelled "
