@@ -1,6 +1,6 @@
 """Matrix products without the padding of a rows forward.
 
-A RowSession forward (beam rows: DSBD's forests, MCSD-like trees per row) is a (rows, width)
+A RowSession forward (beam rows: beam search, DSBD's forests, a tree per beam) is a (rows, width)
 batch in which rows with fewer pending nodes are padded to the widest. Every token is its own
 row of every matrix product, so padding costs what a real token costs, and on kernels whose time
 grows with the rows (a CPU's 4-bit x 8-bit product reads its weights once per 12 rows) it
@@ -8,10 +8,11 @@ costs more: DSBD's 10 real tokens padded to 2 x 7 took 167 ms at the 1.7b stand-
 took 114. Only attention mixes tokens; the products, norms and activations are per token. So,
 for one forward, every MLP block and every other linear-like module (a leaf with `in_features` /
 `out_features`: nn.Linear and SpecUI's quantized linears) is handed only the real tokens and its
-output is scattered back into the padded shape, zeros at the padding. A padding token then has zero queries, keys and
-values (it attends to itself only, and nobody attends to it), so the real tokens' results are
-those of the padded forward: bit for bit on row-exact kernels (w4a8 / w8a8, tests/test_rows.py),
-and up to the kernel's own rounding of a different row count elsewhere.
+output is scattered back into the padded shape, zeros at the padding. A padding token then has
+zero queries, keys and values (it attends to itself only, and nobody attends to it), so the real
+tokens' results are those of the padded forward: bit for bit on row-exact kernels (w4a8 / w8a8,
+tests/test_unpadded.py), and up to the kernel's own rounding of a different row count elsewhere.
+Eager forwards only: a compiled rows forward keeps its padded shape (one compile serves them).
 """
 
 from __future__ import annotations
