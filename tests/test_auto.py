@@ -120,8 +120,8 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
     assert gen.output_ids == chains.output_ids == run(engine, PROMPTS[0], 60, "autoregressive").output_ids
     # the probe's first tree is the size the bound found best (never above the cap), not the cap itself
     probe = Auto(probe_every=8, calibrate=False)
-    bound, nodes = probe.tree_bound_at(engine.costs, 64)
-    assert bound == probe.tree_bound(engine.costs, 64) and 2 <= nodes <= 25
+    bound, nodes = probe.tree_bound(engine.costs, 64)
+    assert bound == probe.tree_bound(engine.costs, 64)[0] and 2 <= nodes <= 25
     assert c[trees[0]] in {f"opt-tree:{m}" for m in (2, 4, 8, 16)}
 
 
@@ -150,7 +150,7 @@ def test_trees_that_lose_wait_until_the_bound_makes_up_for_the_shortfall():
     costs.trees.gap, costs.trees.since = 8, 0  # as after one lost burst
     assert not steps(30)  # alpha unchanged: the scaled bound stays below the rest
     costs.acceptance = AcceptanceEstimate(accepted=9.9e5, rejected=1e4, decay=1.0)  # the draft now agrees
-    assert auto.tree_bound(costs, 64) * costs.trees.shortfall > 0.1 * 1.05
+    assert auto.tree_bound(costs, 64)[0] * costs.trees.shortfall > 0.1 * 1.05
     costs.trees.since = 0
     assert steps(12)[0] == 8  # after the gap, not the longest wait
     while not auto.tree_choice(costs, 64, others=0.1):  # the next probe's first step; this burst wins
@@ -174,12 +174,12 @@ def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay():
     costs = EngineCosts(profile=synthetic(t1=10.0, slope=5.0, draft=8.0),
                         acceptance=AcceptanceEstimate(accepted=9e5, rejected=1e5, decay=1.0))
     auto = Auto(probe_every=2, calibrate=False)
-    assert auto.tree_bound(costs, 64) < 0.1
+    assert auto.tree_bound(costs, 64)[0] < 0.1
     for _ in range(50):
         assert auto.tree_choice(costs, 64, others=0.1) is None
         auto.count_step(tree=False)
     cheap = EngineCosts(profile=flat(), acceptance=costs.acceptance)
-    assert auto.tree_bound(cheap, 64, remaining=2) < auto.tree_bound(cheap, 64, remaining=100)
+    assert auto.tree_bound(cheap, 64, remaining=2)[0] < auto.tree_bound(cheap, 64, remaining=100)[0]
 
 
 def test_the_tree_verdict_carries_over_to_the_next_reply(tiny_target):

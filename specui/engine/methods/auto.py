@@ -207,14 +207,11 @@ class Auto(Method):
                 return costs.ratio(kind).value
         return 1.0
 
-    def tree_bound(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> float:
+    def tree_bound(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> tuple[float, int]:
         """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most the budget): m/2
         layers (at most OPT-Tree's max depth and the reply's remaining tokens but one) of two
-        candidates, each layer passed with probability 1 - (1 - alpha)^2."""
-        return self.tree_bound_at(costs, context, remaining)[0]
-
-    def tree_bound_at(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> tuple[float, int]:
-        """tree_bound's rate and the node count that reaches it."""
+        candidates, each layer passed with probability 1 - (1 - alpha)^2; and the node count
+        that reaches it."""
         assert self.tree is not None and costs.profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         passed = 1.0 - (1.0 - alpha) ** 2
@@ -252,7 +249,7 @@ class Auto(Method):
                 return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
             return None  # one chain step now and then keeps alpha fresh
         if verdict.since >= (verdict.gap or self.probe_every) and caught_up:
-            bound, nodes = self.tree_bound_at(costs, context, remaining)
+            bound, nodes = self.tree_bound(costs, context, remaining)
             # the bound scaled by how far the last lost probe fell short of it: no new probe
             # until alpha or the costs moved enough to make up for that, or after the longest wait
             if bound * (1.0 if verdict.since >= longest else verdict.shortfall) > others * (1.0 + self.margin):
