@@ -120,3 +120,53 @@ def test_every_engine_on_a_model_runs_its_one_compile():
     assert session.runner.compiled_runs >= 1 and replies[0] == replies[1]
     twin = copy.deepcopy(model)
     assert compile_model(twin) is not compile_model(model)
+
+
+
+SCENARIO = """
+import sys
+import torch
+from conftest import tiny_llama
+from specui.engine.compiled import compile_model
+from specui.engine.rows import RowSession
+from specui.engine.session import ModelSession
+
+model = tiny_llama(11, layers=1, dtype=torch.float32)
+session = ModelSession(model, capture="on")
+with torch.inference_mode():
+    session.runner.run(torch.tensor([3, 9, 4, 17, 5]), None, None, exact=True)  # a prefill: eager
+    session.runner.run(torch.tensor([6]), None, None)  # one token: a compile of its own
+    session.runner.cache.grow(session.runner.cache.capacity + 1)  # a reply past the first capacity
+    session.runner.run(torch.tensor([7, 8, 2, 4]), None, None)  # more tokens: the dynamic compile
+rows = RowSession(model, runner=session.runner)
+rows.prefill([3, 9, 4])
+rows.commit([(0, []), (0, [])])
+rows.forward([[(5, -1), (6, 0)], [(7, -1)]])
+print("RESULT", session.runner.compiled_runs, rows.compiled_runs, repr(rows.compile_problem),
+      compile_model(model).guarded is None)
+"""
+
+
+def test_one_row_and_beam_rows_compile_without_the_guarded_fallback(tmp_path):
+    """The static cache's window reached the compile as a slice of its slot offsets; once the
+    cache had grown (its capacity a size too), dynamo gave that view's base a size symbol with no
+    source and the dynamic compile failed at its guards ("sources must not be empty for symbol
+    s79"), so the model ran the fully guarded fallback from then on (its guards cost per forward;
+    on the bundled pair a DSBD reply recompiled there). The failure depends on dynamo's symbol
+    bookkeeping: it showed every time with its shape logging on (TORCH_LOGS=dynamic), so the
+    scenario runs in a fresh interpreter that way. One token, a grown cache, more tokens, then two
+    beam rows: the unguarded compile serves them all."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    env = {**os.environ, "TORCH_LOGS": "dynamic", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    run = subprocess.run([sys.executable, "-c", SCENARIO], env=env, capture_output=True, text=True, timeout=600)
+    result = [line for line in run.stdout.splitlines() if line.startswith("RESULT")]
+    assert run.returncode == 0 and result, run.stderr[-3000:]
+    one_row, rows, problem, unguarded = result[0].split()[1:]
+    assert int(one_row) >= 2 and rows == "1" and problem == "''"
+    assert unguarded == "True", "the unguarded compile failed and gave way to the guarded one"

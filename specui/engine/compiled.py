@@ -71,7 +71,9 @@ class GuardedFallback:
     """The unguarded compile until a call of it fails, then torch.compile with every guard.
     Dropping the module guards can leave dynamo without a source for a size it made dynamic
     ("sources must not be empty for symbol ...": seen in CI while every model shared one record
-    of dynamic sizes, which `_own_code` now keeps apart; this stays for any other such case), and
+    of dynamic sizes, which `_own_code` now keeps apart, and after a static cache grew while its
+    window was a view of its slot offsets, which engine/static_cache.py's `_sizer` ended; this
+    stays for any other such case), and
     that compile fails where the guarded one works. A call that fails
     in dynamo (not in a kernel: out of memory stays the caller's) is run again once on the guarded
     compile (it writes the same cache slots); a recompile that the "fail_on_recompile" stance

@@ -84,7 +84,7 @@ class StaticKVCache(DynamicCache):
         with torch.inference_mode(False):  # index tensors of one kind, whenever made (compiled guards read it)
             self.start = torch.zeros(1, dtype=torch.long, device=self.device)
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
-        self.columns = self.offsets[:0]  # slots attention reads: offsets[:window]
+        self.columns = _sizer(0, self.device)  # attention reads this many slots: its only content is its length
         self.generation = 0  # bumped whenever the store is reallocated
 
     # -- the store ---------------------------------------------------------------------
@@ -160,7 +160,7 @@ class StaticKVCache(DynamicCache):
         if self.store is None:
             self.allocate()
         self.start.fill_(start)
-        self.columns = self.offsets[:window]
+        self.columns = _sizer(window, self.device)
 
     @property
     def window(self) -> int:
@@ -194,3 +194,15 @@ class StaticKVCache(DynamicCache):
 
     def nbytes(self) -> int:
         return 0 if self.store is None else self.store.numel() * self.store.element_size()
+
+
+def _sizer(n: int, device: torch.device) -> torch.Tensor:
+    """A tensor of n x 0 elements (no storage): a compiled forward sees n as a tensor size, so
+    one compile serves every window. Not a view: dynamo gives a view's base a size symbol of its
+    own with no source to guard it by, and the compile then fails ("sources must not be empty for
+    symbol s79", a slice `offsets[:window]`, every first dynamic compile of the bundled target on a
+    2-core Xeon, 2026-11-29); made outside inference mode, like the other index tensors, so its
+    kind never changes between forwards."""
+    with torch.inference_mode(False):
+        return torch.empty((n, 0), dtype=torch.long, device=device)
+
