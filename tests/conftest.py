@@ -20,6 +20,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # fresh cache, never the user's ~/.cache/specui
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specui-test-cache-")
 shared_gguf_cache(Path(os.environ["XDG_CACHE_HOME"]))  # but the bundled GGUF converts once for all
+# and compiled code is kept across test runs (inductor's cache; the app's goes under XDG_CACHE_HOME)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "specui-test-inductor")
 # `--capture auto` measures unmeasured models in the background (engine/calibration.py): not in
 # every test that loads a pair (a compile per model beside the other tests); its own tests ask for it
 os.environ["SPECUI_MEASURE_CAPTURE"] = "0"

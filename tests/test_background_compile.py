@@ -7,6 +7,7 @@ a compile that fails leaves the model eager with a note; the cost profile is not
 from eager stand-ins for compiled forwards."""
 
 import json
+import os
 import threading
 import time
 
@@ -256,3 +257,20 @@ def test_a_compile_never_pauses_inside_an_import_or_logging():
     thread.start()
     thread.join()
     assert seen == {"emit": False, "thread": True} and giving_way.may_pause(sys._getframe())
+
+
+def test_torchs_default_compile_cache_counts_as_unset(monkeypatch, tmp_path):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's default (under /tmp) where
+    it is unset, so that value must not read as the user's choice: compiled code goes to ours,
+    which survives a reboot and which a failed compile may set aside."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from specui.engine.compiled import compile_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert warmup_module.compile_cache_dir() == tmp_path / "specui" / "inductor"
+    compile_model(tiny_llama(12, layers=1, dtype=torch.float32))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "specui" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert warmup_module.compile_cache_dir() == tmp_path / "mine"

@@ -60,7 +60,7 @@ def _compile(model: torch.nn.Module):
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILES))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())  # inductor reads it at each compile
     unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
     if unguarded is None:
         return torch.compile(_own_code(model))

@@ -260,8 +260,22 @@ RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
 
 
 def compile_cache_dir() -> Path:
-    """Where inductor keeps compiled code across runs: ours unless the user chose another."""
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_root() / "inductor")
+    """Where inductor keeps compiled code across runs: ours unless the user chose another.
+    Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's default where it is unset (a
+    folder under /tmp, which many systems empty at each boot), so that value counts as unset:
+    before, every compile went there and a corrupt cache was never set aside (not ours)."""
+    chosen, default = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), _torch_default_cache_dir()
+    if chosen and not (default and os.path.abspath(chosen) == os.path.abspath(default)):
+        return Path(chosen)
+    return cache_root() / "inductor"
+
+
+def _torch_default_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without it: a chosen folder is the user's
+        return ""
+    return default_cache_dir()
 
 
 def _fresh_compile_cache() -> bool:
