@@ -199,10 +199,9 @@ class StaticKVCache(DynamicCache):
 def _sizer(n: int, device: torch.device) -> torch.Tensor:
     """A tensor of n x 0 elements (no storage): a compiled forward sees n as a tensor size, so
     one compile serves every window. Not a view: dynamo gives a view's base a size symbol of its
-    own with no source to guard it by, and the compile then fails ("sources must not be empty for
-    symbol s79", a slice `offsets[:window]`, every first dynamic compile of the bundled target on a
+    own with no source to guard it by, and the compile then failed ("sources must not be empty for
+    symbol s79", the window a slice `offsets[:window]`, once the cache had grown: bundled target,
     2-core Xeon, 2026-11-29); made outside inference mode, like the other index tensors, so its
     kind never changes between forwards."""
     with torch.inference_mode(False):
         return torch.empty((n, 0), dtype=torch.long, device=device)
-
