@@ -122,7 +122,6 @@ def test_every_engine_on_a_model_runs_its_one_compile():
     assert compile_model(twin) is not compile_model(model)
 
 
-
 SCENARIO = """
 import sys
 import torch

@@ -20,7 +20,7 @@ V/N, which depend on the draft, head and target but not on the hardware, as the 
 the time per committed token at each H is t_draft x (1 - V/N + D/N) + V/N x t_target(mean call
 size) from the cost profile; the least wins. The head's own tuned H was chosen with the costs of
 the machine and target it was trained beside (0.2 for the bundled int4 target on a 2-core EPYC);
-at the 1.7b stand-in on w4a8 the profile picks 0.5. Without a profile or a replay: the tuned H."""
+at the 1.7b stand-in on w4a8 (2-core Xeon) the profile picked 0.6. Without a profile or a replay: the tuned H."""
 
 from __future__ import annotations
 
