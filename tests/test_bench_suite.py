@@ -286,3 +286,38 @@ def test_quality_bench_runs_its_rows_at_the_capture_asked(tiny_dirs, tmp_path, c
     with pytest.raises(SystemExit):
         quality.main(argv[:-2] + ["--capture", "sometimes"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_reply_that_met_a_shape_still_to_compile_is_timed_again(tiny_dirs):
+    """A timed reply that asked the background compiler for a shape ran that forward eagerly:
+    it is timed again once the shape compiled (up to RETIMES times) and says so, in the table
+    and the JSON, so `--capture auto` rows measure the steady state."""
+    from specui.bench.rows import RETIMES, ours
+    from specui.bench.run import Row, table, to_json
+    from specui.service.pair import load_pair
+    from specui.settings import ModelSpec
+
+    target, draft, _ = tiny_dirs
+    spec = ModelSpec(str(target), dtype="float32", device="cpu", quantization="none")
+    pair = load_pair(spec, spec.with_source(str(draft)))
+    pair.capture = "off"
+    run = ours(pair, "speculative", {"gamma": 2})
+    engine = run.engine
+    generate, asks, settles = engine.generate, iter([0, 1, 1, 1]), []
+    engine.compiles_asked = lambda: next(asks)  # the first reply asks for a shape, the second none
+    engine.settle = lambda timeout=None: settles.append(1) or True
+    calls = []
+    engine.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    sample = run([1, 2, 3], 4)
+    assert (sample.retimed, len(calls), len(settles)) == (1, 2, 2)
+    assert len(sample.output) == 4
+
+    engine.compiles_asked = iter(range(100)).__next__  # every reply asks: timed at most RETIMES more times
+    calls.clear()
+    stubborn = run([1, 2, 3], 4)
+    assert (stubborn.retimed, len(calls)) == (RETIMES, RETIMES + 1)
+
+    row = Row("speculative gamma=2", "float32", run, rounds=[[sample, stubborn]])
+    base = Row("autoregressive", "float32", run, rounds=[[sample, sample]])
+    assert "speculative gamma=2: 2 of 2 timed replies met a forward still to compile" in table([base, row], 2)
+    assert [r["retimed_replies"] for r in to_json([base, row])] == [2, 2]

@@ -181,6 +181,11 @@ class Engine:
             if runner.warmup is not None:
                 runner.warmup.stop()
 
+    def compiles_asked(self) -> int:
+        """Shapes asked of the background compilers so far: a reply during which this grew met a
+        shape not compiled yet, and ran that forward eagerly (benches time such a reply again)."""
+        return sum(r.warmup.asked for r in self._runners() if r.warmup is not None)
+
     def settled_at(self) -> float:
         """time.monotonic() when the last background compile (or measurement) finished (0: none ran)."""
         return max([r.warmup.finished_at for r in self._runners() if r.warmup is not None] + [self._measured_at])

@@ -56,6 +56,7 @@ class Warmup:
         self.paused: Callable[[], bool] = lambda: False
         self.queue: list[tuple[int, ...]] = []  # shapes, in order
         self.compiled: list[tuple[int, ...]] = []
+        self.asked = 0  # shapes ever queued (benches: one asked during a reply ran eagerly in it)
         self._runs: dict[tuple[int, ...], Callable] = {}  # a rows shape's forward (RowSession.compile_shape)
         self.seconds = 0.0
         self.finished_at = 0.0  # time.monotonic() when the queue last ran empty
@@ -124,6 +125,7 @@ class Warmup:
             if self._stopping or self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
                 return
             self.queue.append(shape)
+            self.asked += 1
             if run is not None:
                 self._runs[shape] = run
             if not self._busy:
