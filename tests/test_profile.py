@@ -9,7 +9,8 @@ from conftest import EOS, TinyTokenizer
 
 from specui.engine import Engine
 from specui.engine import profile as prof_module
-from specui.engine.profile import CostProfile, disturbed, get_profile, load_cached, measure_profile, profile_key
+from specui.engine.profile import CostProfile, disturbed, load_cached, profile_key
+from specui.engine.profiling import get_profile, measure_profile
 
 
 def synthetic(t1=10.0, slope=0.5, draft=1.0, key="k") -> CostProfile:
@@ -113,7 +114,7 @@ def test_measuring_prefills_only_the_shortest_context(tiny_engine):
 
 
 def test_cache_hit_miss_and_corrupt_file(tiny_target, tiny_draft, tmp_path, monkeypatch):
-    import specui.engine.profile as prof
+    import specui.engine.profiling as prof
 
     # calm timings: real ones taken beside the other tests may be disturbed, and those are never cached
     monkeypatch.setattr(prof, "forward_ms", lambda s, c, w, r, *room, **quick: 1.0 * w)
@@ -217,7 +218,7 @@ def test_timings_disturbed_by_a_busy_machine_are_found():
 
 
 def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_draft, tmp_path, monkeypatch):
-    import specui.engine.profile as prof
+    import specui.engine.profiling as prof
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
     calls = []
 
@@ -275,3 +276,27 @@ def test_reading_a_profile_twice_gives_the_same_figures_and_saves_nothing_extra(
     assert first == [(CostProfile.from_dict(d).target(k, c), CostProfile.from_dict(d).draft(k, c),
                       CostProfile.from_dict(d).draft(k)) for k, c in asks]
     assert read.to_dict() == fresh.to_dict() and read == fresh
+
+
+def test_a_row_timed_in_a_slow_spell_is_timed_again(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    """Something else held the cores while the first context's row was timed: every point 1.6x
+    dearer, so no point costs more than a larger one (`disturbed` sees nothing) and the row
+    reads flatter than it is. Its first point, timed again at the end, is much cheaper: the row
+    is timed again and the calm figures are cached. A calm row costs one timing more."""
+    import specui.engine.profiling as prof
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    calls = []
+
+    def spell_then_calm(session, context, width, repeats, *room, **quick):
+        calls.append((session is engine.target, context, width))
+        calm = 10.0 + width  # verification that grows with the tokens scored
+        slow = session is engine.target and context == 8 and calls.count((True, 8, 1)) == 1
+        return 1.6 * calm if slow else calm
+
+    monkeypatch.setattr(prof, "forward_ms", spell_then_calm)
+    p = measure_profile(engine.target, engine.draft, contexts=(8, 32), ks=(1, 2, 4), widths=(1, 2))
+    assert disturbed(p) == []
+    assert p.target_ms[8] == {1: 11.0, 2: 12.0, 4: 14.0}, p.target_ms
+    assert calls.count((True, 8, 1)) == 2 and calls.count((True, 8, 4)) == 2
+    assert calls.count((True, 32, 1)) == 2 and calls.count((True, 32, 4)) == 1  # calm: checked, not re-timed

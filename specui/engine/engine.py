@@ -19,7 +19,8 @@ from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
 from specui.engine.methods.emssd import Batch, EmsSd
-from specui.engine.profile import Progress, cached_profile, get_profile
+from specui.engine.profile import Progress, cached_profile
+from specui.engine.profiling import get_profile
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.heads.decision import DecisionModels

@@ -1,9 +1,10 @@
 """The cost profile of a loaded pair (DESIGN.md 4.2): target ms for k tokens at a few
 contexts (64, 512 and 2048 cached tokens; linear in the context beyond), draft ms per token
-and per tree layer of width w, and the draft's one-token ms at each context. Measured once, cached on disk
-under a key of everything that changes the figures (model files, dtype, quantization,
-device, threads, torch version, CPU: the machine and model parts, and the timed forward
-itself, are engine/measure.py's); a corrupt or mismatched file is re-measured.
+and per tree layer of width w, and the draft's one-token ms at each context. Measured once
+(engine/profiling.py), cached on disk under a key of everything that changes the figures
+(model files, dtype, quantization, device, threads, torch version, CPU: the machine and model
+parts, and the timed forward itself, are engine/measure.py's); a corrupt or mismatched file is
+re-measured.
 
 Every method that chooses a size reads this one plain object (OPT-Tree's mu, `auto`)."""
 
@@ -12,14 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cache_root, code_stamp, cpu_signature, forward_ms, model_identity
+from specui.engine.measure import cache_root, code_stamp, cpu_signature, model_identity
 from specui.engine.measure import cpu_model as cpu_model  # re-exported: callers read it from here
 from specui.engine.session import ModelSession
 
@@ -237,7 +237,7 @@ def load_cached(path: Path, key: str) -> CostProfile | None:
     return profile if profile.key == key and not disturbed(profile) else None
 
 
-def _cache_path(target: ModelSession, draft: ModelSession | None, cache_dir: Path | None,
+def cache_path(target: ModelSession, draft: ModelSession | None, cache_dir: Path | None,
                 quantization: str) -> tuple[str, dict, Path]:
     """(key, its readable summary, the file the pair's profile is cached in)."""
     key, describe = profile_key(target, draft, quantization)
@@ -248,96 +248,6 @@ def cached_profile(
     target: ModelSession, draft: ModelSession | None, cache_dir: Path | None = None, quantization: str = "none",
 ) -> tuple[CostProfile, str] | None:
     """The pair's profile from the disk cache, and a note; None where there is none."""
-    key, _, path = _cache_path(target, draft, cache_dir, quantization)
+    key, _, path = cache_path(target, draft, cache_dir, quantization)
     cached = load_cached(path, key)
     return None if cached is None else (cached, f"cost profile read from {path}")
-
-
-def get_profile(
-    target: ModelSession, draft: ModelSession | None, cache_dir: Path | None = None,
-    quantization: str = "none", progress: Progress | None = None, refresh: bool = False,
-) -> tuple[CostProfile, str]:
-    """The cached profile for this pair and machine, or a fresh measurement (then cached).
-    Returns (profile, a note saying which)."""
-    key, describe, path = _cache_path(target, draft, cache_dir, quantization)
-    folder = path.parent
-    if not refresh and (cached := load_cached(path, key)) is not None:
-        return cached, f"cost profile read from {path}"
-    profile = measure_profile(target, draft, progress=progress)
-    profile.key, profile.describe = key, describe
-    if bad := disturbed(profile):
-        return profile, (f"cost profile measured in {profile.measure_s:.1f} s while the machine was busy ({len(bad)} "
-                         f"timings cost more than larger forwards, even timed again): used for now, not cached, "
-                         f"measured again at the next load")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-        tmp.replace(path)
-        where = f"cached in {path}"
-    except OSError as e:
-        where = f"not cached ({e})"
-    return profile, f"cost profile measured in {profile.measure_s:.1f} s, {where}"
-
-
-# -- measuring -------------------------------------------------------------------------------
-def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:
-    """The contexts after which `widest` more tokens fit the session's model."""
-    limit = getattr(session.model.config, "max_position_embeddings", None) or 2048
-    return tuple(c for c in contexts if c + widest < limit) or (min(16, limit // 2),)
-
-
-def measure_profile(
-    target: ModelSession, draft: ModelSession | None, progress: Progress | None = None,
-    contexts: tuple[int, ...] = CONTEXTS, ks: tuple[int, ...] = TARGET_KS,
-    widths: tuple[int, ...] = DRAFT_WIDTHS, repeats: int = 3,
-) -> CostProfile:
-    """Median of `repeats` timed forwards (`forward_ms`, quick), for each (context, k) of the
-    target, each width of the draft after the shortest context and one draft token after
-    every context. Only the shortest context is prefilled; longer ones stretch it. A point
-    that costs more than a larger forward (`disturbed`) is timed again, up to twice, keeping
-    the lower figure. Both sessions are reset afterwards."""
-    t0 = time.perf_counter()
-    contexts = tuple(sorted(contexts))
-    target_contexts = _fits(target, contexts, max(ks))
-    jobs = [(target, c, k) for c in target_contexts for k in ks]
-    if draft is not None:
-        draft_contexts = _fits(draft, contexts, max(widths))
-        jobs += [(draft, draft_contexts[0], w) for w in widths]
-        jobs += [(draft, c, 1) for c in draft_contexts[1:]]
-    target_ms: dict[int, dict[int, float]] = {c: {} for c in target_contexts}
-    draft_ms: dict[int, float] = {}
-    draft_context_ms: dict[int, float] = {}
-    try:
-        for i, (session, c, k) in enumerate(jobs):
-            if progress is not None:
-                who = "target" if session is target else "draft"
-                progress(i / len(jobs), f"profiling {who}: {k} tokens after {c}")
-            ms = forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths), quick=True)
-            if session is target:
-                target_ms[c][k] = ms
-                continue
-            if c == draft_contexts[0]:
-                draft_ms[k] = ms
-            if k == 1:
-                draft_context_ms[c] = ms
-        profile = CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, draft_context_ms=draft_context_ms)
-        for _ in range(2):
-            for who, c, k in sorted(disturbed(profile)):
-                if progress is not None:
-                    progress(0.99, f"timing again: {who} {k} tokens after {c}")
-                ms = forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
-                if who == "target":
-                    target_ms[c][k] = min(target_ms[c][k], ms)
-                if who == "draft" and c == draft_contexts[0]:
-                    draft_ms[k] = min(draft_ms[k], ms)
-                if who == "draft" and k == 1:
-                    draft_context_ms[c] = min(draft_context_ms[c], ms)
-    finally:
-        target.reset()
-        if draft is not None:
-            draft.reset()
-    if progress is not None:
-        progress(1.0, "profiling done")
-    profile.created, profile.measure_s = time.time(), time.perf_counter() - t0
-    return profile

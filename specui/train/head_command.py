@@ -21,7 +21,8 @@ from pathlib import Path
 from specui.bench.prompts import DEV, load_prompts
 from specui.chat import stop_token_ids
 from specui.engine import Engine, GenerationRequest, make_method
-from specui.engine.profile import cpu_model, get_profile
+from specui.engine.profile import cpu_model
+from specui.engine.profiling import get_profile
 from specui.engine.session import ModelSession
 from specui.heads.acceptance import draft_fingerprint, save_head, threshold_replay
 from specui.train import acceptance as acc

@@ -1,0 +1,137 @@
+"""Measuring a pair's cost profile (engine/profile.py's plain data) and caching it: each point
+the median of a few timed forwards, a point that a busy machine disturbed timed again, and the
+start checked against the end, so a slow spell that slowed every small forward alike (which
+`disturbed` cannot see) is not cached as flat verification."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from specui.engine.measure import forward_ms
+from specui.engine.profile import (
+    CONTEXTS,
+    DRAFT_WIDTHS,
+    TARGET_KS,
+    CostProfile,
+    Progress,
+    cache_path,
+    disturbed,
+    load_cached,
+)
+from specui.engine.session import ModelSession
+
+# the first point of each context's row, timed again at the end, costs less than its figure divided
+# by this: the row was timed in a slow spell and is timed again (2-core Xeon, a profile measured
+# beside another process: 124-175 ms for 1-4 tokens against 84-103 calm, within `disturbed`'s slack)
+STEADY_SLACK = 1.25
+
+
+def get_profile(
+    target: ModelSession, draft: ModelSession | None, cache_dir: Path | None = None,
+    quantization: str = "none", progress: Progress | None = None, refresh: bool = False,
+) -> tuple[CostProfile, str]:
+    """The cached profile for this pair and machine, or a fresh measurement (then cached).
+    Returns (profile, a note saying which)."""
+    key, describe, path = cache_path(target, draft, cache_dir, quantization)
+    folder = path.parent
+    if not refresh and (cached := load_cached(path, key)) is not None:
+        return cached, f"cost profile read from {path}"
+    profile = measure_profile(target, draft, progress=progress)
+    profile.key, profile.describe = key, describe
+    if bad := disturbed(profile):
+        return profile, (f"cost profile measured in {profile.measure_s:.1f} s while the machine was busy ({len(bad)} "
+                         f"timings cost more than larger forwards, even timed again): used for now, not cached, "
+                         f"measured again at the next load")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        tmp.replace(path)
+        where = f"cached in {path}"
+    except OSError as e:
+        where = f"not cached ({e})"
+    return profile, f"cost profile measured in {profile.measure_s:.1f} s, {where}"
+
+
+def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:
+    """The contexts after which `widest` more tokens fit the session's model."""
+    limit = getattr(session.model.config, "max_position_embeddings", None) or 2048
+    return tuple(c for c in contexts if c + widest < limit) or (min(16, limit // 2),)
+
+
+def measure_profile(
+    target: ModelSession, draft: ModelSession | None, progress: Progress | None = None,
+    contexts: tuple[int, ...] = CONTEXTS, ks: tuple[int, ...] = TARGET_KS,
+    widths: tuple[int, ...] = DRAFT_WIDTHS, repeats: int = 3,
+) -> CostProfile:
+    """Median of `repeats` timed forwards (`forward_ms`, quick), for each (context, k) of the
+    target, each width of the draft after the shortest context and one draft token after
+    every context. Only the shortest context is prefilled; longer ones stretch it. A target
+    row timed in a slow spell (`_steady`) is timed again; then a point that costs more than a
+    larger forward (`disturbed`) is timed again, up to twice, keeping the lower figure. Both
+    sessions are reset afterwards."""
+    t0 = time.perf_counter()
+    contexts = tuple(sorted(contexts))
+    target_contexts = _fits(target, contexts, max(ks))
+    jobs = [(target, c, k) for c in target_contexts for k in ks]
+    if draft is not None:
+        draft_contexts = _fits(draft, contexts, max(widths))
+        jobs += [(draft, draft_contexts[0], w) for w in widths]
+        jobs += [(draft, c, 1) for c in draft_contexts[1:]]
+    target_ms: dict[int, dict[int, float]] = {c: {} for c in target_contexts}
+    draft_ms: dict[int, float] = {}
+    draft_context_ms: dict[int, float] = {}
+    try:
+        for i, (session, c, k) in enumerate(jobs):
+            if progress is not None:
+                who = "target" if session is target else "draft"
+                progress(i / len(jobs), f"profiling {who}: {k} tokens after {c}")
+            ms = forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths), quick=True)
+            if session is target:
+                target_ms[c][k] = ms
+                continue
+            if c == draft_contexts[0]:
+                draft_ms[k] = ms
+            if k == 1:
+                draft_context_ms[c] = ms
+        profile = CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, draft_context_ms=draft_context_ms)
+        _steady(target, target_ms, ks, repeats, progress)
+        for _ in range(2):
+            for who, c, k in sorted(disturbed(profile)):
+                if progress is not None:
+                    progress(0.99, f"timing again: {who} {k} tokens after {c}")
+                ms = forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
+                if who == "target":
+                    target_ms[c][k] = min(target_ms[c][k], ms)
+                if who == "draft" and c == draft_contexts[0]:
+                    draft_ms[k] = min(draft_ms[k], ms)
+                if who == "draft" and k == 1:
+                    draft_context_ms[c] = min(draft_context_ms[c], ms)
+    finally:
+        target.reset()
+        if draft is not None:
+            draft.reset()
+    if progress is not None:
+        progress(1.0, "profiling done")
+    profile.created, profile.measure_s = time.time(), time.perf_counter() - t0
+    return profile
+
+
+def _steady(target: ModelSession, target_ms: dict[int, dict[int, float]], ks: tuple[int, ...], repeats: int,
+            progress: Progress | None) -> None:
+    """Each context's first point timed again once every row is done: where it now costs less
+    than its figure / STEADY_SLACK, something else held the cores while that row was timed,
+    and the whole row is timed again, each point keeping the lower figure. A spell that slows
+    every small forward alike passes `disturbed` (no point costs more than a larger one) and
+    reads as flat verification, which the adaptive methods would then choose for."""
+    for c, row in target_ms.items():
+        again = forward_ms(target, c, ks[0], repeats, max(ks), quick=True)
+        if row[ks[0]] <= STEADY_SLACK * again:
+            continue
+        if progress is not None:
+            progress(0.99, f"timing again: target after {c} (its first timing {row[ks[0]]:.1f} ms, now {again:.1f})")
+        row[ks[0]] = again
+        for k in ks[1:]:
+            row[k] = min(row[k], forward_ms(target, c, k, repeats, max(ks), quick=True))
