@@ -300,3 +300,21 @@ def test_a_row_timed_in_a_slow_spell_is_timed_again(tiny_target, tiny_draft, tmp
     assert p.target_ms[8] == {1: 11.0, 2: 12.0, 4: 14.0}, p.target_ms
     assert calls.count((True, 8, 1)) == 2 and calls.count((True, 8, 4)) == 2
     assert calls.count((True, 32, 1)) == 2 and calls.count((True, 32, 4)) == 1  # calm: checked, not re-timed
+
+
+def test_a_point_a_little_above_a_larger_forward_is_timed_again(tiny_target, tiny_draft, monkeypatch):
+    """Two tokens after the short context timed 1.3x their cost after the longer one: within the
+    slack that refuses a profile, but above RETIME_SLACK, so timed again while measuring."""
+    import specui.engine.profiling as prof
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    calls = []
+
+    def once_slow(session, context, width, repeats, *room, **quick):
+        calls.append((session is engine.target, context, width))
+        calm = 20.0 + width
+        return 1.3 * calm if (context, width) == (8, 2) and calls.count((True, 8, 2)) == 1 else calm
+
+    monkeypatch.setattr(prof, "forward_ms", once_slow)
+    p = measure_profile(engine.target, engine.draft, contexts=(8, 32), ks=(1, 2, 4), widths=(1, 2))
+    assert calls.count((True, 8, 2)) == 2 and p.target_ms[8][2] == 22.0

@@ -13,6 +13,7 @@ from specui.engine.measure import forward_ms
 from specui.engine.profile import (
     CONTEXTS,
     DRAFT_WIDTHS,
+    RETIME_SLACK,
     TARGET_KS,
     CostProfile,
     Progress,
@@ -69,8 +70,9 @@ def measure_profile(
     """Median of `repeats` timed forwards (`forward_ms`, quick), for each (context, k) of the
     target, each width of the draft after the shortest context and one draft token after
     every context. Only the shortest context is prefilled; longer ones stretch it. A target
-    row timed in a slow spell (`_steady`) is timed again; then a point that costs more than a
-    larger forward (`disturbed`) is timed again, up to twice, keeping the lower figure. Both
+    row timed in a slow spell (`_steady`) is timed again; then a point that costs more than
+    RETIME_SLACK times a larger forward (`disturbed`) is timed again, up to twice, keeping the
+    lower figure (a profile still disturbed at DISTURBED_SLACK after that is not cached). Both
     sessions are reset afterwards."""
     t0 = time.perf_counter()
     contexts = tuple(sorted(contexts))
@@ -99,7 +101,7 @@ def measure_profile(
         profile = CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, draft_context_ms=draft_context_ms)
         _steady(target, target_ms, ks, repeats, progress)
         for _ in range(2):
-            for who, c, k in sorted(disturbed(profile)):
+            for who, c, k in sorted(disturbed(profile, RETIME_SLACK)):
                 if progress is not None:
                     progress(0.99, f"timing again: {who} {k} tokens after {c}")
                 ms = forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
