@@ -255,7 +255,8 @@ def test_measured_step_times_correct_the_profile(tiny_target, tiny_draft):
 
 def test_a_chains_timed_step_excludes_the_drafts_catch_up(tiny_target, monkeypatch):
     """The draft reads the prompt (and tokens decoded without it) before a chain's step is
-    timed: that catch-up is costed apart, and inside the timing it made chains look dearer for
+    timed, all but the one token the chain's first draft forward feeds with the last: that
+    catch-up is costed apart, and inside the timing it made chains look dearer for
     the rest of the reply (on a 2-core EPYC auto then decoded plainly where gamma 2 won 1.15x)."""
     from specui.engine.methods.speculative import Speculative
 
@@ -272,8 +273,33 @@ def test_a_chains_timed_step_excludes_the_drafts_catch_up(tiny_target, monkeypat
     prompt = list(range(1, 40))  # a long prompt for the draft to read first
     gen = run(engine, prompt, 12, "auto", probe_every=4)
     assert any(c.startswith("speculative:") for c in choices(gen)) and behind_at_start
-    assert behind_at_start == [0] * len(behind_at_start)
+    assert all(behind <= 1 for behind in behind_at_start)  # at most what its first forward feeds anyway
     assert gen.output_ids == run(Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS]), prompt, 12,
+                                 "autoregressive").output_ids
+
+
+def test_chains_after_accepted_chains_take_no_draft_forward_of_their_own(tiny_target, monkeypatch):
+    """After a chain whose drafts were all accepted, the draft has not read its last draft nor
+    the bonus token: the next chain's first draft forward feeds both. Fed apart (a catch-up
+    before every such step), each took a draft forward more (2-core Xeon, bundled pair on w4a8:
+    101 in 3 replies of 64 tokens)."""
+    from specui.engine.session import ModelSession
+
+    draft = copy.deepcopy(tiny_target)  # every draft accepted
+    engine = engine_with(tiny_target, draft, synthetic(t1=10.0, slope=0.1, draft=0.5), alpha=0.95)
+    fed = []
+    real_prefill = ModelSession.prefill
+
+    def prefill(self, ids):
+        if self is engine.draft:
+            fed.append(len(ids))
+        return real_prefill(self, ids)
+
+    monkeypatch.setattr(ModelSession, "prefill", prefill)
+    gen = run(engine, PROMPTS[0], 40, "auto", calibrate=False, max_gamma=3, trees=False)
+    assert sum(c.startswith("speculative:") for c in choices(gen)) >= 5
+    assert len(fed) <= 1, fed  # the prompt's catch-up at most
+    assert gen.output_ids == run(Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS]), PROMPTS[0], 40,
                                  "autoregressive").output_ids
 
 

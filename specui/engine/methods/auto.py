@@ -64,6 +64,16 @@ def catch_up_per_token(profile, behind: int, rows: int, room: float, ratio: floa
     return (profile.draft(behind) or 0.0) * ratio / (rows * max(1.0, min(HORIZON, room)))
 
 
+def catch_up(ctx: DecodeContext) -> None:
+    """Feed the draft what it has not read of the reply, where that is more than the step's own
+    first draft forward feeds anyway (the token before the last, the last: after a chain whose
+    drafts were all accepted, its last draft and the bonus token). Fed apart, those two took a
+    draft forward of their own every such step (2-core Xeon, bundled pair on w4a8: 101 extra
+    forwards of about 4 ms in 3 replies of 64 tokens, 15% of `auto`'s time under cProfile)."""
+    if len(ctx.ids) - 1 - ctx.draft.length > 1:
+        ctx.draft.prefill(ctx.ids)
+
+
 def chain_tokens(alpha: float, gamma: int) -> float:
     """Expected tokens committed by one chain step of `gamma` drafts (bonus included)."""
     if alpha >= 1.0:
@@ -280,7 +290,7 @@ class Auto(Method):
             # catch-up is costed apart (catch_up_per_token); timed inside the step it would count
             # as the chain's own cost in the calibration ratio: one 47-token catch-up made
             # chains look about 30% dearer than they are (1.13x expected became 0.86x)
-            ctx.draft.prefill(ctx.ids)
+            catch_up(ctx)
         t0 = time.perf_counter()
         if gamma == 0:
             result = self.ar.step(ctx)
@@ -324,7 +334,7 @@ class Auto(Method):
             self.tree.begin(ctx)
             self.tree_begun = True
         nodes, context = self.tree.nodes, len(ctx.ids)
-        ctx.draft.prefill(ctx.ids)  # catching up on unread tokens is not the tree's step time
+        catch_up(ctx)  # catching up on unread tokens is not the tree's step time
         t0 = time.perf_counter()
         result = self.tree.step(ctx)
         ms = (time.perf_counter() - t0) * 1000.0
