@@ -243,7 +243,7 @@ def load_cached(path: Path, key: str) -> CostProfile | None:
 
 
 def cache_path(target: ModelSession, draft: ModelSession | None, cache_dir: Path | None,
-                quantization: str) -> tuple[str, dict, Path]:
+               quantization: str) -> tuple[str, dict, Path]:
     """(key, its readable summary, the file the pair's profile is cached in)."""
     key, describe = profile_key(target, draft, quantization)
     return key, describe, (cache_dir if cache_dir is not None else default_cache_dir()) / f"{key}.json"
