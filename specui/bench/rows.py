@@ -116,6 +116,11 @@ class Row:
         return sum(s.joules for s in samples) / max(1, sum(len(s.output) for s in samples))
 
     @property
+    def retimed_replies(self) -> int:
+        """Timed replies that met a forward still to compile and were timed again (ours.run)."""
+        return sum(1 for s in self.all_samples if s.retimed)
+
+    @property
     def peak_mb(self) -> float | None:
         peaks = [s.peak_mb for s in self.all_samples if s.peak_mb is not None]
         return max(peaks) if peaks else None

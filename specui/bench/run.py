@@ -140,7 +140,7 @@ def table(rows: list[Row], n_prompts: int) -> str:
         lines.append(f"{row.name:34} {row.dtype:16} {row.tokens:6d} {rate:>24} {ratio:>18} {per_fwd} {dv_s} "
                      f"{split_s:>31} {outside:>11} {differs:>15}")
     for row in rows:
-        if retimed := sum(1 for s in row.all_samples if s.retimed):
+        if retimed := row.retimed_replies:
             lines.append(f"{row.name}: {retimed} of {len(row.all_samples)} timed replies met a forward still to "
                          f"compile (run eagerly) and were timed again once it had compiled")
         xs = [x for s in row.all_samples for x in s.expected]
@@ -168,7 +168,7 @@ def to_json(rows: list[Row]) -> list[dict]:
                         other_ms_per_step=split[2] if split else None, outside_forwards_share=row.outside_share,
                         differs_from_autoregressive=None if row is base else row.divergent(base),
                         joules_per_token=row.joules_per_token, peak_memory_mb=row.peak_mb,
-                        retimed_replies=sum(1 for s in row.all_samples if s.retimed),
+                        retimed_replies=row.retimed_replies,
                         rounds=[[asdict(s) | {"output": None} for s in samples] for samples in row.rounds]))
     return out
 

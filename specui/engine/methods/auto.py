@@ -70,8 +70,14 @@ def catch_up(ctx: DecodeContext) -> None:
     drafts were all accepted, its last draft and the bonus token). Fed apart, those two took a
     draft forward of their own every such step (2-core Xeon, bundled pair on w4a8: 101 extra
     forwards of about 4 ms in 3 replies of 64 tokens, 15% of `auto`'s time under cProfile)."""
-    if len(ctx.ids) - 1 - ctx.draft.length > 1:
+    if unread(ctx) > 1:
         ctx.draft.prefill(ctx.ids)
+
+
+def unread(ctx: DecodeContext) -> int:
+    """Tokens of the reply before its last that the draft has not read (the last is always fed
+    by the step's first draft forward)."""
+    return len(ctx.ids) - 1 - ctx.draft.length
 
 
 def chain_tokens(alpha: float, gamma: int) -> float:
@@ -182,7 +188,7 @@ class Auto(Method):
             return 0, "no draft"
         if costs is None or costs.profile is None:
             return self.fallback_gamma, "fixed default (no profile)"
-        behind = len(ctx.ids) - 1 - ctx.draft.length
+        behind = unread(ctx)
         rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
