@@ -17,7 +17,8 @@ from test_sampling_distribution import (
 
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.costs import AcceptanceEstimate, EngineCosts
-from specui.engine.methods.auto import Auto, chain_tokens
+from specui.engine.methods.auto import Auto
+from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.trace import StepTrace
 
 

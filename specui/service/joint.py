@@ -28,7 +28,7 @@ import torch
 from specui.chat import render_ids
 from specui.engine.loop import GenerationRequest
 from specui.engine.measure import cache_root, cpu_signature
-from specui.engine.methods.auto import chain_tokens
+from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.methods.speculative import Speculative
 from specui.weights.dtypes import measured_stamp, read_cache, write_cache
 from specui.weights.quant_choice import OptionCost, identity

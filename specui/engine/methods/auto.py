@@ -42,6 +42,7 @@ import time
 from specui.engine.costs import ChainProbes, EngineCosts, TreeVerdict, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.autoregressive import Autoregressive
+from specui.engine.methods.chain_rate import HORIZON, catch_up_per_token, chain_tokens
 from specui.engine.methods.speculative import Speculative
 from specui.engine.methods.tree import OptTree
 from specui.engine.methods.tree_budget import step_ms
@@ -50,18 +51,6 @@ from specui.errors import SpecUIError
 AR = "autoregressive"
 TREE = -1  # choose(): an OPT-Tree step
 PROBE_BURST = 4  # tree steps a probe runs before trees are judged
-
-
-HORIZON = 64  # tokens over which a draft's catch-up is expected to pay back at most (replies often end early)
-
-
-def catch_up_per_token(profile, behind: int, rows: int, room: float, ratio: float = 1.0) -> float:
-    """Ms per committed token that first feeding the draft `behind` tokens it has not read
-    (prompts, steps decoded without it) adds, paid once and spread over the next `room`
-    tokens of each of `rows` rows (at most HORIZON)."""
-    if behind <= 2 * rows:
-        return 0.0
-    return (profile.draft(behind) or 0.0) * ratio / (rows * max(1.0, min(HORIZON, room)))
 
 
 def catch_up(ctx: DecodeContext) -> None:
@@ -78,13 +67,6 @@ def unread(ctx: DecodeContext) -> int:
     """Tokens of the reply before its last that the draft has not read (the last is always fed
     by the step's first draft forward)."""
     return len(ctx.ids) - 1 - ctx.draft.length
-
-
-def chain_tokens(alpha: float, gamma: int) -> float:
-    """Expected tokens committed by one chain step of `gamma` drafts (bonus included)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 class Auto(Method):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specui.engine.costs import AcceptanceEstimate, EngineCosts
 from specui.engine.method import DecodeContext
-from specui.engine.methods.auto import HORIZON, catch_up_per_token, chain_tokens
+from specui.engine.methods.chain_rate import HORIZON, catch_up_per_token, chain_tokens
 from specui.engine.ragged import SessionRow
 
 
