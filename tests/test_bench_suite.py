@@ -321,3 +321,18 @@ def test_a_reply_that_met_a_shape_still_to_compile_is_timed_again(tiny_dirs):
     base = Row("autoregressive", "float32", run, rounds=[[sample, sample]])
     assert "speculative gamma=2: 2 of 2 timed replies met a forward still to compile" in table([base, row], 2)
     assert [r["retimed_replies"] for r in to_json([base, row])] == [2, 2]
+
+
+def test_a_row_says_how_its_timed_replies_ran():
+    """An `auto` row's engine adopts compiled forwards only once its background measurement is
+    done, after the row was made: the JSON's `capture` is how the timed replies ran, not the
+    setting or the engine as it was made."""
+    from specui.bench.rows import Row, Sample
+
+    def replies(*how):
+        return [[Sample([1], 1.0, capture=c) for c in how]]
+
+    assert Row("ar", "x", None, capture="auto", rounds=replies("auto", "auto")).ran_as() == "auto"
+    assert Row("ar", "x", None, capture="auto", rounds=replies("off", "off")).ran_as() == "off"
+    assert Row("ar", "x", None, capture="auto", rounds=replies("off", "auto")).ran_as() == "mixed"
+    assert Row("peer", "x", None, capture="on", rounds=replies(None)).ran_as() == "on"  # peers say nothing

@@ -218,3 +218,84 @@ def test_first_replies_bench_forgets_the_record_and_shows_the_background_work(ti
     assert first_replies.main(argv + ["--replace-after", "0", "--replies", "2"]) == 0  # as loading another pair
     out = capsys.readouterr().out
     assert "replaced: the old engine was" in out and "reply  2:" in out
+
+
+def gated_measure(gate: threading.Event, calls: list):
+    """quick_measure(1.0) whose first preparation waits for `gate`: the measurement stays under
+    way until the test lets it go."""
+    quick = quick_measure(1.0, calls)
+
+    def timers(model):
+        kinds = quick(model)
+
+        def first(make):
+            def wait_then(check):
+                gate.wait(WAIT_S)
+                return make(check)
+            return wait_then
+
+        return {kind: first(make) for kind, make in kinds.items()}
+
+    return timers
+
+
+def test_engines_on_one_pair_share_one_measurement(record, monkeypatch):
+    """A bench makes an engine per row on one pair: one measurement for all of them (side by
+    side, each timed the others' compiles on the same cores), paused by any one's reply, and
+    every engine adopts its choice."""
+    calls: list = []
+    gate = threading.Event()
+    monkeypatch.setattr(capture_choice, "timers", gated_measure(gate, calls))
+    target, draft = tiny_llama(0, layers=2, dtype=torch.float32), tiny_llama(1, layers=1, dtype=torch.float32)
+    first = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
+    second = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
+    assert first.calibration is not None and second.calibration is first.calibration
+    assert calibration.measuring(target) is first.calibration
+    with second.lock:  # a reply on either engine pauses it
+        assert first.calibration.paused()
+    assert not first.calibration.paused()
+    gate.set()
+    assert adopted(first) and adopted(second)
+    assert calls == [(target, "on"), (target, "off"), (draft, "on"), (draft, "off")]  # each model once
+    for engine in (first, second):
+        assert engine.target.runner is not None and engine.draft.runner is not None
+        engine.close()
+        assert engine.settle(WAIT_S)
+    assert calibration.measuring(target) is None and calibration.measuring(draft) is None
+
+
+def test_a_follower_adds_its_own_models_and_a_closed_engine_leaves_the_rest_measuring(record, monkeypatch):
+    calls: list = []
+    gate = threading.Event()
+    monkeypatch.setattr(capture_choice, "timers", gated_measure(gate, calls))
+    target, draft, other = (tiny_llama(i, layers=1, dtype=torch.float32) for i in range(3))
+    first = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
+    second = Engine(target, TinyTokenizer(), draft=other, eos_ids=[EOS], capture="auto", measure_capture=True)
+    measured = first.calibration
+    assert second.calibration is measured and calibration.measuring(other) is measured
+    first.close()  # the app loads another pair: the engine that still follows keeps the measurement
+    assert not measured.cancelled
+    gate.set()
+    assert adopted(second)
+    assert [model for model, kind in calls if kind == "on"] == [target, draft, other]  # each once, in order
+    assert second.target.runner is not None and second.draft.runner is not None
+    second.close()
+    assert second.settle(WAIT_S)
+
+
+def test_the_last_engine_to_leave_ends_the_measurement(record, monkeypatch):
+    calls: list = []
+    gate = threading.Event()
+    monkeypatch.setattr(capture_choice, "timers", gated_measure(gate, calls))
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    engines = [Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True) for _ in range(2)]
+    measured = engines[0].calibration
+    for engine in engines:
+        engine.close()
+    assert measured.cancelled
+    gate.set()
+    assert measured.wait(WAIT_S) and calls in ([], [(model, "on")])  # at most the preparation under way
+    assert capture_choice.cached_choice(model) is None and calibration.measuring(model) is None
+    again = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
+    assert again.calibration is not None and again.calibration is not measured  # measured anew
+    again.close()

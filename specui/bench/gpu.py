@@ -151,7 +151,8 @@ def throughput(run: Run, args: argparse.Namespace, prompts: list[list[int]], pai
     rows[0].name = "autoregressive"  # the base every ratio is taken against: eager, as today
     device = pair.target.device
     for row in rows:  # every shape the prompts need captured before timing (eager rows: bench's warm-up)
-        if row.capture != "off" and not row.name.startswith("transformers"):
+        engine = getattr(row.run, "engine", None)  # our rows; the peers' compiled row warms up in bench's warm-up
+        if engine is not None and engine.target.runner is not None:
             for prompt in prompts:
                 row.run(prompt, args.max_new_tokens)
     bench(rows, prompts, args.max_new_tokens, args.repeats, meter=ReplyMeter(device))

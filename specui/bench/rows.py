@@ -46,6 +46,7 @@ class Sample:
     joules: float | None = None  # GPU energy of the reply (NVML, CUDA only)
     peak_mb: float | None = None  # peak device memory allocated during the reply (CUDA only)
     retimed: int = 0  # replies before this one that met a shape still to compile (ours.run)
+    capture: str | None = None  # how our reply's target forwards ran: off (eager), or the row's auto / on
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Row:
     dtype: str
     run: Callable[..., Sample] = field(repr=False)  # (prompt, max new tokens[, sampling]) -> Sample
     capture: str = "off"  # on / auto: static caches and captured forwards (engine/capture.py); off: eager
+    # (our rows: as their timed replies ran, `ran_as`; an `auto` engine adopts compiled forwards
+    # once its background measurement is done, after the row was made)
     stand_in: str | None = None  # the stand-in size its target was padded to (None: the model itself)
     rounds: list[list[Sample]] = field(default_factory=list, repr=False)  # rounds x prompts
 
@@ -101,6 +104,12 @@ class Row:
         verify = sum(s.verify_ms for s in self.all_samples) / steps
         return draft, verify, sum(s.step_ms for s in self.all_samples) / steps - draft - verify
 
+    def ran_as(self) -> str:
+        """How the timed replies' target forwards ran (`capture` for rows that do not say; "mixed"
+        where they differ: a row timed before and after an adoption)."""
+        seen = {s.capture for s in self.all_samples if s.capture is not None}
+        return self.capture if not seen else seen.pop() if len(seen) == 1 else "mixed"
+
     @property
     def outside_share(self) -> float | None:
         """The share of the decoding time (after the prefills) spent outside the models'
@@ -133,7 +142,7 @@ class Row:
 def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
     """The row's runner; `run.engine` is its own engine (auto's running estimates are not
     shared with other rows; its capture report says what it captured)."""
-    engine = pair.engine()
+    engine, setting = pair.engine(), pair.capture
 
     def run(prompt: list[int], n: int, sampling: SamplingConfig | None = None) -> Sample:
         """One timed reply once the background compiles are done; a reply that met a shape not
@@ -160,7 +169,8 @@ def ours(pair: ModelPair, method: str, params: dict) -> Callable[..., Sample]:
         s = Sample(gen.output_ids, time.perf_counter() - t0, gen.stats.target_forwards, len(gen.steps),
                    gen.stats.drafted, gen.stats.accepted, gen.stats.max_draft_len, prefill_s=gen.stats.prefill_s,
                    decode_s=gen.stats.decode_s, forward_s=gen.stats.forward_s,
-                   cache_mb=sum(m.cache.nbytes() for m in (engine.target, engine.draft) if m is not None) / 2**20)
+                   cache_mb=sum(m.cache.nbytes() for m in (engine.target, engine.draft) if m is not None) / 2**20,
+                   capture="off" if engine.target.runner is None else setting)  # auto on a CPU: as measured
         for step in gen.steps:
             s.draft_ms += step.draft_ms
             s.verify_ms += step.verify_ms
@@ -256,8 +266,7 @@ def make_rows(pair: ModelPair, specs: list[str], gamma: int, peers: bool) -> lis
             params = {"gamma": gamma}
         name = method + "".join(f" {k}={v}" for k, v in params.items())
         run = ours(pair, method, params)
-        captured = "off" if run.engine.target.runner is None else pair.capture  # auto on a CPU: as measured
-        rows.append(Row(name, t_dtype if method == AR else pair_dtype, run, capture=captured))
+        rows.append(Row(name, t_dtype if method == AR else pair_dtype, run, capture=pair.capture))
     if peers:
         rows.append(Row("transformers greedy", t_dtype, transformers_generate(pair)))
         if pair.draft is not None:

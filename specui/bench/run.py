@@ -158,8 +158,9 @@ def to_json(rows: list[Row]) -> list[dict]:
         rates, ratios = row.rates, [a / b for a, b in zip(row.rates, base.rates)]
         split = row.split_ms()
         dv = row.rates_dv()
-        out.append(dict(method=row.name, capture=row.capture, stand_in=row.stand_in, discard_rate=dv[0] if dv else None,
-                        verification_rate=dv[1] if dv else None, dtype=row.dtype, tokens=row.tokens,
+        out.append(dict(method=row.name, capture=row.ran_as(), stand_in=row.stand_in,
+                        discard_rate=dv[0] if dv else None, verification_rate=dv[1] if dv else None,
+                        dtype=row.dtype, tokens=row.tokens,
                         tokens_per_s=statistics.median(rates), tokens_per_s_min=min(rates),
                         tokens_per_s_max=max(rates), speedup=statistics.median(ratios),
                         speedup_min=min(ratios), speedup_max=max(ratios),

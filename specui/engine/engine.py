@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import calibration
-from specui.engine.calibration import Calibration
+from specui.engine.calibration import Calibration, measuring
 from specui.engine.capture_choice import cached
 from specui.engine.costs import EngineCosts
 from specui.engine.feature_draft import FeatureDraftSession
@@ -71,10 +71,20 @@ class Engine:
                       if m is not None and s.runner is None and not reads_features(m.config)
                       and _unmeasured(capture, m)]
         measure = calibration.enabled() if measure_capture is None else measure_capture
-        self.calibration = (Calibration(unmeasured, self.lock.locked, done=self.adopt_measurement)
-                            if unmeasured and measure else None)
-        if self.calibration is not None:
-            self.calibration.start()
+        self.calibration = self._measurement(unmeasured) if unmeasured and measure else None
+
+    def _measurement(self, unmeasured: list[tuple[str, PreTrainedModel]]) -> Calibration:
+        """The background measurement of `unmeasured`: one another engine has under way for
+        one of these models (a bench's rows, a Compare tab's engine on the app's pair), followed
+        and given the rest, else a new one. Measured side by side, each measurement timed the
+        others' compiles and forwards too, on the same cores (engine/calibration.py)."""
+        for _, model in unmeasured:
+            under_way = measuring(model)
+            followed = None if under_way is None else under_way.follow(self.lock.locked, self.adopt_measurement,
+                                                                       unmeasured)
+            if followed is not None:
+                return followed
+        return Calibration(unmeasured, self.lock.locked, done=self.adopt_measurement).start()
 
     def _sessions(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> tuple:
         """(target session, draft session or None) as the capture setting and this machine's
@@ -176,8 +186,8 @@ class Engine:
     def close(self) -> None:
         """The pair is being replaced: compile and measure nothing more for it, and end the
         compile under way (nothing pauses it once this engine decodes no more)."""
-        if self.calibration is not None:
-            self.calibration.stop()
+        if self.calibration is not None:  # ends it unless another engine follows it too
+            self.calibration.leave(self.adopt_measurement)
         for runner in self._runners():
             if runner.warmup is not None:
                 runner.warmup.stop()
