@@ -299,3 +299,34 @@ def test_the_last_engine_to_leave_ends_the_measurement(record, monkeypatch):
     again = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
     assert again.calibration is not None and again.calibration is not measured  # measured anew
     again.close()
+
+
+def test_a_bench_measures_an_unrecorded_pair_on_its_own_thread_first(tiny_dirs, record, monkeypatch, capsys):
+    """The bench times its rows on the thread it measures on (a record made on a background
+    thread was timed where libgomp barely spins: 2.2x slower eager tokens on a 2-core EPYC), so
+    no row's engine measures in the background."""
+    from specui.bench import run
+
+    calls: list = []
+    threads: set = set()
+    quick = quick_measure(3.0, calls)  # compiled measured slower: the rows stay eager (no compile in a test)
+
+    def unchecked(make):
+        return lambda check: make(check or (lambda: None))  # measured in the foreground: nothing to check
+
+    def timers(model):
+        threads.add(threading.get_ident())
+        return {kind: unchecked(make) for kind, make in quick(model).items()}
+
+    monkeypatch.setattr(capture_choice, "timers", timers)
+    monkeypatch.setenv(calibration.ENV, "1")
+    started: list = []
+    monkeypatch.setattr(calibration.Calibration, "start", lambda self: started.append(self) or self)
+    target, draft, _ = tiny_dirs
+    assert run.main(["--target", str(target), "--draft", str(draft), "--dtype", "float32", "--capture", "auto",
+                     "--limit", "1", "--max-new-tokens", "3", "--repeats", "1", "--methods", "autoregressive",
+                     "--no-peers"]) == 0
+    out = capsys.readouterr().out
+    assert "target: no capture record on this machine" in out and "`--capture auto` runs off" in out
+    assert [kind for _, kind in calls] == ["on", "off", "on", "off"] and threads == {threading.get_ident()}
+    assert started == [] and len(json.loads(record.read_text())) == 2

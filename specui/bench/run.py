@@ -46,8 +46,10 @@ from specui.bench.rows import (
     transformers_generate,
 )
 from specui.chat import build_prompt
+from specui.engine import calibration, capture_choice
 from specui.engine.capture import CAPTURES
 from specui.engine.profile import cpu_model
+from specui.heads.feature_draft import reads_features
 from specui.service.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
 from specui.weights.loading import BUNDLED, ModelSpec
@@ -239,6 +241,8 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
         print(note)
     if pair.draft is not None and pair.head.head is None:
         print(f"specdec++: {pair.head.problem}")
+    if pair.capture == "auto":
+        measure_capture_here(pair)
     costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
     print(costs.note)
     if costs.profile is not None:
@@ -246,6 +250,28 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     print(f"\n{len(prompts)} prompts from {args.prompts}, max {args.max_new_tokens} new tokens, greedy, "
           f"{args.repeats} rounds (rows interleaved prompt by prompt)")
     return pair, prompts
+
+
+def measure_capture_here(pair: ModelPair) -> None:
+    """`--capture auto` and no record on this machine for a model: measured here, on the thread
+    the rows decode on, before any row's engine would measure it in the background. A measuring
+    thread's forwards run beside this thread's OpenMP team, and with more libgomp threads than
+    cores libgomp all but stops spinning its workers between parallel regions: on a 2-core Zen 4
+    EPYC the int4 target's eager token took 35-40 ms on a fresh thread against 17-20 on the one
+    that had decoded (compiled 26-28 against 10.8), so a record made in the background says less
+    about the rows than one made here (`python -m specui.bench.capture` does the same)."""
+    if not calibration.enabled():
+        return
+    for role, loaded in (("target", pair.target), ("draft", pair.draft)):
+        model = None if loaded is None else loaded.model
+        if (model is None or next(model.parameters()).device.type != "cpu" or reads_features(model.config)
+                or capture_choice.cached_choice(model) is not None):
+            continue
+        print(f"{role}: no capture record on this machine; measuring eager against compiled forwards here "
+              "(a minute or more)", flush=True)
+        entry = capture_choice.measure(model)
+        print(f"{role}: eager {entry['ms']['off']:.2f} ms a token, compiled {entry['ms']['on']:.2f} "
+              f"({entry['compile_s']:.0f} s to compile): `--capture auto` runs {entry['choice']}", flush=True)
 
 
 def other_draft_rows(args: argparse.Namespace, pair: ModelPair) -> list[Row]:
