@@ -220,10 +220,10 @@ def test_first_replies_bench_forgets_the_record_and_shows_the_background_work(ti
     assert "replaced: the old engine was" in out and "reply  2:" in out
 
 
-def gated_measure(gate: threading.Event, calls: list):
-    """quick_measure(1.0) whose first preparation waits for `gate`: the measurement stays under
+def gated_measure(gate: threading.Event, calls: list, on_ms: float = 1.0):
+    """quick_measure(on_ms) whose first preparation waits for `gate`: the measurement stays under
     way until the test lets it go."""
-    quick = quick_measure(1.0, calls)
+    quick = quick_measure(on_ms, calls)
 
     def timers(model):
         kinds = quick(model)
@@ -330,3 +330,28 @@ def test_a_bench_measures_an_unrecorded_pair_on_its_own_thread_first(tiny_dirs, 
     assert "target: no capture record on this machine" in out and "`--capture auto` runs off" in out
     assert [kind for _, kind in calls] == ["on", "off", "on", "off"] and threads == {threading.get_ident()}
     assert started == [] and len(json.loads(record.read_text())) == 2
+
+
+def test_the_measurement_waits_while_the_cost_profile_is_timed(record, monkeypatch):
+    """The CLI and the benches measure the profile outside a reply (no lock held): the
+    background measurement waits meanwhile, or the cached profile would time its compiles too."""
+    from specui.engine import engine as engine_module
+
+    gate = threading.Event()
+    monkeypatch.setattr(capture_choice, "timers", gated_measure(gate, [], on_ms=3.0))  # eager chosen: no compile
+    target, draft = tiny_llama(0, layers=1, dtype=torch.float32), tiny_llama(1, layers=1, dtype=torch.float32)
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="auto", measure_capture=True)
+    seen: list = []
+
+    def profile(*args, **kwargs):
+        seen.append(engine.calibration.paused())
+        raise RuntimeError("not measured in this test")
+
+    monkeypatch.setattr(engine_module, "get_profile", profile)
+    assert not engine.calibration.paused()
+    engine.ensure_profile()
+    assert seen == [True] and not engine.calibration.paused()
+    gate.set()
+    assert adopted(engine)
+    engine.close()
+    assert engine.settle(WAIT_S)

@@ -55,6 +55,7 @@ class Engine:
         self.capture = capture  # auto / on / off: static caches and captured forwards (engine/capture.py)
         self._heads = (acceptance_head, head_config, head_problem, decision)
         self.lock = threading.Lock()  # one generation at a time on these sessions
+        self._profiling = False  # ensure_profile is timing forwards (the background measurement waits)
         self.target, self.draft = self._sessions(target, draft)
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -80,11 +81,16 @@ class Engine:
         others' compiles and forwards too, on the same cores (engine/calibration.py)."""
         for _, model in unmeasured:
             under_way = measuring(model)
-            followed = None if under_way is None else under_way.follow(self.lock.locked, self.adopt_measurement,
-                                                                       unmeasured)
+            followed = None if under_way is None else under_way.follow(self.busy, self.adopt_measurement, unmeasured)
             if followed is not None:
                 return followed
-        return Calibration(unmeasured, self.lock.locked, done=self.adopt_measurement).start()
+        return Calibration(unmeasured, self.busy, done=self.adopt_measurement).start()
+
+    def busy(self) -> bool:
+        """A reply decodes, or the cost profile is being measured: the background measurement
+        waits (a profile timed beside its compiles, on the same cores, would be cached and read
+        by every later reply's `auto`; the CLI and the benches measure it outside any reply)."""
+        return self.lock.locked() or self._profiling
 
     def _sessions(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> tuple:
         """(target session, draft session or None) as the capture setting and this machine's
@@ -164,10 +170,12 @@ class Engine:
                 runners = self._runners()
                 for runner in runners:  # timings of compiled forwards, never of a stand-in eager one
                     runner.blocking = True
+                self._profiling = True
                 try:
                     self.costs.profile, self.costs.note = get_profile(
                         self.target, self.draft, self.profile_dir, self.quantization, progress, refresh)
                 finally:
+                    self._profiling = False
                     for runner in runners:
                         runner.blocking = False
             except (RuntimeError, OSError, ValueError, KeyboardInterrupt) as e:
