@@ -103,9 +103,10 @@ class Calibration:
     def leave(self, done: Callable[[], object] | None) -> None:
         """An engine (known by its `done`) is closed: once no engine follows, measure nothing
         more, and end the compile under way (as `stop`)."""
-        self._followers = [f for f in self._followers if f[1] != done]
-        if not self._followers and not self.done:
-            self.cancel()
+        with self._joining:
+            self._followers = [f for f in self._followers if f[1] != done]
+            if not self._followers and not self.done:
+                self.cancel()
 
     def _release(self, model: PreTrainedModel) -> None:
         """`model` is no longer measured here (measured, or left unmeasured at the end)."""

@@ -76,8 +76,8 @@ class Engine:
 
     def _measurement(self, unmeasured: list[tuple[str, PreTrainedModel]]) -> Calibration:
         """The background measurement of `unmeasured`: one another engine has under way for
-        one of these models (a bench's rows, a Compare tab's engine on the app's pair), followed
-        and given the rest, else a new one. Measured side by side, each measurement timed the
+        one of these models (a bench makes an engine per row on one pair), followed and given the
+        rest, else a new one. Measured side by side, each measurement timed the
         others' compiles and forwards too, on the same cores (engine/calibration.py)."""
         for _, model in unmeasured:
             under_way = measuring(model)
