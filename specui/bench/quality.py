@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, target.with_source(draft_src))
     pair.capture = args.capture
-    if pair.capture == "auto":
-        measure_capture_here(pair)
+    measure_capture_here(pair)
     prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)
     header = (f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device "
               f"{pair.target.device}; target {pair.target.label} ({pair.target.model.dtype}); draft {pair.draft.label} "

@@ -48,8 +48,8 @@ from specui.bench.rows import (
 from specui.chat import build_prompt
 from specui.engine import calibration, capture_choice
 from specui.engine.capture import CAPTURES
+from specui.engine.engine import unmeasured_capture
 from specui.engine.profile import cpu_model
-from specui.heads.feature_draft import reads_features
 from specui.service.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
 from specui.weights.loading import BUNDLED, ModelSpec
@@ -241,8 +241,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
         print(note)
     if pair.draft is not None and pair.head.head is None:
         print(f"specdec++: {pair.head.problem}")
-    if pair.capture == "auto":
-        measure_capture_here(pair)
+    measure_capture_here(pair)
     costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
     print(costs.note)
     if costs.profile is not None:
@@ -253,7 +252,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
 
 
 def measure_capture_here(pair: ModelPair) -> None:
-    """`--capture auto` and no record on this machine for a model: measured here, on the thread
+    """`--capture auto` (the pair's) and no record on this machine for a model: measured here, on the thread
     the rows decode on, before any row's engine would measure it in the background. A measuring
     thread's forwards run beside this thread's OpenMP team, and with more libgomp threads than
     cores libgomp all but stops spinning its workers between parallel regions: on a 2-core Zen 4
@@ -264,8 +263,7 @@ def measure_capture_here(pair: ModelPair) -> None:
         return
     for role, loaded in (("target", pair.target), ("draft", pair.draft)):
         model = None if loaded is None else loaded.model
-        if (model is None or next(model.parameters()).device.type != "cpu" or reads_features(model.config)
-                or capture_choice.cached_choice(model) is not None):
+        if model is None or not unmeasured_capture(pair.capture, model):
             continue
         print(f"{role}: no capture record on this machine; measuring eager against compiled forwards here "
               "(a minute or more)", flush=True)

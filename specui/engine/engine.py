@@ -69,8 +69,7 @@ class Engine:
         self._measured_at = 0.0  # time.monotonic() when its choice was adopted
         # `auto` on a CPU, models never measured here: measured in the background, adopted after
         unmeasured = [(role, m) for role, m, s in (("target", target, self.target), ("draft", draft, self.draft))
-                      if m is not None and s.runner is None and not reads_features(m.config)
-                      and _unmeasured(capture, m)]
+                      if m is not None and s.runner is None and unmeasured_capture(capture, m)]
         measure = calibration.enabled() if measure_capture is None else measure_capture
         self.calibration = self._measurement(unmeasured) if unmeasured and measure else None
 
@@ -315,9 +314,12 @@ def _measured(capture: str, model: PreTrainedModel) -> tuple[str, bool, int | No
     return capture, False, attention
 
 
-def _unmeasured(capture: str, model: PreTrainedModel) -> bool:
-    """`auto` on a CPU for a model with no capture record on this machine."""
-    return capture == "auto" and next(model.parameters()).device.type == "cpu" and cached(model)[0] is None
+def unmeasured_capture(capture: str, model: PreTrainedModel) -> bool:
+    """`auto` on a CPU for a model with no capture record on this machine, whose forwards could
+    be compiled (a draft reading the target's features stays eager): eager against compiled is
+    to be measured (in the background by an Engine, in the foreground by the benches)."""
+    return (capture == "auto" and next(model.parameters()).device.type == "cpu" and not reads_features(model.config)
+            and cached(model)[0] is None)
 
 
 def _context_len(model: PreTrainedModel) -> int:
