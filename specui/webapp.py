@@ -133,6 +133,7 @@ def launch(args: argparse.Namespace) -> int:
         service, submit = RemoteService(partial(engine_service, args)), run_in_new_thread
     else:
         service, submit = engine_service(args), runner.submit
+        service.use_model_thread(runner)
     if access.shared:
         service.gate = FairGate()
     demo = build_ui(service, settings_from_args(args), submit=submit, access=access).queue(

@@ -14,6 +14,7 @@ from conftest import EOS, TinyTokenizer, tiny_llama
 
 from specui.engine import Engine, GenerationRequest, calibration, capture_choice, make_method
 from specui.service.reports import capture_line
+from specui.service.runner import MainThreadRunner
 
 WAIT_S = 300
 
@@ -355,3 +356,73 @@ def test_the_measurement_waits_while_the_cost_profile_is_timed(record, monkeypat
     assert adopted(engine)
     engine.close()
     assert engine.settle(WAIT_S)
+
+
+def test_the_rounds_are_timed_on_the_model_thread_where_one_serves(record, monkeypatch):
+    """The app decodes every reply on one thread (service/runner.py): the rounds are timed there
+    (beside it a forward runs up to 2x slow: engine/calibration.py), the compiles elsewhere."""
+    where: dict[str, set] = {"prepared": set(), "timed": set()}
+
+    def timers(model):
+        def make(check):
+            where["prepared"].add(threading.get_ident())
+
+            def one_round() -> float:
+                check()
+                where["timed"].add(threading.get_ident())
+                return 1.0
+
+            return one_round, 0.0
+        return {"on": make, "off": make}
+
+    monkeypatch.setattr(capture_choice, "timers", timers)
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
+    runner = MainThreadRunner()
+    engine.use_model_thread(runner)
+    measured = engine.calibration
+    runner.serve(until=lambda: measured.done and engine.calibration is None, poll_s=0.01)
+    assert where["timed"] == {threading.get_ident()}  # this test's thread serves as the model thread
+    assert threading.get_ident() not in where["prepared"]
+    assert measured.state == "done" and capture_choice.cached_choice(model) is not None
+
+
+def test_a_job_queued_for_the_model_thread_ends_the_rounds_timed_again_after(record, monkeypatch):
+    """A reply (any job) submitted while the rounds run there is not kept waiting for them: they
+    end at the next timed token, the job runs, and the rounds are timed again once it is quiet."""
+    calls: list = []
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    runner = MainThreadRunner()
+    measured = calibration.Calibration([("target", model)], lambda: False)
+    measured.run_on(runner)
+    ran: list[str] = []
+
+    def reply_queues(original=capture_choice.decide):
+        def decide(model, kinds, path=None):
+            if measured.interrupted == 0:
+                runner.submit(lambda: ran.append("reply"))  # queued behind the rounds running here
+                assert measured.paused()
+            return original(model, kinds, path)
+        return decide
+
+    measured.decide = reply_queues()
+    measured.start()
+    runner.serve(until=lambda: measured.done, poll_s=0.01)
+    assert ran == ["reply"] and measured.interrupted == 1
+    assert measured.state == "done" and measured.choices() == {"target": "on"}
+    assert not measured.paused()
+
+
+def test_a_cancelled_measurement_does_not_wait_for_a_model_thread_that_never_serves(record, monkeypatch):
+    monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, []))
+    model = tiny_llama(0, layers=1, dtype=torch.float32)
+    measured = calibration.Calibration([("target", model)], lambda: False)
+    measured.run_on(MainThreadRunner())  # nobody serves it (the app is stopping)
+    measured.start()
+    deadline = time.monotonic() + WAIT_S
+    while measured.state != "timing target" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    measured.cancel()
+    assert measured.wait(WAIT_S) and measured.entries == {}
+    assert calibration.measuring(model) is None

@@ -7,7 +7,13 @@ session of its own, the thread sleeping while a reply decodes (a profile hook, a
 compiles wait) and going on where it was after; then timing the kinds' rounds taking turns,
 with no profile hook (a hook on every Python call would slow eager rounds more than compiled
 ones) but a check before each timed token, so a reply that starts ends the rounds, which are
-timed again once nothing decodes. The record it writes is what the engine adopts (as the last
+timed again once nothing decodes. Where a model thread serves the app (service/runner.py: the
+thread every reply decodes on), the rounds are timed there, as a job of its own while nothing
+decodes, and end once any other job waits: a forward on a thread beside the decoding one runs
+where libgomp counts more OpenMP teams than cores and barely spins its workers (on a 2-core Zen 4
+EPYC the same eager int4 round took 17-20 ms a token on the decoding thread, 35-40 ms on a fresh
+one; a measurement timed there recorded 39.4 / 27.8 ms eager / compiled against 17.4 / 10.8 in
+the foreground). The record it writes is what the engine adopts (as the last
 step ends, or before its next reply): compiled in the background where compiled measured
 faster, eager otherwise; every later load on this machine reads it without measuring again.
 
@@ -26,6 +32,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -36,6 +44,15 @@ from specui.engine.giving_way import EXIT_WAIT_S, Stopped, lowest_priority, slee
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
 MEASURING = "_specui_measuring"  # where a model keeps the measurement under way for it (its id, the Calibration)
+
+
+class ModelThread(Protocol):
+    """Where replies decode (service/runner.py's MainThreadRunner): runs submitted jobs one at a
+    time; `waiting()`: a job waits for the one that runs."""
+
+    def submit(self, fn: Callable, *args) -> Future: ...
+
+    def waiting(self) -> bool: ...
 
 
 def enabled() -> bool:
@@ -72,6 +89,7 @@ class Calibration:
         self._ident: int | None = None  # the thread preparing it
         self._done = threading.Event()
         self._joining = threading.Lock()  # followers join, and the measurement ends, one at a time
+        self.model_thread: ModelThread | None = None  # where the rounds are timed (run_on); None: this thread
         atexit.register(stop_at_exit, weakref.ref(self))
 
     def start(self) -> Calibration:
@@ -108,14 +126,21 @@ class Calibration:
             if not self._followers and not self.done:
                 self.cancel()
 
+    def run_on(self, model_thread: ModelThread | None) -> None:
+        """Time the rounds on `model_thread` (the app's: where replies decode), from the next
+        timing on; None: on the measuring thread (the CLI, tests, embedding)."""
+        self.model_thread = model_thread
+
     def _release(self, model: PreTrainedModel) -> None:
         """`model` is no longer measured here (measured, or left unmeasured at the end)."""
         if model.__dict__.get(MEASURING, (None, None))[1] is self:
             del model.__dict__[MEASURING]
 
     def paused(self) -> bool:
-        """A reply decodes on an engine that follows this measurement."""
-        return any(paused() for paused, _ in self._followers)
+        """A reply decodes on an engine that follows this measurement, or a job (a reply, a load)
+        waits for the model thread."""
+        model_thread = self.model_thread
+        return any(paused() for paused, _ in self._followers) or (model_thread is not None and model_thread.waiting())
 
     @property
     def done(self) -> bool:
@@ -211,7 +236,7 @@ class Calibration:
             else:
                 self.state = f"timing {role}"
                 try:
-                    self.entries[role] = self.decide(model, self._kinds)
+                    self.entries[role] = self._timed(model)
                 except Stopped:
                     self.interrupted += 1
                 else:
@@ -227,6 +252,26 @@ class Calibration:
         finally:
             self.seconds += time.perf_counter() - t0
         self._next()
+
+    def _timed(self, model: PreTrainedModel) -> dict:
+        """decide() on the prepared kinds: on the model thread where one serves (waited for
+        here; a job that queues behind it ends it, check()), else on this thread."""
+        model_thread = self.model_thread
+        if model_thread is None:
+            return self.decide(model, self._kinds)
+        job = model_thread.submit(self._decide_there, model)
+        while True:
+            try:
+                return job.result(timeout=0.1)
+            except TimeoutError:
+                if self._stopping and job.cancel():  # never started (the app is stopping)
+                    raise Stopped("the measurement is cancelled") from None
+
+    def _decide_there(self, model: PreTrainedModel) -> dict:
+        """The model thread's job: nothing started decoding while it queued (else ended at once)."""
+        self._check()
+        with torch.inference_mode():
+            return self.decide(model, self._kinds)
 
     def _prepare(self, kind: str, make: Callable) -> None:
         """Compile (or warm) one kind under the profile hook; its rounds are timed later. A

@@ -85,6 +85,12 @@ class Engine:
                 return followed
         return Calibration(unmeasured, self.busy, done=self.adopt_measurement).start()
 
+    def use_model_thread(self, model_thread) -> None:
+        """The background measurement times its rounds on `model_thread` (the app's, where
+        replies decode: engine/calibration.py says why), if one is under way."""
+        if self.calibration is not None:
+            self.calibration.run_on(model_thread)
+
     def busy(self) -> bool:
         """A reply decodes, or the cost profile is being measured: the background measurement
         waits (a profile timed beside its compiles, on the same cores, would be cached and read

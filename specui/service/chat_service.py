@@ -59,6 +59,7 @@ class ChatService:
         self.long_threads: int | None = None  # threads for long inputs where the app measured them faster
         self._batch_loop: BatchLoop | None = None
         self.gate = None  # a shared app's FairGate (specui.service.fair): whose turn it is; None: arrival order
+        self.model_thread = None  # where replies decode (the app's MainThreadRunner), set by use_model_thread
 
     def use_long_threads(self, threads: int | None) -> None:
         """Long inputs (prefills) of this pair, and of every pair loaded later, run with `threads`."""
@@ -70,6 +71,12 @@ class ChatService:
             for loaded in (pair.target, pair.draft):
                 if loaded is not None:
                     use_long_threads(loaded.model, self.long_threads)
+
+    def use_model_thread(self, model_thread) -> None:
+        """Replies decode on `model_thread` (the app's MainThreadRunner): a background capture
+        measurement of this pair, and of every pair loaded later, times its rounds there."""
+        self.model_thread = model_thread
+        self.engine.use_model_thread(model_thread)
 
     def batch_loop(self, submit) -> BatchLoop:
         """The one loop that decodes every ems-sd chat of the app together (made on first use;
@@ -89,6 +96,7 @@ class ChatService:
                          progress=(lambda f, what: progress(0.1 + 0.5 * f, what)) if progress else None)
         pair.capture, pair.context = choice.capture, self.pair.context  # --context is the app's: kept across loads
         engine = pair.engine()
+        engine.use_model_thread(self.model_thread)
         self._hook_long_threads(pair)
         if progress:
             progress(0.95, "waiting for the running generation")

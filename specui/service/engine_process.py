@@ -212,6 +212,7 @@ def engine_main(conn, make_service: Callable[[], Any]) -> None:
         return
     send(("ready", service.info()))
     runner = MainThreadRunner()
+    service.use_model_thread(runner)
     threading.Thread(target=EngineHost(service, runner, send).listen, args=(conn,), name="specui-engine-pipe",
                      daemon=True).start()
     runner.serve()

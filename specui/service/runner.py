@@ -31,6 +31,11 @@ class MainThreadRunner:
     def stop(self) -> None:
         self._stopped.set()
 
+    def waiting(self) -> bool:
+        """A submitted job waits for the one running (a background measurement's timed rounds,
+        run here, end at once: engine/calibration.py)."""
+        return not self._jobs.empty()
+
     def serve(self, until: Callable[[], bool] | None = None, poll_s: float = 0.05) -> None:
         """Execute jobs until `stop()` (or until `until()` is true). Interrupted (Ctrl+C),
         it fails the jobs still waiting, so no one waits for them forever."""
