@@ -145,3 +145,23 @@ def test_growing_text_stays_exact_where_a_decode_rewrites_the_joint():
     ids = [rng.randrange(len(words)) for _ in range(300)]
     for seed in range(6):
         _grow_and_check(decode, ids, seed)
+
+
+def test_growing_text_decodes_about_once_a_step_and_a_few_tokens_each():
+    """Decoding appends a token a step: one decode of a short tail a step (not two), so the
+    step's own time does not grow with the reply (loop.py calls it every step)."""
+    from specui.engine.detok import GrowingText
+
+    seen: list[int] = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return "".join(f"w{i} " for i in ids)
+
+    grown = GrowingText(decode)
+    ids = list(range(600))
+    for n in range(1, len(ids) + 1):
+        assert grown(ids[:n]) == decode(ids[:n])
+        seen.pop()  # the check's own decode
+    assert len(seen) <= 1.15 * len(ids)
+    assert max(seen[1:]) <= GrowingText.SPAN + 1

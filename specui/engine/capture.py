@@ -138,6 +138,7 @@ class StaticForward:
         self._generation = cache.generation
         self.clock = ForwardClock(cache.device)  # time inside the forwards (the session reads it)
         self._causal: torch.Tensor | None = None  # every causal mask is a slice of this (see _mask)
+        self._rows: dict[int, tuple[torch.Tensor, int]] = {}  # window: (one token's mask, its start)
         self.replays = 0  # forwards that ran as a replayed graph
         self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
         self.compiled_runs = 0  # padded forwards that ran compiled
@@ -194,7 +195,9 @@ class StaticForward:
         positions = list(range(start, start + m)) if positions is None else list(positions)
         mask = self._mask(start, m, width, window, attend)
         padded = positions + [positions[-1]] * (width - m)  # padded rows repeat the last position
-        positions_t = torch.tensor([padded], dtype=torch.long).to(cache.device, non_blocking=True)
+        positions_t = torch.tensor([padded], dtype=torch.long)
+        if cache.device.type != "cpu":
+            positions_t = positions_t.to(cache.device, non_blocking=True)
         if width > m:
             ids = torch.cat([ids, ids.new_zeros(width - m)])
         cache.prepare(start, window)
@@ -209,8 +212,8 @@ class StaticForward:
             else:
                 logits = self.clock.run(self._padded, **kw).logits[0]
         cache.set_length(start + m)
-        rows = logits[:m]
-        return rows[-keep:] if keep else rows
+        rows = logits if logits.shape[0] == m else logits[:m]  # (each view op is a few us on a CPU)
+        return rows[-keep:] if 0 < keep < m else rows
 
     def _mask(self, start: int, m: int, width: int, window: int, attend: torch.Tensor | None) -> torch.Tensor:
         """Additive mask (width, window): causal rows (the padded ones too), the real rows'
@@ -230,6 +233,8 @@ class StaticForward:
         """The causal mask (row i sees slots <= start + i) as one copy of a slice of a template
         built once per capacity: template[i, c] = 0 where c <= i + capacity, so columns from
         capacity - start on are the mask (a decoding step made it in 6 small ops before)."""
+        if width == 1:
+            return self._one_row_mask(start, window)
         capacity = self.cache.capacity
         template = self._causal
         if template is None or template.shape[1] != 2 * capacity or template.shape[0] < width:
@@ -242,6 +247,22 @@ class StaticForward:
         # SDPA a view 4 bytes into the template (CUDA's kernels fault on a misaligned mask)
         out = torch.empty((width, window), dtype=self.mask_dtype, device=self.cache.device)
         return out.copy_(template[:width, capacity - start: capacity - start + window])
+
+    def _one_row_mask(self, start: int, window: int) -> torch.Tensor:
+        """The causal mask of one new token (1, window): slots <= start visible. One per window,
+        kept and changed in place where the start moved (decoding: one slot a forward), as
+        `_causal_mask`'s copy cost two to three times its few small ops on a CPU. The forward
+        reads it before the next one changes it (the same stream on a GPU; a graph copies it)."""
+        row, seen = self._rows.get(window, (None, -1))
+        if row is None:
+            row = torch.full((1, window), torch.finfo(self.mask_dtype).min, dtype=self.mask_dtype,
+                             device=self.cache.device)
+        if start > seen:
+            row.narrow(1, seen + 1, min(start, window - 1) - seen).zero_()
+        elif start < seen:
+            row.narrow(1, start + 1, min(seen, window - 1) - start).fill_(torch.finfo(self.mask_dtype).min)
+        self._rows[window] = (row, start)
+        return row
 
     # -- CUDA graphs -------------------------------------------------------------------
     def _replay(self, bucket: int, window: int, ids: torch.Tensor, positions: torch.Tensor,

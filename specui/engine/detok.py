@@ -16,23 +16,31 @@ class GrowingText:
     cleanup moves), it decodes all of them."""
 
     CONTEXT = 4  # tokens decoded again before the new ones: a word split over tokens, a space rule
+    SPAN = 4 * CONTEXT  # kept tokens a tail may decode again before it starts again nearer their end
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
         self._decode = decode
         self._ids: list[int] = []  # ids whose text ends on a whole character
         self._text = ""  # decode(self._ids)
+        # the tail: decode(self._ids[anchor:]), the last call's decode of its new tokens with at
+        # least CONTEXT before them, so a step decodes once (not that tail and then the longer one)
+        self._anchor, self._tail = 0, None
 
     def __call__(self, ids: Sequence[int]) -> str:
         ids = list(ids)
         n = len(self._ids)
-        text = None
+        text = whole = None
         if n and len(ids) >= n and ids[:n] == self._ids:
-            start = max(0, n - self.CONTEXT)
-            head, whole = self._decode(self._ids[start:]), self._decode(ids[start:])
-            if whole.startswith(head):
-                text = self._text + whole[len(head):]
+            if self._tail is None or not (self.CONTEXT <= n - self._anchor <= self.SPAN or self._anchor == 0 < n
+                                          <= self.SPAN):
+                self._anchor = max(0, n - self.CONTEXT)
+                self._tail = self._decode(self._ids[self._anchor:])
+            whole = self._decode(ids[self._anchor:])
+            if whole.startswith(self._tail):
+                text = self._text + whole[len(self._tail):]
         if text is None:
-            text = self._decode(ids)
+            text, whole = self._decode(ids), None
         if not text.endswith("\ufffd"):  # a character still to complete: keep the older point
             self._ids, self._text = ids, text
+            self._tail = whole  # None (a full decode): the next call starts a tail
         return text

@@ -211,6 +211,8 @@ class ModelSession:
         new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
         logits = self._forward(new, keep=need)
         self.cached_ids.extend(ids[keep:])
+        if logits.shape[0] == need and logits.shape[1] == self.vocab_size:
+            return logits
         return logits[-need:, : self.vocab_size]
 
     def with_hidden(self, forward, *args) -> tuple[torch.Tensor, torch.Tensor]:

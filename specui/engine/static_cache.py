@@ -84,6 +84,7 @@ class StaticKVCache(DynamicCache):
         with torch.inference_mode(False):  # index tensors of one kind, whenever made (compiled guards read it)
             self.start = torch.zeros(1, dtype=torch.long, device=self.device)
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
+        self._sizers: dict[int, torch.Tensor] = {}  # window: its sizer (prepare)
         self.columns = _sizer(0, self.device)  # attention reads this many slots: its only content is its length
         self.generation = 0  # bumped whenever the store is reallocated
 
@@ -160,7 +161,10 @@ class StaticKVCache(DynamicCache):
         if self.store is None:
             self.allocate()
         self.start.fill_(start)
-        self.columns = _sizer(window, self.device)
+        sizer = self._sizers.get(window)
+        if sizer is None:  # a few windows (multiples of WINDOW): one each, not one a forward
+            sizer = self._sizers[window] = _sizer(window, self.device)
+        self.columns = sizer
 
     @property
     def window(self) -> int:
