@@ -88,6 +88,25 @@ def test_the_causal_mask_from_its_template_equals_the_rule(capacity):
         rule = torch.arange(window)[None, :] <= start + torch.arange(width)[:, None]
         assert mask.shape == (width, window) and mask.is_contiguous()
         # its own buffer, never a view into the template (one row at an odd offset: misaligned on CUDA)
-        assert mask.untyped_storage().data_ptr() != runner._causal.untyped_storage().data_ptr()
+        if runner._causal is not None:
+            assert mask.untyped_storage().data_ptr() != runner._causal.untyped_storage().data_ptr()
         assert mask.data_ptr() % 16 == 0
         assert torch.equal(mask, torch.zeros(width, window).masked_fill(~rule, lowest))
+
+
+def test_one_tokens_mask_changed_in_place_equals_the_rule_wherever_the_start_moves():
+    """Decoding's one-token mask is kept per window and changed where the start moved: forward a
+    slot a token, back after rejected drafts, to 0 for a new reply, across windows."""
+    from specui.engine.capture import StaticForward
+    from specui.engine.static_cache import StaticKVCache
+
+    model = tiny_llama(3, dtype=torch.float32)
+    runner = StaticForward(model, StaticKVCache(model.config, 512, torch.device("cpu"), torch.float32), "buckets")
+    lowest = torch.finfo(torch.float32).min
+    starts = [0, 1, 2, 3, 9, 4, 4, 100, 255, 0, 254, 17, 300, 511, 256, 0]
+    for start in starts:
+        window = 256 if start < 256 else 512
+        mask = runner._mask(start, 1, 1, window, None)
+        rule = torch.arange(window)[None, :] <= start
+        assert mask.shape == (1, window) and mask.is_contiguous() and mask.data_ptr() % 16 == 0
+        assert torch.equal(mask, torch.zeros(1, window).masked_fill(~rule, lowest)), start
