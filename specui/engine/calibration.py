@@ -270,8 +270,7 @@ class Calibration:
     def _decide_there(self, model: PreTrainedModel) -> dict:
         """The model thread's job: nothing started decoding while it queued (else ended at once)."""
         self._check()
-        with torch.inference_mode():
-            return self.decide(model, self._kinds)
+        return self.decide(model, self._kinds)
 
     def _prepare(self, kind: str, make: Callable) -> None:
         """Compile (or warm) one kind under the profile hook; its rounds are timed later. A

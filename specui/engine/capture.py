@@ -258,9 +258,9 @@ class StaticForward:
             row = torch.full((1, window), torch.finfo(self.mask_dtype).min, dtype=self.mask_dtype,
                              device=self.cache.device)
         if start > seen:
-            row.narrow(1, seen + 1, min(start, window - 1) - seen).zero_()
+            row.narrow(1, seen + 1, start - seen).zero_()  # (start < window: the window holds the new token)
         elif start < seen:
-            row.narrow(1, start + 1, min(seen, window - 1) - start).fill_(torch.finfo(self.mask_dtype).min)
+            row.narrow(1, start + 1, seen - start).fill_(torch.finfo(self.mask_dtype).min)
         self._rows[window] = (row, start)
         return row
 

@@ -31,8 +31,7 @@ class GrowingText:
         n = len(self._ids)
         text = whole = None
         if n and len(ids) >= n and ids[:n] == self._ids:
-            if self._tail is None or not (self.CONTEXT <= n - self._anchor <= self.SPAN or self._anchor == 0 < n
-                                          <= self.SPAN):
+            if self._tail is None or not self._tail_fits(n):
                 self._anchor = max(0, n - self.CONTEXT)
                 self._tail = self._decode(self._ids[self._anchor:])
             whole = self._decode(ids[self._anchor:])
@@ -44,3 +43,9 @@ class GrowingText:
             self._ids, self._text = ids, text
             self._tail = whole  # None (a full decode): the next call starts a tail
         return text
+
+    def _tail_fits(self, n: int) -> bool:
+        """Whether the kept tail still starts CONTEXT to SPAN tokens before the end of the `n`
+        kept ids (or at their start, while they are fewer)."""
+        before = n - self._anchor
+        return before <= self.SPAN and (before >= self.CONTEXT or self._anchor == 0)
