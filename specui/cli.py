@@ -182,10 +182,10 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
         raise SpecUIError(f"method '{settings.method}' needs a draft model; drop --draft none")
     progress = print_progress if target.stand_in else None  # a stand-in takes a while to build
     pair = load_pair(target, draft, head=args.specdec_head, decision=args.mcsd_decision, progress=progress,
-                     speculate=METHODS[settings.method].uses_draft)
+                     speculate=METHODS[settings.method].uses_draft, capture=args.capture)
     if progress:
         progress(1.0, f"target: stand-in {target.stand_in} ready")
-    pair.capture, pair.context = args.capture, args.context
+    pair.context = args.context
     if settings.method == "specdec++" and pair.head.head is None:
         raise SpecUIError(f"specdec++ needs an acceptance head: {pair.head.problem}")
     for note in pair.notes:

@@ -6,7 +6,9 @@ for the pair's target and draft, one token at a time; the choice is recorded for
 
 Each thread count the app may run with is measured and recorded (every core, and one fewer: the
 app leaves a core to a browser on the same machine when that measures faster), unless
-`--threads N` names one.
+`--threads N` names one. With `--quantization auto` (the default) among several options, the
+target's options are also compiled and timed side by side first, and the winner recorded for
+every later load with `--capture auto` (specui.service.captured_quantization).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from specui.bench.run import common_parser
-from specui.engine.capture_choice import cache_file, measure
+from specui.engine.capture_choice import cache_file, choice_key, measure, read
 from specui.engine.profile import cpu_model
+from specui.service import captured_quantization
 from specui.service.pair import default_draft_source, load_pair
 from specui.weights.loading import ModelSpec
 
@@ -32,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
     pair = load_pair(target, draft)
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {cores} cores")
+    joint = captured_quantization.pending(pair.target, "auto")
+    if joint:  # at the threads the load measured its options with (the quantization record's)
+        chosen = captured_quantization.measure(pair.target)
+        if chosen is not None and chosen != pair.target.spec.quantization:
+            print(f"the next load with --capture auto loads the target with {chosen} "
+                  f"(this run's rows below are {pair.target.spec.quantization}'s)")
     print(f"{'model':8} {'dtype':10} {'threads':>7} {'eager ms/token':>15} {'compiled ms/token':>18} "
           f"{'grouped attention':>18} {'compile s':>10}  auto chooses")
     for threads in counts:
@@ -39,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         for role, loaded in (("target", pair.target), ("draft", pair.draft)):
             if loaded is None:
                 continue
-            entry = measure(loaded.model)
+            timed = joint and role == "target" and threads == cores  # just measured, recorded
+            entry = read()[choice_key(loaded.model)] if timed else measure(loaded.model)
             grouped = entry["ms"].get("on+grouped")
             chosen = entry["choice"] + (", grouped attention" if entry["choice"] == "on" and
                                         entry["attention"] == "grouped" else "")

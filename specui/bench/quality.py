@@ -167,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
-    pair = load_pair(target, target.with_source(draft_src))
-    pair.capture = args.capture
-    measure_capture_here(pair)
+    pair = load_pair(target, target.with_source(draft_src), capture=args.capture)
+    pair = measure_capture_here(pair, lambda: load_pair(target, target.with_source(draft_src), capture=args.capture))
     prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)
     header = (f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device "
               f"{pair.target.device}; target {pair.target.label} ({pair.target.model.dtype}); draft {pair.draft.label} "

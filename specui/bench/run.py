@@ -50,6 +50,7 @@ from specui.engine import calibration, capture_choice
 from specui.engine.capture import CAPTURES
 from specui.engine.engine import unmeasured_capture
 from specui.engine.profile import cpu_model
+from specui.service import captured_quantization
 from specui.service.pair import ModelPair, default_draft_source, load_pair, pair_with_draft
 from specui.settings import ChatSettings
 from specui.weights.loading import BUNDLED, ModelSpec
@@ -225,8 +226,8 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     draft = None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device)
-    pair = load_pair(target, draft)
-    pair.capture = args.capture.split(",")[0]
+    capture = args.capture.split(",")[0]
+    pair = load_pair(target, draft, capture=capture)
     tok = pair.target.tokenizer
     prompts = bench_prompts(tok, args.prompts, args.limit)
     device = str(pair.target.device)
@@ -241,7 +242,7 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
         print(note)
     if pair.draft is not None and pair.head.head is None:
         print(f"specdec++: {pair.head.problem}")
-    measure_capture_here(pair)
+    pair = measure_capture_here(pair, lambda: load_pair(target, draft, capture=capture))
     costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
     print(costs.note)
     if costs.profile is not None:
@@ -251,8 +252,12 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     return pair, prompts
 
 
-def measure_capture_here(pair: ModelPair) -> None:
-    """`--capture auto` (the pair's) and no record on this machine for a model: measured here, on the thread
+def measure_capture_here(pair: ModelPair, reload: Callable[[], ModelPair] | None = None) -> ModelPair:
+    """The pair to bench (`reload()`: the same pair loaded again, made when the target's
+    quantization changes). With `--quantization auto` among several options and no record of
+    them as captured forwards run, each is compiled and timed here first, side by side, and the
+    record's winner reloaded (specui.service.captured_quantization).
+    `--capture auto` (the pair's) and no record on this machine for a model: measured here, on the thread
     the rows decode on, before any row's engine would measure it in the background. A measuring
     thread's forwards run beside this thread's OpenMP team, and with more libgomp threads than
     cores libgomp all but stops spinning its workers between parallel regions: on a 2-core Zen 4
@@ -260,7 +265,15 @@ def measure_capture_here(pair: ModelPair) -> None:
     that had decoded (compiled 26-28 against 10.8), so a record made in the background says less
     about the rows than one made here (`python -m specui.bench.capture` does the same)."""
     if not calibration.enabled():
-        return
+        return pair
+    if captured_quantization.pending(pair.target, pair.capture):
+        print("target: quantization auto has no record of its options as captured forwards run; compiling and "
+              "timing each here (a minute or more each)", flush=True)
+        chosen = captured_quantization.measure(pair.target, lambda line: print(line, flush=True))
+        if chosen is not None and chosen != pair.target.spec.quantization and reload is not None:
+            pair = reload()
+            for note in pair.target.notes:
+                print(note)
     for role, loaded in (("target", pair.target), ("draft", pair.draft)):
         model = None if loaded is None else loaded.model
         if model is None or not unmeasured_capture(pair.capture, model):
@@ -270,6 +283,7 @@ def measure_capture_here(pair: ModelPair) -> None:
         entry = capture_choice.measure(model)
         print(f"{role}: eager {entry['ms']['off']:.2f} ms a token, compiled {entry['ms']['on']:.2f} "
               f"({entry['compile_s']:.0f} s to compile): `--capture auto` runs {entry['choice']}", flush=True)
+    return pair
 
 
 def other_draft_rows(args: argparse.Namespace, pair: ModelPair) -> list[Row]:

@@ -92,9 +92,9 @@ class ChatService:
         if progress:
             progress(0.1, f"loading target {target.source}")
         pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))
-                         if progress else None, head=choice.head, decision=choice.decision,
+                         if progress else None, head=choice.head, decision=choice.decision, capture=choice.capture,
                          progress=(lambda f, what: progress(0.1 + 0.5 * f, what)) if progress else None)
-        pair.capture, pair.context = choice.capture, self.pair.context  # --context is the app's: kept across loads
+        pair.context = self.pair.context  # --context is the app's: kept across loads
         engine = pair.engine()
         engine.use_model_thread(self.model_thread)
         self._hook_long_threads(pair)

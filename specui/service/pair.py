@@ -173,7 +173,7 @@ class ModelPair:
 
 
 def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None, head: str = "default",
-              decision: str = "default", progress=None, speculate: bool = True) -> ModelPair:
+              decision: str = "default", progress=None, speculate: bool = True, capture: str = "auto") -> ModelPair:
     """Load the target, then the draft on the same device; the draft must share the
     target's tokenizer; then the draft's SpecDec++ acceptance head (see head_folder; a
     head that cannot be used is recorded, not raised). Raises SpecUIError (and loads
@@ -181,11 +181,14 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
     parts (a stand-in built, matrices quantized). With target quantization auto and a draft,
     `speculate` (the methods to come use the draft) makes quantization and method one choice
     (specui.service.joint): the target may be reloaded with the option that commits more
-    tokens per second with speculation."""
-    loaded_target = load_model(target, role="target", progress=progress)
+    tokens per second with speculation. `capture` (the pair's engines' forwards: auto / on / off)
+    is the pair's, and with quantization auto the target's option is chosen as those run
+    (specui.service.captured_quantization), where that was measured on this machine."""
+    loaded_target = load_model(target, role="target", progress=progress, capture=capture)
     if on_target_loaded is not None:
         on_target_loaded()
     pair = pair_with_draft(loaded_target, draft, head, decision)
+    pair.capture = capture
     verdict = choose_with_draft(pair, draft, progress) if speculate and draft is not None else None
     if verdict is None:
         return pair
@@ -206,7 +209,9 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
         reloaded = load_concrete(replace(target, quantization=first), "target", notes + (why,),
                                  gguf_source(target), progress)
     reloaded.options = options
-    return pair_with_draft(reloaded, draft, head, decision)
+    pair = pair_with_draft(reloaded, draft, head, decision)
+    pair.capture = capture
+    return pair
 
 
 def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "default",

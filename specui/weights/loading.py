@@ -37,18 +37,21 @@ __all__ = [
 ]
 
 
-def load_model(spec: ModelSpec, role: str = "model", progress: Progress | None = None) -> LoadedModel:
+def load_model(spec: ModelSpec, role: str = "model", progress: Progress | None = None,
+               capture: str = "auto") -> LoadedModel:
     """Load one model and its tokenizer as `spec` says (`role` names it in notes).
     Quantization `auto` becomes the one candidate there is, or the fastest of several as
-    measured on this machine (specui.weights.quant_choice; cached). `progress(fraction, what)`
-    hears the slow parts of the load."""
+    measured on this machine (specui.weights.quant_choice; cached; `capture`, the forwards the
+    engines will run, auto / on / off: as those run, where that was measured).
+    `progress(fraction, what)` hears the slow parts of the load."""
     if spec.quantization != "auto":
         return load_concrete(spec, role, progress=progress)
     source = gguf_source(spec)
     types = source.types if source is not None and source.types else None
     candidates, note = auto_candidates(spec, resolve_device(spec.device), types, role)
     if len(candidates) > 1:
-        return choose_quantization(spec, candidates, note or "", role, source=source, progress=progress)
+        return choose_quantization(spec, candidates, note or "", role, source=source, progress=progress,
+                                   capture=capture)
     return load_concrete(replace(spec, quantization=candidates[0]), role, (note,) if note else (), source, progress)
 
 

@@ -55,6 +55,10 @@ class OptionCost:
     dtype: str = ""  # what the rest of the model computes in
     own_weights: bool = False  # computes with the model's own weights, not a new rounding of them
     problem: str = ""  # why it could not be loaded or measured here
+    # ms a token as `--capture auto` runs it (compiled where its capture record says so), timed
+    # beside the other options' (specui.service.captured_quantization); None: not measured
+    ms_captured: float | None = None
+    captured: str = ""  # how that ran: the capture record's kind (on, on+grouped, off)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,17 +118,84 @@ def _pick(costs: list[OptionCost]) -> OptionCost | None:
     return best
 
 
-def _cached(entry, candidates: tuple[str, ...]) -> tuple[str, list[OptionCost]] | None:
-    """A cache entry if it is well formed for these candidates, else None (re-measure)."""
+def _pick_captured(costs: list[OptionCost]) -> OptionCost | None:
+    """_pick() on the options' captured costs (those timed side by side)."""
+    best = None
+    for cost in costs:
+        if cost.ms_captured is not None and (best is None or cost.ms_captured < MARGIN * best.ms_captured):
+            best = cost
+    return best
+
+
+def _cached(entry, candidates: tuple[str, ...]) -> tuple[str, str | None, list[OptionCost]] | None:
+    """A cache entry if it is well formed for these candidates, else None (re-measure):
+    (the option chosen on eager timings, the one chosen as `--capture auto` runs them or None
+    where that was not measured, every option's costs)."""
     try:
         costs = [OptionCost(**c) for c in entry["costs"]]
         chosen = str(entry["chosen"])
         measured = {c.quantization for c in costs if c.ms_token is not None and float(c.ms_token) > 0}
+        captured = entry.get("captured")
+        timed = {c.quantization for c in costs if c.ms_captured is not None and float(c.ms_captured) > 0}
     except (KeyError, TypeError, AttributeError, ValueError):
         return None
     if chosen not in measured or not {c.quantization for c in costs} <= set(candidates):
         return None
-    return chosen, costs
+    return chosen, (captured if captured in timed else None), costs
+
+
+def captured_view(costs: list[OptionCost]) -> list[OptionCost]:
+    """The options as `--capture auto` runs them, for predictions made on one token's and four
+    tokens' costs (specui.service.joint): where an option was timed captured, its one token is
+    that time and its four tokens its eager four scaled by the same ratio (four tokens were not
+    timed compiled); the rest as measured eagerly."""
+    return [replace(c, ms_token=c.ms_captured, ms_four=round(c.ms_four * c.ms_captured / c.ms_token, 3))
+            if c.ms_captured and c.ms_token and c.ms_four else c for c in costs]
+
+
+def captured_note(role: str, chosen: str, costs: list[OptionCost]) -> str:
+    """e.g. "target quantization auto with --capture auto -> w4a8: 12.3 ms per token compiled
+    vs 14.1 ms with int4 (compiled) ..."."""
+    mine = next(c for c in costs if c.quantization == chosen)
+
+    def how(c: OptionCost) -> str:
+        return "eager" if c.captured == "off" else "compiled"
+
+    others = ", ".join(f"{c.ms_captured:.1f} ms with {c.quantization} ({how(c)})" for c in costs
+                       if c is not mine and c.ms_captured is not None)
+    eager = _pick(costs)
+    differs = f"; on eager forwards alone {eager.quantization} would be chosen" if eager and eager is not mine else ""
+    return (f"{role} quantization auto with --capture auto -> {chosen}: {mine.ms_captured:.1f} ms per token "
+            f"({how(mine)}) vs {others or 'nothing else timed'}, timed side by side on this machine{differs} "
+            f"(--capture off chooses on eager timings; --quantization {chosen} fixes it)")
+
+
+def record_captured(spec: ModelSpec, candidates: tuple[str, ...], timed: dict[str, tuple[float, str]],
+                    cache_file: Path | None = None) -> str | None:
+    """Record each option's ms a token as `--capture auto` runs it (`timed`: quantization -> (ms,
+    kind), the options timed side by side) in `spec`'s quantization record, and the option
+    `--capture auto` should load from now on; returns that option (None: no record to add to)."""
+    path = cache_file if cache_file is not None else default_cache_file()
+    cache = read_cache(path)
+    key = choice_key(spec, candidates)
+    if (hit := _cached(cache.get(key), candidates)) is None:
+        return None
+    costs = [replace(c, ms_captured=round(timed[c.quantization][0], 3), captured=timed[c.quantization][1])
+             if c.quantization in timed else replace(c, ms_captured=None, captured="") for c in hit[2]]
+    best = _pick_captured(costs)
+    if best is None:
+        return None
+    cache[key] = {**cache[key], "costs": [c.to_dict() for c in costs], "captured": best.quantization}
+    write_cache(path, cache)
+    return best.quantization
+
+
+def captured_pending(spec: ModelSpec, candidates: tuple[str, ...], cache_file: Path | None = None) -> bool:
+    """True where `spec`'s quantization record exists but has no choice made on captured
+    forwards yet (record_captured() would add one)."""
+    path = cache_file if cache_file is not None else default_cache_file()
+    hit = _cached(read_cache(path).get(choice_key(spec, candidates)), candidates)
+    return hit is not None and hit[1] is None
 
 
 def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], cached: bool) -> str:
@@ -145,15 +216,24 @@ def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], ca
 
 def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: str, role: str,
                         cache_file: Path | None = None, timer: Timer = time_model,
-                        source: GGUFSource | None = None, progress: Progress | None = None) -> LoadedModel:
+                        source: GGUFSource | None = None, progress: Progress | None = None,
+                        capture: str = "auto") -> LoadedModel:
     """Load `spec` with the fastest of `candidates` (most preferred first) as measured here,
-    or as the cache says; its notes say what was measured. `source`: the GGUF, if opened."""
+    or as the cache says; its notes say what was measured. `source`: the GGUF, if opened.
+    `capture` (auto / on / off, the engines' forwards): unless off, the option the record
+    chose as captured forwards run them, where it has one (record_captured()); its options
+    are then as they run (captured_view())."""
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
     key = choice_key(spec, candidates)
     if (hit := _cached(cache.get(key), candidates)) is not None:
-        chosen, costs = hit
-        note = choice_note(role, chosen, reason, costs, cached=True)
+        chosen, captured, costs = hit
+        if captured is not None and capture != "off":
+            note = captured_note(role, captured, costs)
+            loaded = load_concrete(replace(spec, quantization=captured), role, (note,), source, progress)
+            loaded.options = tuple(captured_view(costs))
+            return loaded
+        note = choice_note(role, chosen, reason, costs, cached=True) + _eager_only(capture)
         loaded = load_concrete(replace(spec, quantization=chosen), role, (note,), source, progress)
         loaded.options = tuple(costs)
         return loaded
@@ -180,9 +260,18 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
                           + "; ".join(f"{c.quantization}: {c.problem}" for c in costs))
     cache[key] = {"chosen": best.quantization, "costs": [c.to_dict() for c in costs], "measured": measured_stamp()}
     write_cache(path, cache)
-    kept.notes = (choice_note(role, best.quantization, reason, costs, cached=False),) + kept.notes
+    note = choice_note(role, best.quantization, reason, costs, cached=False) + _eager_only(capture)
+    kept.notes = (note,) + kept.notes
     kept.options = tuple(costs)
     return kept
+
+
+def _eager_only(capture: str) -> str:
+    """What a note adds where the choice was made on eager timings but forwards may be compiled."""
+    if capture == "off":
+        return ""
+    return (". Chosen on eager timings: compiled forwards may order the options otherwise "
+            "(`python -m specui.bench.capture` times them compiled, side by side, for later loads)")
 
 
 def _confirmed(*timed: tuple[OptionCost, torch.nn.Module], timer: Timer,

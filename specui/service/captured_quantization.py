@@ -1,0 +1,112 @@
+"""Quantization and capture as one choice (`--quantization auto` with `--capture auto` on a CPU).
+
+`--quantization auto` times each option's eager forwards when it loads
+(specui.weights.quant_choice), and `--capture auto` then runs compiled forwards where they
+measure faster (specui.engine.capture_choice). The two orders need not agree: on a 2-core Zen 4
+EPYC the bundled target's int4 and w4a8 options were a near tie eagerly (the choice flipped from
+load to load) while compiled, timed side by side in one process, w4a8 took 12.3 ms a token
+against int4's 14.1. So where a target's options have no captured record yet, each option
+within REACH of the fastest eager one is loaded, compiled and given its own capture record,
+then the options are timed side by side as `--capture auto` runs each, and the winner is
+recorded in the quantization record: every later load with capture on or auto loads it
+(`--capture off` keeps the eager choice). Done in the foreground by the benches and
+`python -m specui.bench.capture`; at most one extra copy of the target is in memory per option,
+and an option that would not fit in the memory left is skipped and said."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specui.engine import capture_choice
+from specui.engine.ragged import free_memory
+from specui.engine.timing import fastest_in_turns
+from specui.weights.concrete import load_concrete
+from specui.weights.loading import LoadedModel, gguf_source
+from specui.weights.quant_choice import captured_pending, record_captured
+
+REACH = 1.5  # an option whose eager token costs more than this times the fastest one's is not compiled
+ROUNDS = 3  # side-by-side rounds (each capture_choice.TOKENS tokens) of every option
+ROOM = 1.5  # an extra option loads only where the memory left holds this many times its weights
+
+
+def _auto_spec(target: LoadedModel):
+    return replace(target.spec, quantization="auto")
+
+
+def _candidates(target: LoadedModel) -> tuple[str, ...]:
+    """The options `--quantization auto` chose `target` among, most preferred first (its
+    options are listed in that order, those that could not run included)."""
+    return tuple(o.quantization for o in target.options)
+
+
+def pending(target: LoadedModel, capture: str, cache_file: Path | None = None) -> bool:
+    """True where `target` was loaded by `--quantization auto` among several measured options
+    on a CPU, `capture` is auto, and no option has yet been chosen as captured forwards run."""
+    if capture != "auto" or target.device.type != "cpu" or len([o for o in target.options if o.ms_token]) < 2:
+        return False
+    return captured_pending(_auto_spec(target), _candidates(target), cache_file)
+
+
+def run_kind(entry: dict) -> str:
+    """How `--capture auto` runs a model with this capture record: off, on, or on+grouped."""
+    if entry["choice"] == "off":
+        return "off"
+    return "on+grouped" if entry.get("attention") == "grouped" else "on"
+
+
+def _fits(weight_bytes: int | None) -> bool:
+    room = free_memory(torch.device("cpu"))
+    return room is None or weight_bytes is None or room >= ROOM * weight_bytes
+
+
+def measure(target: LoadedModel, say: Callable[[str], None] = print, cache_file: Path | None = None) -> str | None:
+    """Compile and time `target`'s quantization options side by side as `--capture auto` runs
+    them (module docstring); record the choice (in `cache_file`, the quantization record's);
+    return the option to load with captured forwards (None: nothing was recorded)."""
+    candidates = _candidates(target)
+    timed = _side_by_side(target, candidates, say)
+    gc.collect()  # the extra options' models and compiled forwards
+    if len(timed) < 2:
+        return None
+    chosen = record_captured(_auto_spec(target), candidates, timed, cache_file)
+    if chosen is not None:
+        say("target quantization auto with --capture auto: " + ", ".join(f"{q} {ms:.2f} ms a token" for q, (ms, _) in
+            timed.items()) + f", side by side: {chosen} loads with captured forwards from now on")
+    return chosen
+
+
+def _side_by_side(target: LoadedModel, candidates: tuple[str, ...],
+                  say: Callable[[str], None]) -> dict[str, tuple[float, str]]:
+    """{quantization: (its fastest ms a token over ROUNDS side-by-side rounds, how it ran)} for
+    each option within REACH that fits; each compiled and given its own capture record first."""
+    spec = _auto_spec(target)
+    source = gguf_source(spec)
+    costs = {o.quantization: o for o in target.options if o.ms_token}
+    fastest = min(o.ms_token for o in costs.values())
+    runs: dict[str, tuple[Callable[[], float], str]] = {}
+    for quantization in candidates:
+        option = costs.get(quantization)
+        if option is None or option.ms_token > REACH * fastest:
+            continue
+        if quantization == target.spec.quantization:
+            model = target.model
+        elif not _fits(option.weight_bytes):
+            say(f"target quantization {quantization}: not compiled to compare, the memory left would not hold it")
+            continue
+        else:
+            model = load_concrete(replace(spec, quantization=quantization), "target", source=source).model
+        kinds = capture_choice.prepare(model)
+        entry = capture_choice.decide(model, kinds)
+        kind = run_kind(entry)
+        runs[quantization] = (kinds[kind][0], kind)
+        say(f"target quantization {quantization}: eager {entry['ms']['off']:.2f} ms a token, compiled "
+            f"{entry['ms']['on']:.2f} ({entry['compile_s']:.0f} s to compile): `--capture auto` runs it {kind}")
+    if len(runs) < 2:
+        return {}
+    best = fastest_in_turns({q: timer for q, (timer, _) in runs.items()}, ROUNDS)
+    return {q: (best[q], kind) for q, (_, kind) in runs.items()}

@@ -1,0 +1,156 @@
+"""Quantization and capture as one choice: `--quantization auto`'s options timed side by side as
+`--capture auto` runs them, the winner recorded for later loads with capture on or auto
+(specui.service.captured_quantization, specui.weights.quant_choice)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny_model
+
+from specui.engine import capture_choice
+from specui.service import captured_quantization
+from specui.weights.loading import ModelSpec
+from specui.weights.quant_choice import captured_pending, choose_quantization, record_captured
+from specui.weights.quantize import Int8Linear
+
+CANDIDATES = ("int8", "none")
+
+
+def _kind(model: torch.nn.Module) -> str:
+    return "int8" if isinstance(model.model.layers[0].mlp.up_proj, Int8Linear) else "none"
+
+
+def _eager(ms: dict[str, float]):
+    return lambda model: (ms[_kind(model)], 1.5 * ms[_kind(model)])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("cq") / "m", seed=0, layers=1, hidden=64)
+
+
+def _load(folder, cache, capture="auto", ms=None):
+    spec = ModelSpec(str(folder), quantization="auto")
+    return choose_quantization(spec, CANDIDATES, "", "target", cache, _eager(ms or {"int8": 4.0, "none": 4.1}),
+                               capture=capture)
+
+
+def test_a_recorded_captured_choice_loads_with_capture_on_or_auto_and_the_eager_one_with_off(folder, tmp_path):
+    cache = tmp_path / "q.json"
+    spec = ModelSpec(str(folder), quantization="auto")
+    assert record_captured(spec, CANDIDATES, {"none": (3.0, "on")}, cache) is None  # no record to add to yet
+    first = _load(folder, cache)
+    assert first.spec.quantization == "int8"  # eagerly the preferred int8 (none is not 5% faster)
+    assert "Chosen on eager timings" in first.notes[0] and captured_pending(spec, CANDIDATES, cache)
+    assert "Chosen on eager timings" not in _load(folder, cache, "off").notes[0]
+
+    chosen = record_captured(spec, CANDIDATES, {"int8": (9.0, "on"), "none": (5.0, "on+grouped")}, cache)
+    assert chosen == "none" and not captured_pending(spec, CANDIDATES, cache)
+    entry = next(iter(json.loads(cache.read_text()).values()))
+    assert entry["chosen"] == "int8" and entry["captured"] == "none"  # the eager choice is kept beside it
+    for capture in ("auto", "on"):
+        loaded = _load(folder, cache, capture, ms={})  # read from the record: nothing is timed
+        assert loaded.spec.quantization == "none" and _kind(loaded.model) == "none"
+        assert loaded.notes[0].startswith("target quantization auto with --capture auto -> none: 5.0 ms per token "
+                                          "(compiled) vs 9.0 ms with int8 (compiled), timed side by side")
+        assert "on eager forwards alone int8 would be chosen" in loaded.notes[0]
+        # the options as they run: one token as timed captured, four scaled by the same ratio
+        options = {o.quantization: o for o in loaded.options}
+        assert options["none"].ms_token == 5.0 and options["none"].ms_four == pytest.approx(1.5 * 5.0)
+        assert options["int8"].ms_token == 9.0 and options["int8"].captured == "on"
+    off = _load(folder, cache, "off", ms={})
+    assert off.spec.quantization == "int8" and "read from the cache" in off.notes[0]
+    assert {o.quantization: o.ms_token for o in off.options} == {"int8": 4.0, "none": 4.1}
+
+
+def test_a_less_preferred_option_must_be_faster_by_the_margin_captured_too(folder, tmp_path):
+    cache = tmp_path / "q.json"
+    spec = ModelSpec(str(folder), quantization="auto")
+    _load(folder, cache)
+    assert record_captured(spec, CANDIDATES, {"int8": (5.0, "on"), "none": (4.9, "on")}, cache) == "int8"
+    assert _load(folder, cache, ms={}).spec.quantization == "int8"
+
+
+def test_a_captured_choice_the_record_does_not_back_is_ignored(folder, tmp_path):
+    cache = tmp_path / "q.json"
+    _load(folder, cache)
+    data = json.loads(cache.read_text())
+    for entry in data.values():
+        entry["captured"] = "none"  # no option was timed captured: a corrupt or hand-made entry
+    cache.write_text(json.dumps(data))
+    loaded = _load(folder, cache, ms={})
+    assert loaded.spec.quantization == "int8" and "read from the cache" in loaded.notes[0]
+
+
+def _fake_prepare(ms: dict[str, dict[str, float]], compiled: list[str]):
+    """capture_choice.prepare without compiling: each kind's round returns the ms given for the
+    model's quantization; records which models were prepared."""
+    def prepare(model, check=None):
+        compiled.append(_kind(model))
+        return {kind: ((lambda v=v: v), 0.5) for kind, v in ms[_kind(model)].items()}
+    return prepare
+
+
+def test_each_option_within_reach_is_compiled_recorded_and_timed_beside_the_rest(folder, tmp_path, monkeypatch):
+    cache = tmp_path / "q.json"
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
+    compiled: list[str] = []
+    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(
+        {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}}, compiled))
+    target = _load(folder, cache)
+    assert captured_quantization.pending(target, "auto", cache)
+    assert not captured_quantization.pending(target, "off", cache)  # eager forwards: the eager choice stands
+    said: list[str] = []
+    assert captured_quantization.measure(target, said.append, cache) == "none"
+    assert compiled == ["int8", "none"]  # the loaded option, and the other loaded to compare
+    assert said[-1] == ("target quantization auto with --capture auto: int8 9.00 ms a token, none 6.00 ms a token, "
+                        "side by side: none loads with captured forwards from now on")
+    assert not captured_quantization.pending(target, "auto", cache)
+    assert capture_choice.cached_choice(target.model) == "on"  # the loaded option's capture record too
+
+
+def test_an_option_far_slower_eagerly_or_without_room_is_not_compiled(folder, tmp_path, monkeypatch):
+    cache = tmp_path / "q.json"
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
+    compiled: list[str] = []
+    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(
+        {"int8": {"on": 3.0, "off": 4.0}, "none": {"on": 1.0, "off": 9.0}}, compiled))
+    target = _load(folder, cache, ms={"int8": 4.0, "none": 6.5})  # none beyond REACH (1.5x) of int8's 4.0
+    assert captured_quantization.measure(target, [].append, cache) is None and compiled == ["int8"]
+    assert captured_quantization.pending(target, "auto", cache)  # nothing to compare: still to be measured
+
+    compiled.clear()
+    monkeypatch.setattr(captured_quantization, "free_memory", lambda device: 1000)  # bytes: nothing fits
+    target = _load(folder, tmp_path / "r.json")
+    said: list[str] = []
+    assert captured_quantization.measure(target, said.append, tmp_path / "r.json") is None
+    assert compiled == ["int8"] and "not compiled to compare, the memory left would not hold it" in said[1]
+
+
+def test_a_bench_compares_the_options_first_and_benches_the_winner(folder, tmp_path, monkeypatch, capsys):
+    from specui.bench import run
+    from specui.engine import calibration
+    from specui.service.pair import ModelPair
+    from specui.weights import quant_choice
+
+    cache = tmp_path / "q.json"
+    monkeypatch.setattr(quant_choice, "default_cache_file", lambda: cache)
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
+    monkeypatch.setattr(calibration, "enabled", lambda: True)
+    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(
+        {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}}, []))
+    pair = ModelPair(_load(folder, cache), None)
+    reloads: list[ModelPair] = []
+
+    def reload() -> ModelPair:
+        reloads.append(ModelPair(_load(folder, cache, ms={}), None))
+        return reloads[-1]
+
+    benched = run.measure_capture_here(pair, reload)
+    assert reloads and benched is reloads[0] and benched.target.spec.quantization == "none"
+    out = capsys.readouterr().out
+    assert "compiling and timing each here" in out and "none loads with captured forwards from now on" in out
+    assert run.measure_capture_here(benched, reload) is benched and len(reloads) == 1  # recorded: nothing again
