@@ -30,7 +30,7 @@ from specui.weights.loading import LoadedModel, gguf_source
 from specui.weights.quant_choice import captured_pending, record_captured
 
 REACH = 1.5  # an option whose eager token costs more than this times the fastest one's is not compiled
-ROUNDS = 3  # side-by-side rounds (each capture_choice.TOKENS tokens) of every option
+ROUNDS = 5  # side-by-side rounds (each capture_choice.TOKENS tokens) of every option
 ROOM = 1.5  # an extra option loads only where the memory left holds this many times its weights
 
 
