@@ -94,12 +94,18 @@ def _fake_prepare(ms: dict[str, dict[str, float]], compiled: list[str]):
     return prepare
 
 
+def _compiles(monkeypatch, tmp_path, ms: dict[str, dict[str, float]]) -> list[str]:
+    """Capture records under tmp_path and _fake_prepare(ms) for capture_choice.prepare; the
+    quantizations prepared, in order."""
+    compiled: list[str] = []
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
+    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(ms, compiled))
+    return compiled
+
+
 def test_each_option_within_reach_is_compiled_recorded_and_timed_beside_the_rest(folder, tmp_path, monkeypatch):
     cache = tmp_path / "q.json"
-    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
-    compiled: list[str] = []
-    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(
-        {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}}, compiled))
+    compiled = _compiles(monkeypatch, tmp_path, {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}})
     target = _load(folder, cache)
     assert captured_quantization.pending(target, "auto", cache)
     assert not captured_quantization.pending(target, "off", cache)  # eager forwards: the eager choice stands
@@ -114,10 +120,7 @@ def test_each_option_within_reach_is_compiled_recorded_and_timed_beside_the_rest
 
 def test_an_option_far_slower_eagerly_or_without_room_is_not_compiled(folder, tmp_path, monkeypatch):
     cache = tmp_path / "q.json"
-    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
-    compiled: list[str] = []
-    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(
-        {"int8": {"on": 3.0, "off": 4.0}, "none": {"on": 1.0, "off": 9.0}}, compiled))
+    compiled = _compiles(monkeypatch, tmp_path, {"int8": {"on": 3.0, "off": 4.0}, "none": {"on": 1.0, "off": 9.0}})
     target = _load(folder, cache, ms={"int8": 4.0, "none": 6.5})  # none beyond REACH (1.5x) of int8's 4.0
     assert captured_quantization.measure(target, [].append, cache) is None and compiled == ["int8"]
     assert captured_quantization.pending(target, "auto", cache)  # nothing to compare: still to be measured
@@ -138,10 +141,8 @@ def test_a_bench_compares_the_options_first_and_benches_the_winner(folder, tmp_p
 
     cache = tmp_path / "q.json"
     monkeypatch.setattr(quant_choice, "default_cache_file", lambda: cache)
-    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
     monkeypatch.setattr(calibration, "enabled", lambda: True)
-    monkeypatch.setattr(capture_choice, "prepare", _fake_prepare(
-        {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}}, []))
+    _compiles(monkeypatch, tmp_path, {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}})
     pair = ModelPair(_load(folder, cache), None)
     reloads: list[ModelPair] = []
 
