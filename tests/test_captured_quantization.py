@@ -155,3 +155,60 @@ def test_a_bench_compares_the_options_first_and_benches_the_winner(folder, tmp_p
     out = capsys.readouterr().out
     assert "compiling and timing each here" in out and "none loads with captured forwards from now on" in out
     assert run.measure_capture_here(benched, reload) is benched and len(reloads) == 1  # recorded: nothing again
+
+
+class _ModelThread:
+    """A model thread that serves jobs one at a time and never has one waiting."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.jobs = ThreadPoolExecutor(1), 0
+
+    def submit(self, fn, *args):
+        self.jobs += 1
+        return self.pool.submit(fn, *args)
+
+    def waiting(self) -> bool:
+        return False
+
+
+def test_the_app_compares_the_options_in_the_background_on_its_model_thread(folder, tmp_path, monkeypatch):
+    from specui.engine import calibration
+    from specui.service.chat_service import ChatService
+    from specui.service.pair import ModelPair
+    from specui.weights import quant_choice
+
+    cache = tmp_path / "q.json"
+    monkeypatch.setattr(quant_choice, "default_cache_file", lambda: cache)
+    monkeypatch.setattr(capture_choice, "cache_file", lambda: tmp_path / "capture.json")
+    ms = {"int8": {"on": 13.0, "off": 9.0}, "none": {"on": 6.0, "off": 7.0}}  # int8 eager, none compiled
+    prepared: list[str] = []
+
+    def timers(model):
+        def make(kind):
+            def prepare(check):
+                prepared.append(f"{_kind(model)}|{kind}")
+                return (lambda: ms[_kind(model)][kind]), 0.1
+            return prepare
+        return {kind: make(kind) for kind in ("on", "off")}
+
+    monkeypatch.setattr(capture_choice, "timers", timers)
+    target = _load(folder, cache)  # int8, chosen eagerly
+    capture_choice.decide(target.model, {k: make(None) for k, make in timers(target.model).items()})
+    assert capture_choice.cached_choice(target.model) == "off"  # as the engine's own measurement would leave it
+    prepared.clear()
+    monkeypatch.setattr(calibration, "enabled", lambda: True)
+    service = ChatService(ModelPair(target, None))
+    assert service.comparison is None  # no model thread: the CLI compares nothing
+    model_thread = _ModelThread()
+    service.use_model_thread(model_thread)
+    assert service.comparison is not None and service.comparison.finished.wait(60)
+    assert service.comparison.line == ("quantization options, ms a token as captured forwards run them side by "
+                                       "side: int8 9.0, none 6.0; the next load uses none")
+    assert model_thread.jobs == 1  # the rounds were timed on the model thread, as one job
+    assert sorted(prepared) == ["int8|off", "none|off", "none|on"]  # the loaded option as the engine runs it
+    assert service.comparison.line in service.memory_report()
+    assert _load(folder, cache, ms={}).spec.quantization == "none"  # the next load
+    service.use_model_thread(model_thread)  # recorded now: nothing more to compare
+    assert service.comparison is None

@@ -10,19 +10,22 @@ within REACH of the fastest eager one is loaded, compiled and given its own capt
 then the options are timed side by side as `--capture auto` runs each, and the winner is
 recorded in the quantization record: every later load with capture on or auto loads it
 (`--capture off` keeps the eager choice). Done in the foreground by the benches and
-`python -m specui.bench.capture`; at most one extra copy of the target is in memory per option,
-and an option that would not fit in the memory left is skipped and said."""
+`python -m specui.bench.capture` (measure()), and by the app in the background (Comparison); at
+most one extra copy of the target is in memory per option, and an option that would not fit in
+the memory left is skipped and said."""
 
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specui.engine import capture_choice
+from specui.engine import calibration, capture_choice
+from specui.engine.giving_way import lowest_priority
 from specui.engine.ragged import free_memory
 from specui.engine.timing import fastest_in_turns
 from specui.weights.concrete import load_concrete
@@ -110,3 +113,110 @@ def _side_by_side(target: LoadedModel, candidates: tuple[str, ...],
         return {}
     best = fastest_in_turns({q: timer for q, (timer, _) in runs.items()}, ROUNDS)
     return {q: (best[q], kind) for q, (_, kind) in runs.items()}
+
+
+class Comparison:
+    """The app's measure(), in the background: once the pair's own background measurement and
+    compiles have settled, each other option within REACH that fits is loaded on a thread at
+    the lowest priority and measured as engine/calibration.py measures a model (each kind
+    compiled while no reply decodes; the rounds timed on the model thread, where replies decode,
+    while no job waits; a reply ends them and they are timed again); the last rounds time every
+    option side by side as `--capture auto` runs it, and the winner is recorded for the next
+    load (the loaded pair stays as it is). `line`: what it is doing or found, for the Model tab."""
+
+    def __init__(self, target: LoadedModel, engine, model_thread=None, cache_file: Path | None = None) -> None:
+        self.target, self.engine, self.model_thread, self.cache_file = target, engine, model_thread, cache_file
+        self.line = "quantization options: waiting for the background compiles to compare them compiled"
+        self.calibration: calibration.Calibration | None = None
+        self.finished = threading.Event()
+        self._alternatives: list[tuple[str, torch.nn.Module]] = []
+        self._current_kind = "off"  # how the engine runs the loaded option (its capture record's kind)
+        self._stopping = False
+
+    @classmethod
+    def maybe(cls, pair, engine, model_thread) -> Comparison | None:
+        """A started comparison where the app measures in the background and the pair's target
+        has options to compare as captured forwards run (pending()); else None."""
+        if model_thread is None or not calibration.enabled() or not pending(pair.target, pair.capture):
+            return None
+        return cls(pair.target, engine, model_thread).start()
+
+    def start(self) -> Comparison:
+        threading.Thread(target=self._run, name="specui-compare", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """The pair is replaced: compare nothing more."""
+        self._stopping = True
+        if self.calibration is not None:
+            self.calibration.cancel()
+
+    def _run(self) -> None:
+        lowest_priority()
+        try:
+            while not self._stopping and not self.engine.settle(timeout=1.0):
+                pass
+            current = capture_choice.read().get(capture_choice.choice_key(self.target.model))
+            if self._stopping or not isinstance(current, dict) or "choice" not in current:
+                return self._end("")
+            self._current_kind = run_kind(current)
+            self._alternatives = self._load()
+            if not self._alternatives:
+                return self._end("")
+            names = ", ".join(q for q, _ in self._alternatives)
+            self.line = f"quantization options: measuring {names} compiled in the background, to compare"
+            self.calibration = calibration.Calibration([("target options", self._alternatives[0][1])],
+                                                       self.engine.busy, (self._timers, self._decide), self._done)
+            self.calibration.run_on(self.model_thread)
+            self.calibration.start()
+        except Exception as e:  # noqa: BLE001 - the pair as loaded still works; the line says why
+            self._end(f"quantization options: not compared ({type(e).__name__}: {str(e)[:200]})")
+
+    def _load(self) -> list[tuple[str, torch.nn.Module]]:
+        """The other options within REACH that fit, loaded."""
+        spec = _auto_spec(self.target)
+        costs = [o for o in self.target.options if o.ms_token]
+        fastest = min(o.ms_token for o in costs)
+        loaded = []
+        for option in costs:
+            if (option.quantization == self.target.spec.quantization or option.ms_token > REACH * fastest
+                    or not _fits(option.weight_bytes) or self._stopping):
+                continue
+            loaded.append((option.quantization,
+                           load_concrete(replace(spec, quantization=option.quantization), "target").model))
+        return loaded
+
+    def _timers(self, _model) -> dict[str, Callable]:
+        """The calibration's kinds: the loaded option's as the engine runs it, every kind of the others."""
+        mine = self.target.spec.quantization
+        kinds = {f"{mine}|{self._current_kind}": capture_choice.timers(self.target.model)[self._current_kind]}
+        for quantization, model in self._alternatives:
+            kinds.update({f"{quantization}|{kind}": make for kind, make in capture_choice.timers(model).items()})
+        return kinds
+
+    def _decide(self, _model, kinds: dict) -> dict:
+        """On the model thread: each other option's capture record, then every option side by side."""
+        runs = {self.target.spec.quantization: self._current_kind}
+        for quantization, model in self._alternatives:
+            own = {name.split("|", 1)[1]: v for name, v in kinds.items() if name.startswith(quantization + "|")}
+            runs[quantization] = run_kind(capture_choice.decide(model, own))
+        best = fastest_in_turns({q: kinds[f"{q}|{kind}"][0] for q, kind in runs.items()}, ROUNDS)
+        timed = {q: (best[q], kind) for q, kind in runs.items()}
+        chosen = record_captured(_auto_spec(self.target), _candidates(self.target), timed, self.cache_file)
+        return {"choice": "off", "chosen": chosen, "ms": best}
+
+    def _done(self) -> None:
+        entry = self.calibration.entries.get("target options") if self.calibration is not None else None
+        if entry is None or entry.get("chosen") is None:
+            note = self.calibration.note if self.calibration is not None else ""
+            return self._end(f"quantization options: not compared ({note or 'stopped'})")
+        figures = ", ".join(f"{q} {ms:.1f}" for q, ms in entry["ms"].items())
+        mine, chosen = self.target.spec.quantization, entry["chosen"]
+        verdict = f"{chosen} kept" if chosen == mine else f"the next load uses {chosen}"
+        self._end(f"quantization options, ms a token as captured forwards run them side by side: {figures}; {verdict}")
+
+    def _end(self, line: str) -> None:
+        self.line = line
+        self._alternatives = []
+        gc.collect()
+        self.finished.set()

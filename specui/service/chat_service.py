@@ -4,51 +4,27 @@ Generation on the loaded pair; converts engine failures into user-facing message
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from specui.chat import Message, build_prompt, fit_last_message
-from specui.engine import METHODS, Generation, GenerationRequest, SamplingConfig, StepTrace, make_method
+from specui.engine import METHODS, Generation, GenerationRequest, StepTrace, make_method
 from specui.errors import SpecUIError
 from specui.service.batch_loop import DONE, BatchLoop, Request, Started
+from specui.service.captured_quantization import Comparison
 from specui.service.engine_process import INFO_FIELDS
 from specui.service.pair import ModelPair, load_pair, load_presets, pair_specs
 from specui.service.process_memory import release_freed_memory, rss_bytes
 from specui.service.reports import capture_line, options_report
-from specui.settings import ChatSettings, PairChoice, check_settings
+from specui.service.settings_check import method_params, sampling_config, validate_settings
+from specui.settings import ChatSettings, PairChoice
 from specui.weights.loading import DTYPES, QUANTIZATIONS
 from specui.weights.threads import use_long_threads
-
-
-def method_params(settings: ChatSettings) -> dict:
-    """The settings a method's constructor names (gamma=..., width=...)."""
-    if settings.method not in METHODS:
-        return {}
-    wanted = inspect.signature(METHODS[settings.method].__init__).parameters
-    return {k: v for k, v in asdict(settings).items() if k in wanted and k != "self"}
-
-
-def sampling_config(settings: ChatSettings) -> SamplingConfig:
-    return SamplingConfig(settings.temperature, settings.top_k, settings.top_p, settings.seed)
-
-
-def validate_settings(settings: ChatSettings, context_len: int | None = None) -> ChatSettings:
-    """The one validation of settings (UI, CLI and API): every field's type and range
-    (specui.settings.check_settings), then the method's own constructor. Returns the
-    normalised settings; raises SpecUIError naming the bad field."""
-    from specui.engine.methods.tree import STATIC_TREES
-
-    settings = check_settings(settings, METHODS, STATIC_TREES, context_len)
-    make_method(settings.method, **method_params(settings))
-    sampling_config(settings).validate()
-    return settings
 
 
 class ChatService:
@@ -60,6 +36,7 @@ class ChatService:
         self._batch_loop: BatchLoop | None = None
         self.gate = None  # a shared app's FairGate (specui.service.fair): whose turn it is; None: arrival order
         self.model_thread = None  # where replies decode (the app's MainThreadRunner), set by use_model_thread
+        self.comparison: Comparison | None = None  # the app's: the target's quantization options compared compiled
 
     def use_long_threads(self, threads: int | None) -> None:
         """Long inputs (prefills) of this pair, and of every pair loaded later, run with `threads`."""
@@ -77,6 +54,14 @@ class ChatService:
         measurement of this pair, and of every pair loaded later, times its rounds there."""
         self.model_thread = model_thread
         self.engine.use_model_thread(model_thread)
+        self._compare_options()
+
+    def _compare_options(self) -> None:
+        """The app (a model thread serves it) compares the loaded target's quantization options
+        as captured forwards run them, in the background, where that is still to be measured."""
+        if self.comparison is not None:
+            self.comparison.stop()
+        self.comparison = Comparison.maybe(self.pair, self.engine, self.model_thread)
 
     def batch_loop(self, submit) -> BatchLoop:
         """The one loop that decodes every ems-sd chat of the app together (made on first use;
@@ -104,6 +89,7 @@ class ChatService:
             old = self.engine
             self.pair, self.engine = pair, engine
         old.close()
+        self._compare_options()
         old.target.reset()
         if old.draft is not None:
             old.draft.reset()
@@ -149,6 +135,8 @@ class ChatService:
             parts.append(self.threads_note)
         parts.append("dtype " + "/".join(str(m.model.dtype).replace("torch.", "") for m in self.loaded))
         parts.append(capture_line(self.engine.capture_report()))
+        if self.comparison is not None and self.comparison.line:
+            parts.append(self.comparison.line)
         if torch.cuda.is_available():
             parts.append(f"GPU allocated {torch.cuda.memory_allocated() / mb:,.0f} MB "
                          f"(peak {torch.cuda.max_memory_allocated() / mb:,.0f} MB)")
