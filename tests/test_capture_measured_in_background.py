@@ -426,3 +426,33 @@ def test_a_cancelled_measurement_does_not_wait_for_a_model_thread_that_never_ser
     measured.cancel()
     assert measured.wait(WAIT_S) and measured.entries == {}
     assert calibration.measuring(model) is None
+
+
+def test_rounds_that_replies_keep_ending_are_kept_so_the_measurement_finishes(record, monkeypatch):
+    """Replies a few seconds apart each ended the timed rounds; timed again from the first round,
+    three kinds of ROUNDS rounds never fit between two replies. Each round a reply did not end
+    is kept: here a reply ends the rounds after every two, and each round is still timed once."""
+    busy = threading.Event()
+    state = {"since": 0, "timed": 0}
+
+    def timers(model):
+        def kind(ms: float):
+            def make(check):
+                def one_round() -> float:
+                    if state["since"] == 2:  # a reply starts: this round is ended
+                        state["since"] = 0
+                        busy.set()
+                        threading.Timer(0.05, busy.clear).start()
+                    check()
+                    state["since"] += 1
+                    state["timed"] += 1
+                    return ms
+                return one_round, 0.0
+            return make
+        return {"on": kind(1.0), "on+grouped": kind(1.5), "off": kind(2.0)}
+
+    monkeypatch.setattr(capture_choice, "timers", timers)
+    measured = calibration.Calibration([("target", tiny_llama(0, layers=1, dtype=torch.float32))], busy.is_set)
+    assert measured.start().wait(WAIT_S) and measured.state == "done"
+    assert state["timed"] == 3 * capture_choice.ROUNDS and measured.interrupted >= 4
+    assert measured.entries["target"]["ms"] == {"on": 1.0, "on+grouped": 1.5, "off": 2.0}

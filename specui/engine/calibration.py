@@ -255,7 +255,10 @@ class Calibration:
 
     def _timed(self, model: PreTrainedModel) -> dict:
         """decide() on the prepared kinds: on the model thread where one serves (waited for
-        here; a job that queues behind it ends it, check()), else on this thread."""
+        here; a job that queues behind it ends it, check()), else on this thread. The rounds a
+        reply did not end are kept (Remembered): timed again, decide() goes on from there."""
+        for one_round, _ in self._kinds.values():
+            one_round.rewind()
         model_thread = self.model_thread
         if model_thread is None:
             return self.decide(model, self._kinds)
@@ -284,7 +287,8 @@ class Calibration:
         try:
             # kernels for the pair's thread count (inductor reads this thread's at compile time)
             with torch._inductor.config.patch({"cpp.threads": self.threads}), torch.inference_mode():
-                self._kinds[kind] = make(self._past_the_compile)
+                one_round, first = make(self._past_the_compile)
+                self._kinds[kind] = (Remembered(one_round), first)
         finally:
             self._compiling = False
             sys.setprofile(None)
@@ -306,6 +310,28 @@ class Calibration:
                 on_done()
             else:  # on a fresh thread: this one ran forwards (an OpenMP team), and on_done may wait for a reply
                 threading.Thread(target=on_done, name="specui-measure", daemon=True).start()
+
+
+class Remembered:
+    """A kind's round timer whose results outlive an interrupted timing: called again after
+    rewind(), it returns the rounds already timed, in order, and times only the rest. Without it
+    every timing started from the first round, and with replies a few seconds apart the rounds
+    never finished (the app's int4 target, three kinds of 3 rounds: longer than the quiet
+    between a chat client's replies every 4 s, measured for 7 minutes without a record)."""
+
+    def __init__(self, one_round: Callable[[], float]) -> None:
+        self.one_round, self.results, self.calls = one_round, [], 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls <= len(self.results):
+            return self.results[self.calls - 1]
+        ms = self.one_round()  # a reply ends it here (Stopped): this round is not kept
+        self.results.append(ms)
+        return ms
+
+    def rewind(self) -> None:
+        self.calls = 0
 
 
 def measuring(model: PreTrainedModel) -> Calibration | None:

@@ -17,6 +17,7 @@ the memory left is skipped and said."""
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,7 +33,7 @@ from specui.weights.concrete import load_concrete
 from specui.weights.loading import LoadedModel, gguf_source
 from specui.weights.quant_choice import captured_pending, record_captured
 
-REACH = 1.5  # an option whose eager token costs more than this times the fastest one's is not compiled
+REACH = 2.0  # an option whose eager token costs more than this times the fastest one's is not compiled
 ROUNDS = 5  # side-by-side rounds (each capture_choice.TOKENS tokens) of every option
 ROOM = 1.5  # an extra option loads only where the memory left holds this many times its weights
 
@@ -217,6 +218,8 @@ class Comparison:
 
     def _end(self, line: str) -> None:
         self.line = line
+        if line:
+            logging.getLogger("specui").info(line)  # the app's log (stderr)
         self._alternatives = []
         gc.collect()
         self.finished.set()
