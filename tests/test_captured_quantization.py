@@ -209,6 +209,10 @@ def test_the_app_compares_the_options_in_the_background_on_its_model_thread(fold
     assert model_thread.jobs == 1  # the rounds were timed on the model thread, as one job
     assert sorted(prepared) == ["int8|off", "none|off", "none|on"]  # the loaded option as the engine runs it
     assert service.comparison.line in service.memory_report()
+    assert service.compiles_quiet_s() is not None  # the page's memory line stops refreshing soon after
+    running, service.comparison = service.comparison, captured_quantization.Comparison(target, service.engine)
+    assert service.compiles_quiet_s() is None  # while a comparison runs, the memory line keeps refreshing
+    service.comparison = running
     assert _load(folder, cache, ms={}).spec.quantization == "none"  # the next load
     service.use_model_thread(model_thread)  # recorded now: nothing more to compare
     assert service.comparison is None

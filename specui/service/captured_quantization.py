@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from specui.engine import calibration, capture_choice
 from specui.engine.giving_way import lowest_priority
 from specui.engine.ragged import free_memory
 from specui.engine.timing import fastest_in_turns
+from specui.service.process_memory import release_freed_memory
 from specui.weights.concrete import load_concrete
 from specui.weights.loading import LoadedModel, gguf_source
 from specui.weights.quant_choice import captured_pending, record_captured
@@ -130,6 +132,7 @@ class Comparison:
         self.line = "quantization options: waiting for the background compiles to compare them compiled"
         self.calibration: calibration.Calibration | None = None
         self.finished = threading.Event()
+        self.finished_at = 0.0  # time.monotonic() when it finished
         self._alternatives: list[tuple[str, torch.nn.Module]] = []
         self._current_kind = "off"  # how the engine runs the loaded option (its capture record's kind)
         self._stopping = False
@@ -222,4 +225,6 @@ class Comparison:
             logging.getLogger("specui").info(line)  # the app's log (stderr)
         self._alternatives = []
         gc.collect()
+        release_freed_memory()  # the other options' weights and compiled forwards
+        self.finished_at = time.monotonic()
         self.finished.set()

@@ -176,8 +176,12 @@ class ChatService:
         self.engine.settle()
 
     def compiles_quiet_s(self) -> float | None:
-        """Seconds since the background compiles last settled; None while they run."""
-        return time.monotonic() - self.engine.settled_at() if self.engine.settled() else None
+        """Seconds since the background compiles (and the quantization options' comparison)
+        last settled; None while they run."""
+        comparison = self.comparison
+        if not self.engine.settled() or (comparison is not None and not comparison.finished.is_set()):
+            return None
+        return time.monotonic() - max(self.engine.settled_at(), comparison.finished_at if comparison else 0.0)
 
     @property
     def loaded(self) -> list:

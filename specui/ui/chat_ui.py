@@ -233,6 +233,8 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
             demo.load(page.role_view, None, [role_note, model_note, *(parts[n] for n in MODEL_CONTROLS + MODEL_BUTTONS),
                                              memory, controls["max_new_tokens"], controls["replies"]],
                       queue=False, **hidden)
+        else:  # the memory line as it is now, not as it was when the page was built (a measurement may have ended)
+            demo.load(page.memory_view, None, memory, queue=False, **hidden)
         api = ChatAPI(page)
         gr.api(api.chat, api_name="chat", **engine)
         gr.api(api.load_models, api_name="load_models", **engine)

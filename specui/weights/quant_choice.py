@@ -270,8 +270,9 @@ def _eager_only(capture: str) -> str:
     """What a note adds where the choice was made on eager timings but forwards may be compiled."""
     if capture == "off":
         return ""
-    return (". Chosen on eager timings: compiled forwards may order the options otherwise "
-            "(`python -m specui.bench.capture` times them compiled, side by side, for later loads)")
+    return (". Chosen on eager timings: compiled forwards may order the options otherwise (the app times "
+            "them compiled, side by side, in the background, `python -m specui.bench.capture` in the "
+            "foreground; later loads read it)")
 
 
 def _confirmed(*timed: tuple[OptionCost, torch.nn.Module], timer: Timer,
