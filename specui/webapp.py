@@ -93,7 +93,9 @@ def _service(args: argparse.Namespace) -> tuple[ChatService, ThreadChoice]:
 
 def engine_service(args: argparse.Namespace) -> ChatService:
     """The app's ChatService, made where the engine runs (this process, or the engine's own:
-    specui.service.engine_process), with its thread count said (launch has checked the flags)."""
+    specui.service.engine_process), with its thread count said (launch has checked the flags), and
+    its log lines on stderr (the engine's own process logs too: e.g. the quantization options compared)."""
+    _log_to_stderr()
     service, threads = _service(args)
     service.threads_note = f"torch threads: {threads.reason}"
     print(service.threads_note, file=sys.stderr)
