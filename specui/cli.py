@@ -216,7 +216,7 @@ def run_quantization_options(args: argparse.Namespace) -> int:
     if draft is not None:  # the Model tab's table: each option also predicted with this draft
         from specui.service.reports import options_report
 
-        table, costs = options_report(load_pair(target, draft, speculate=False), print_progress)
+        table, costs = options_report(load_pair(target, draft, speculate=False, capture=args.capture), print_progress)
         print_progress(1.0, "done")
         print(f"{target.source}: {table}")
         return 0 if any(c.ms_token is not None for c in costs) else 1

@@ -133,7 +133,7 @@ def test_an_option_far_slower_eagerly_or_without_room_is_not_compiled(folder, tm
     assert compiled == ["int8"] and "not compiled to compare, the memory left would not hold it" in said[1]
 
 
-def test_a_bench_compares_the_options_first_and_benches_the_winner(folder, tmp_path, monkeypatch, capsys):
+def test_a_bench_compares_the_options_first_and_says_when_to_load_the_winner(folder, tmp_path, monkeypatch, capsys):
     from specui.bench import run
     from specui.engine import calibration
     from specui.service.pair import ModelPair
@@ -144,17 +144,14 @@ def test_a_bench_compares_the_options_first_and_benches_the_winner(folder, tmp_p
     monkeypatch.setattr(calibration, "enabled", lambda: True)
     _compiles(monkeypatch, tmp_path, {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}})
     pair = ModelPair(_load(folder, cache), None)
-    reloads: list[ModelPair] = []
-
-    def reload() -> ModelPair:
-        reloads.append(ModelPair(_load(folder, cache, ms={}), None))
-        return reloads[-1]
-
-    benched = run.measure_capture_here(pair, reload)
-    assert reloads and benched is reloads[0] and benched.target.spec.quantization == "none"
+    assert run.compare_quantizations_here(pair)  # none won: the bench loads the pair again
     out = capsys.readouterr().out
     assert "compiling and timing each here" in out and "none loads with captured forwards from now on" in out
-    assert run.measure_capture_here(benched, reload) is benched and len(reloads) == 1  # recorded: nothing again
+    again = ModelPair(_load(folder, cache, ms={}), None)  # what the bench's load then gets
+    assert again.target.spec.quantization == "none"
+    assert not run.compare_quantizations_here(again) and not run.compare_quantizations_here(pair)  # recorded
+    # eager rows: the eager choice stands, nothing to compare
+    assert not run.compare_quantizations_here(ModelPair(_load(folder, tmp_path / "fresh.json"), None, capture="off"))
 
 
 class _ModelThread:
@@ -216,3 +213,39 @@ def test_the_app_compares_the_options_in_the_background_on_its_model_thread(fold
     assert _load(folder, cache, ms={}).spec.quantization == "none"  # the next load
     service.use_model_thread(model_thread)  # recorded now: nothing more to compare
     assert service.comparison is None
+
+
+def test_the_loads_record_gets_the_choice_when_the_thread_count_changes_after_the_load(folder, tmp_path, monkeypatch):
+    """The app loads on torch's default thread count and then picks its own (one fewer beside a
+    local browser): the quantization record is the load's, so the next start reads the winner."""
+    cache = tmp_path / "q.json"
+    _compiles(monkeypatch, tmp_path, {"int8": {"on": 9.0, "off": 12.0}, "none": {"on": 6.0, "off": 7.0}})
+    threads = torch.get_num_threads()
+    target = _load(folder, cache)
+    torch.set_num_threads(threads + 1)
+    try:
+        assert captured_quantization.pending(target, "auto", cache)
+        assert captured_quantization.measure(target, [].append, cache) == "none"
+    finally:
+        torch.set_num_threads(threads)
+    assert _load(folder, cache, ms={}).spec.quantization == "none"
+
+
+def test_a_kind_named_for_its_option_compiles_under_the_pause_hook():
+    """The comparison names its kinds "<option>|<kind>": a compiled one must still pause while a
+    reply decodes (and end when the comparison stops), as the engine's own kinds do."""
+    from conftest import tiny_llama
+
+    from specui.engine import calibration
+
+    measured = calibration.Calibration([("target options", tiny_llama(0, layers=1, dtype=torch.float32))],
+                                       lambda: False)
+    seen: list[bool] = []
+
+    def make(check):
+        seen.append(measured._compiling)
+        return (lambda: 1.0), 0.0
+
+    for kind in ("int8|on", "int8|on+grouped", "int8|off", "on", "off"):
+        measured._prepare(kind, make)
+    assert seen == [True, True, False, True, False]

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             if loaded is None:
                 continue
             timed = joint and role == "target" and threads == cores  # just measured, recorded
-            entry = read()[choice_key(loaded.model)] if timed else measure(loaded.model)
+            entry = (read().get(choice_key(loaded.model)) if timed else None) or measure(loaded.model)
             grouped = entry["ms"].get("on+grouped")
             chosen = entry["choice"] + (", grouped attention" if entry["choice"] == "on" and
                                         entry["attention"] == "grouped" else "")

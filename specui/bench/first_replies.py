@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="specui-inductor-")
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
-    pair = load_pair(target, None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device))
+    pair = load_pair(target, None if args.draft == "none" else ModelSpec(draft_src, args.dtype, args.device),
+                     capture=args.capture)
     if args.forget:
         for loaded in (pair.target, pair.draft):
             if loaded is not None:

@@ -23,7 +23,15 @@ import torch
 
 from specui.bench.png import save_figure
 from specui.bench.prompts import HELDOUT
-from specui.bench.run import Row, bench_prompts, measure_capture_here, ours, settle_all, warm_up
+from specui.bench.run import (
+    Row,
+    bench_prompts,
+    compare_quantizations_here,
+    measure_capture_here,
+    ours,
+    settle_all,
+    warm_up,
+)
 from specui.engine import make_method
 from specui.engine.capture import CAPTURES
 from specui.engine.profile import cpu_model
@@ -168,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
     pair = load_pair(target, target.with_source(draft_src), capture=args.capture)
-    pair = measure_capture_here(pair, lambda: load_pair(target, target.with_source(draft_src), capture=args.capture))
+    if compare_quantizations_here(pair):
+        del pair  # at most one target in memory
+        pair = load_pair(target, target.with_source(draft_src), capture=args.capture)
+    measure_capture_here(pair)
     prompts = bench_prompts(pair.target.tokenizer, args.prompts, args.limit)
     header = (f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; device "
               f"{pair.target.device}; target {pair.target.label} ({pair.target.model.dtype}); draft {pair.draft.label} "

@@ -23,6 +23,7 @@ the prompts, prints the tables and holds the command line shared by the other be
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 from collections.abc import Callable
@@ -58,7 +59,7 @@ from specui.weights.loading import BUNDLED, ModelSpec
 __all__ = [
     "AR", "PARAM_OF", "Row", "Sample", "assistant_schedule", "bench", "bench_prompts", "common_parser", "correlation",
     "load_bench", "main", "make_rows", "ours", "other_draft_rows", "out_folder", "parse_method", "table",
-    "target_dtype", "to_json", "transformers_generate",
+    "target_dtype", "to_json", "transformers_generate", "compare_quantizations_here",
 ]
 
 
@@ -242,7 +243,12 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
         print(note)
     if pair.draft is not None and pair.head.head is None:
         print(f"specdec++: {pair.head.problem}")
-    pair = measure_capture_here(pair, lambda: load_pair(target, draft, capture=capture))
+    if compare_quantizations_here(pair):
+        del pair  # at most one target in memory
+        gc.collect()
+        pair = load_pair(target, draft, capture=capture)
+        print("\n".join(pair.target.notes))
+    measure_capture_here(pair)
     costs = pair.engine().ensure_profile()  # cached on disk: every engine below reads it
     print(costs.note)
     if costs.profile is not None:
@@ -252,12 +258,21 @@ def load_bench(args: argparse.Namespace) -> tuple[ModelPair, list[list[int]]]:
     return pair, prompts
 
 
-def measure_capture_here(pair: ModelPair, reload: Callable[[], ModelPair] | None = None) -> ModelPair:
-    """The pair to bench (`reload()`: the same pair loaded again, made when the target's
-    quantization changes). With `--quantization auto` among several options and no record of
-    them as captured forwards run, each is compiled and timed here first, side by side, and the
-    record's winner reloaded (specui.service.captured_quantization).
-    `--capture auto` (the pair's) and no record on this machine for a model: measured here, on the thread
+def compare_quantizations_here(pair: ModelPair) -> bool:
+    """With `--quantization auto` among several options and `--capture auto`, and no record of
+    the options as captured forwards run them: each compiled and timed here, side by side, the
+    winner recorded (specui.service.captured_quantization). True where that winner is not the
+    loaded option: the caller loads the pair again (dropping this one first), and gets it."""
+    if not calibration.enabled() or not captured_quantization.pending(pair.target, pair.capture):
+        return False
+    print("target: quantization auto has no record of its options as captured forwards run; compiling and "
+          "timing each here (a minute or more each)", flush=True)
+    chosen = captured_quantization.measure(pair.target, lambda line: print(line, flush=True))
+    return chosen is not None and chosen != pair.target.spec.quantization
+
+
+def measure_capture_here(pair: ModelPair) -> None:
+    """`--capture auto` (the pair's) and no record on this machine for a model: measured here, on the thread
     the rows decode on, before any row's engine would measure it in the background. A measuring
     thread's forwards run beside this thread's OpenMP team, and with more libgomp threads than
     cores libgomp all but stops spinning its workers between parallel regions: on a 2-core Zen 4
@@ -265,15 +280,7 @@ def measure_capture_here(pair: ModelPair, reload: Callable[[], ModelPair] | None
     that had decoded (compiled 26-28 against 10.8), so a record made in the background says less
     about the rows than one made here (`python -m specui.bench.capture` does the same)."""
     if not calibration.enabled():
-        return pair
-    if captured_quantization.pending(pair.target, pair.capture):
-        print("target: quantization auto has no record of its options as captured forwards run; compiling and "
-              "timing each here (a minute or more each)", flush=True)
-        chosen = captured_quantization.measure(pair.target, lambda line: print(line, flush=True))
-        if chosen is not None and chosen != pair.target.spec.quantization and reload is not None:
-            pair = reload()
-            for note in pair.target.notes:
-                print(note)
+        return
     for role, loaded in (("target", pair.target), ("draft", pair.draft)):
         model = None if loaded is None else loaded.model
         if model is None or not unmeasured_capture(pair.capture, model):
@@ -283,7 +290,6 @@ def measure_capture_here(pair: ModelPair, reload: Callable[[], ModelPair] | None
         entry = capture_choice.measure(model)
         print(f"{role}: eager {entry['ms']['off']:.2f} ms a token, compiled {entry['ms']['on']:.2f} "
               f"({entry['compile_s']:.0f} s to compile): `--capture auto` runs {entry['choice']}", flush=True)
-    return pair
 
 
 def other_draft_rows(args: argparse.Namespace, pair: ModelPair) -> list[Row]:

@@ -53,8 +53,7 @@ def direct(service, prompt: str, settings: ChatSettings) -> tuple[float, str, fl
 def bench_service(spec: ModelSpec, capture: str, threads: str) -> ChatService:
     """The engine's ChatService as the app makes it (with --threads auto) or on torch's default
     thread count; picklable, so the engine's own process can make it."""
-    pair = load_pair(spec, spec.with_source(default_draft_source()))
-    pair.capture = capture
+    pair = load_pair(spec, spec.with_source(default_draft_source()), capture=capture)
     if threads == "0":  # torch's default
         return ChatService(pair)
     service, choice = serve_pair(pair, True, 0 if threads == "auto" else int(threads))

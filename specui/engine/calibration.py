@@ -282,7 +282,7 @@ class Calibration:
         self._ident = threading.get_ident()
         # a compiled kind's first forward compiles: paused by replies; after it (and an eager
         # kind's every forward) the thread has an OpenMP team, so a reply ends it (check())
-        self._compiling = kind.startswith("on")
+        self._compiling = kind.rsplit("|", 1)[-1].startswith("on")  # (a kind may be named "<option>|on")
         sys.setprofile(self._hook)  # this thread only
         try:
             # kernels for the pair's thread count (inductor reads this thread's at compile time)

@@ -55,7 +55,7 @@ def pending(target: LoadedModel, capture: str, cache_file: Path | None = None) -
     on a CPU, `capture` is auto, and no option has yet been chosen as captured forwards run."""
     if capture != "auto" or target.device.type != "cpu" or len([o for o in target.options if o.ms_token]) < 2:
         return False
-    return captured_pending(_auto_spec(target), _candidates(target), cache_file)
+    return captured_pending(_auto_spec(target), _candidates(target), cache_file, target.options_key)
 
 
 def run_kind(entry: dict) -> str:
@@ -79,7 +79,7 @@ def measure(target: LoadedModel, say: Callable[[str], None] = print, cache_file:
     gc.collect()  # the extra options' models and compiled forwards
     if len(timed) < 2:
         return None
-    chosen = record_captured(_auto_spec(target), candidates, timed, cache_file)
+    chosen = record_captured(_auto_spec(target), candidates, timed, cache_file, target.options_key)
     if chosen is not None:
         say("target quantization auto with --capture auto: " + ", ".join(f"{q} {ms:.2f} ms a token" for q, (ms, _) in
             timed.items()) + f", side by side: {chosen} loads with captured forwards from now on")
@@ -97,7 +97,7 @@ def _side_by_side(target: LoadedModel, candidates: tuple[str, ...],
     runs: dict[str, tuple[Callable[[], float], str]] = {}
     for quantization in candidates:
         option = costs.get(quantization)
-        if option is None or option.ms_token > REACH * fastest:
+        if quantization != target.spec.quantization and (option is None or option.ms_token > REACH * fastest):
             continue
         if quantization == target.spec.quantization:
             model = target.model
@@ -136,6 +136,7 @@ class Comparison:
         self._alternatives: list[tuple[str, torch.nn.Module]] = []
         self._current_kind = "off"  # how the engine runs the loaded option (its capture record's kind)
         self._stopping = False
+        self._lock = threading.Lock()
 
     @classmethod
     def maybe(cls, pair, engine, model_thread) -> Comparison | None:
@@ -150,10 +151,11 @@ class Comparison:
         return self
 
     def stop(self) -> None:
-        """The pair is replaced: compare nothing more."""
-        self._stopping = True
-        if self.calibration is not None:
-            self.calibration.cancel()
+        """The pair is replaced: compare nothing more (and end the compile under way)."""
+        with self._lock:
+            self._stopping = True
+            if self.calibration is not None:
+                self.calibration.stop()
 
     def _run(self) -> None:
         lowest_priority()
@@ -169,10 +171,13 @@ class Comparison:
                 return self._end("")
             names = ", ".join(q for q, _ in self._alternatives)
             self.line = f"quantization options: measuring {names} compiled in the background, to compare"
-            self.calibration = calibration.Calibration([("target options", self._alternatives[0][1])],
-                                                       self.engine.busy, (self._timers, self._decide), self._done)
-            self.calibration.run_on(self.model_thread)
-            self.calibration.start()
+            measured = calibration.Calibration([("target options", self._alternatives[0][1])],
+                                               self.engine.busy, (self._timers, self._decide), self._done)
+            measured.run_on(self.model_thread)
+            with self._lock:  # stop() either sees it or has stopped this comparison before it starts
+                if self._stopping:
+                    return self._end("")
+                self.calibration = measured.start()
         except Exception as e:  # noqa: BLE001 - the pair as loaded still works; the line says why
             self._end(f"quantization options: not compared ({type(e).__name__}: {str(e)[:200]})")
 
@@ -206,10 +211,13 @@ class Comparison:
             runs[quantization] = run_kind(capture_choice.decide(model, own))
         best = fastest_in_turns({q: kinds[f"{q}|{kind}"][0] for q, kind in runs.items()}, ROUNDS)
         timed = {q: (best[q], kind) for q, kind in runs.items()}
-        chosen = record_captured(_auto_spec(self.target), _candidates(self.target), timed, self.cache_file)
+        chosen = record_captured(_auto_spec(self.target), _candidates(self.target), timed, self.cache_file,
+                                 self.target.options_key)
         return {"choice": "off", "chosen": chosen, "ms": best}
 
     def _done(self) -> None:
+        if self.target is None:  # ended already
+            return
         entry = self.calibration.entries.get("target options") if self.calibration is not None else None
         if entry is None or entry.get("chosen") is None:
             note = self.calibration.note if self.calibration is not None else ""
@@ -223,7 +231,8 @@ class Comparison:
         self.line = line
         if line:
             logging.getLogger("specui").info(line)  # the app's log (stderr)
-        self._alternatives = []
+        # nothing here keeps a model alive once done: the other options, their compiled forwards, the pair
+        self._alternatives, self.calibration, self.target, self.engine = [], None, None, None
         gc.collect()
         release_freed_memory()  # the other options' weights and compiled forwards
         self.finished_at = time.monotonic()

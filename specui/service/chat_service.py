@@ -74,6 +74,8 @@ class ChatService:
         """Load a new pair and swap it in once no generation runs. On any failure the
         previous pair stays loaded and a SpecUIError says why."""
         target, draft = pair_specs(choice)
+        if self.comparison is not None:  # nothing of the old pair loads or compiles beside the new one
+            self.comparison.stop()
         if progress:
             progress(0.1, f"loading target {target.source}")
         pair = load_pair(target, draft, on_target_loaded=(lambda: progress(0.6, "loading draft"))

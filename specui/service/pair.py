@@ -197,7 +197,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
     if chosen == first:
         loaded_target.notes += (note,)
         return pair
-    options, notes = loaded_target.options, loaded_target.notes
+    options, options_key, notes = loaded_target.options, loaded_target.options_key, loaded_target.notes
     del pair, loaded_target  # at most one target in memory
     gc.collect()
     try:
@@ -208,7 +208,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
         why = f"target quantization auto with the draft: {chosen} did not load ({e}), so {first} stays"[:400]
         reloaded = load_concrete(replace(target, quantization=first), "target", notes + (why,),
                                  gguf_source(target), progress)
-    reloaded.options = options
+    reloaded.options, reloaded.options_key = options, options_key
     pair = pair_with_draft(reloaded, draft, head, decision)
     pair.capture = capture
     return pair

@@ -171,13 +171,15 @@ def captured_note(role: str, chosen: str, costs: list[OptionCost]) -> str:
 
 
 def record_captured(spec: ModelSpec, candidates: tuple[str, ...], timed: dict[str, tuple[float, str]],
-                    cache_file: Path | None = None) -> str | None:
+                    cache_file: Path | None = None, key: str = "") -> str | None:
     """Record each option's ms a token as `--capture auto` runs it (`timed`: quantization -> (ms,
     kind), the options timed side by side) in `spec`'s quantization record, and the option
-    `--capture auto` should load from now on; returns that option (None: no record to add to)."""
+    `--capture auto` should load from now on; returns that option (None: no record to add to).
+    `key`: the record's (LoadedModel.options_key: made at the load's thread count, which the app
+    may change after the load), else made here."""
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
-    key = choice_key(spec, candidates)
+    key = key or choice_key(spec, candidates)
     if (hit := _cached(cache.get(key), candidates)) is None:
         return None
     costs = [replace(c, ms_captured=round(timed[c.quantization][0], 3), captured=timed[c.quantization][1])
@@ -190,11 +192,12 @@ def record_captured(spec: ModelSpec, candidates: tuple[str, ...], timed: dict[st
     return best.quantization
 
 
-def captured_pending(spec: ModelSpec, candidates: tuple[str, ...], cache_file: Path | None = None) -> bool:
+def captured_pending(spec: ModelSpec, candidates: tuple[str, ...], cache_file: Path | None = None,
+                     key: str = "") -> bool:
     """True where `spec`'s quantization record exists but has no choice made on captured
-    forwards yet (record_captured() would add one)."""
+    forwards yet (record_captured() would add one; `key` as there)."""
     path = cache_file if cache_file is not None else default_cache_file()
-    hit = _cached(read_cache(path).get(choice_key(spec, candidates)), candidates)
+    hit = _cached(read_cache(path).get(key or choice_key(spec, candidates)), candidates)
     return hit is not None and hit[1] is None
 
 
@@ -231,11 +234,11 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
         if captured is not None and capture != "off":
             note = captured_note(role, captured, costs)
             loaded = load_concrete(replace(spec, quantization=captured), role, (note,), source, progress)
-            loaded.options = tuple(captured_view(costs))
+            loaded.options, loaded.options_key = tuple(captured_view(costs)), key
             return loaded
         note = choice_note(role, chosen, reason, costs, cached=True) + _eager_only(capture)
         loaded = load_concrete(replace(spec, quantization=chosen), role, (note,), source, progress)
-        loaded.options = tuple(costs)
+        loaded.options, loaded.options_key = tuple(costs), key
         return loaded
     own = set(candidates)
     costs: list[OptionCost] = []
@@ -262,7 +265,7 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     write_cache(path, cache)
     note = choice_note(role, best.quantization, reason, costs, cached=False) + _eager_only(capture)
     kept.notes = (note,) + kept.notes
-    kept.options = tuple(costs)
+    kept.options, kept.options_key = tuple(costs), key
     return kept
 
 

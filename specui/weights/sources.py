@@ -35,6 +35,7 @@ class LoadedModel:
     label: str  # what to show the user
     notes: tuple[str, ...] = ()  # what loading chose and why (e.g. dtype auto's measurement)
     options: tuple = ()  # quantization auto: every option as measured (quant_choice.OptionCost), else ()
+    options_key: str = ""  # ... and the key of their record (made at the load's thread count), else ""
 
     @property
     def memory_bytes(self) -> int:
