@@ -20,8 +20,9 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -75,7 +76,7 @@ def measure(target: LoadedModel, say: Callable[[str], None] = print, cache_file:
     them (module docstring); record the choice (in `cache_file`, the quantization record's);
     return the option to load with captured forwards (None: nothing was recorded)."""
     candidates = _candidates(target)
-    timed = _side_by_side(target, candidates, say)
+    timed = _side_by_side(target, say)
     gc.collect()  # the extra options' models and compiled forwards
     if len(timed) < 2:
         return None
@@ -86,26 +87,32 @@ def measure(target: LoadedModel, say: Callable[[str], None] = print, cache_file:
     return chosen
 
 
-def _side_by_side(target: LoadedModel, candidates: tuple[str, ...],
-                  say: Callable[[str], None]) -> dict[str, tuple[float, str]]:
-    """{quantization: (its fastest ms a token over ROUNDS side-by-side rounds, how it ran)} for
-    each option within REACH that fits; each compiled and given its own capture record first."""
+def _load_others(target: LoadedModel, say: Callable[[str], None],
+                 stopping: Callable[[], bool] = lambda: False) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(quantization, model) for each option other than the loaded one within REACH of the
+    fastest eager one, loaded as it is reached, in the candidates' order; one the memory left
+    would not hold then is said and skipped (`stopping()`: load nothing more)."""
     spec = _auto_spec(target)
     source = gguf_source(spec)
-    costs = {o.quantization: o for o in target.options if o.ms_token}
-    fastest = min(o.ms_token for o in costs.values())
+    costs = [o for o in target.options if o.ms_token]
+    fastest = min(o.ms_token for o in costs)
+    for option in costs:
+        if option.quantization == target.spec.quantization or option.ms_token > REACH * fastest or stopping():
+            continue
+        if not _fits(option.weight_bytes):
+            say(f"target quantization {option.quantization}: not compiled to compare, the memory left would "
+                "not hold it")
+            continue
+        yield option.quantization, load_concrete(replace(spec, quantization=option.quantization), "target",
+                                                 source=source).model
+
+
+def _side_by_side(target: LoadedModel, say: Callable[[str], None]) -> dict[str, tuple[float, str]]:
+    """{quantization: (its fastest ms a token over ROUNDS side-by-side rounds, how it ran)} for
+    the loaded option and the others _load_others() loads; each compiled and given its own
+    capture record first."""
     runs: dict[str, tuple[Callable[[], float], str]] = {}
-    for quantization in candidates:
-        option = costs.get(quantization)
-        if quantization != target.spec.quantization and (option is None or option.ms_token > REACH * fastest):
-            continue
-        if quantization == target.spec.quantization:
-            model = target.model
-        elif not _fits(option.weight_bytes):
-            say(f"target quantization {quantization}: not compiled to compare, the memory left would not hold it")
-            continue
-        else:
-            model = load_concrete(replace(spec, quantization=quantization), "target", source=source).model
+    for quantization, model in chain([(target.spec.quantization, target.model)], _load_others(target, say)):
         kinds = capture_choice.prepare(model)
         entry = capture_choice.decide(model, kinds)
         kind = run_kind(entry)
@@ -166,7 +173,8 @@ class Comparison:
             if self._stopping or not isinstance(current, dict) or "choice" not in current:
                 return self._end("")
             self._current_kind = run_kind(current)
-            self._alternatives = self._load()
+            self._alternatives = list(_load_others(self.target, logging.getLogger("specui").info,
+                                                   lambda: self._stopping))
             if not self._alternatives:
                 return self._end("")
             names = ", ".join(q for q, _ in self._alternatives)
@@ -180,20 +188,6 @@ class Comparison:
                 self.calibration = measured.start()
         except Exception as e:  # noqa: BLE001 - the pair as loaded still works; the line says why
             self._end(f"quantization options: not compared ({type(e).__name__}: {str(e)[:200]})")
-
-    def _load(self) -> list[tuple[str, torch.nn.Module]]:
-        """The other options within REACH that fit, loaded."""
-        spec = _auto_spec(self.target)
-        costs = [o for o in self.target.options if o.ms_token]
-        fastest = min(o.ms_token for o in costs)
-        loaded = []
-        for option in costs:
-            if (option.quantization == self.target.spec.quantization or option.ms_token > REACH * fastest
-                    or not _fits(option.weight_bytes) or self._stopping):
-                continue
-            loaded.append((option.quantization,
-                           load_concrete(replace(spec, quantization=option.quantization), "target").model))
-        return loaded
 
     def _timers(self, _model) -> dict[str, Callable]:
         """The calibration's kinds: the loaded option's as the engine runs it, every kind of the others."""
