@@ -108,21 +108,14 @@ def measure_option(spec: ModelSpec, quantization: str, role: str, own: bool, tim
                       dtype_name(loaded.model.dtype), own), loaded
 
 
-def _pick(costs: list[OptionCost]) -> OptionCost | None:
-    """The fastest measured option, the earlier (more preferred) one unless a later one is
-    MARGIN faster."""
+def _pick(costs: list[OptionCost], field: str = "ms_token") -> OptionCost | None:
+    """The fastest measured option by `field` (ms_token: eager; ms_captured: as captured
+    forwards run them, timed side by side), the earlier (more preferred) one unless a later
+    one is MARGIN faster."""
     best = None
     for cost in costs:
-        if cost.ms_token is not None and (best is None or cost.ms_token < MARGIN * best.ms_token):
-            best = cost
-    return best
-
-
-def _pick_captured(costs: list[OptionCost]) -> OptionCost | None:
-    """_pick() on the options' captured costs (those timed side by side)."""
-    best = None
-    for cost in costs:
-        if cost.ms_captured is not None and (best is None or cost.ms_captured < MARGIN * best.ms_captured):
+        ms = getattr(cost, field)
+        if ms is not None and (best is None or ms < MARGIN * getattr(best, field)):
             best = cost
     return best
 
@@ -184,7 +177,7 @@ def record_captured(spec: ModelSpec, candidates: tuple[str, ...], timed: dict[st
         return None
     costs = [replace(c, ms_captured=round(timed[c.quantization][0], 3), captured=timed[c.quantization][1])
              if c.quantization in timed else replace(c, ms_captured=None, captured="") for c in hit[2]]
-    best = _pick_captured(costs)
+    best = _pick(costs, "ms_captured")
     if best is None:
         return None
     cache[key] = {**cache[key], "costs": [c.to_dict() for c in costs], "captured": best.quantization}
