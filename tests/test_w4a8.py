@@ -1,6 +1,6 @@
 """`--quantization w4a8`: 4-bit weight groups times int8 activation groups on SpecUI's kernel. What
 makes it usable: the product is the arithmetic the kernel's header states (checked against the same
-formula written in torch), the vector path (AVX512-VNNI) and the portable loop give the same bits,
+formula written in torch), the vector path (AVX512-VNNI or AVX2) and the portable loop give the same bits,
 a row's output does not depend on the rows scored with it (so every lossless method equals
 autoregressive decoding of the quantized target), a GGUF's blocks are kept exactly, a stand-in's
 zero groups stay zeros, it compiles, and the load says what it did."""
@@ -18,9 +18,10 @@ from test_cache import (
 
 from specui.weights.concrete import rest_dtype
 from specui.weights.native import native
+from specui.weights.q8a8 import Q8A8Linear
 from specui.weights.quantize import GROUP, dequantize_groups, quantize_groups
 from specui.weights.w4a8 import W4A8Linear, pack_groups, quantize_w4a8, w4a8_unavailable
-from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
+from specui.weights.w8a8 import W8A8Linear
 
 pytestmark = pytest.mark.skipif(bool(w4a8_unavailable()), reason=w4a8_unavailable() or "-")
 
@@ -65,10 +66,11 @@ def test_the_product_is_the_stated_arithmetic_and_each_row_is_computed_on_its_ow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_vector_path_and_the_portable_loop_give_the_same_bits(dtype):
     kernels = native()[0]
-    for n, k in ((64, 128), (50, 96), (1536 // 8, 576)):
+    # blocks of 16 rows whole, with 2 or 12 rows (AVX2: one half partial, or none of the second), 5
+    for n, k in ((64, 128), (50, 96), (60, 64), (37, 64), (1536 // 8, 576)):
         q, scale, low = _groups(n, k, seed=n)
         packed, scales = pack_groups(q, scale, low)
-        for rows in (1, 3, 8, 9, 17):
+        for rows in (1, 2, 3, 5, 8, 9, 17):  # AVX2 takes 4, then 2, then 1 at a time
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows), dtype=dtype)
             x[0, :GROUP] = 0  # a group of zeros (scale 0) and one on exact halves of a level
             x[-1, GROUP:2 * GROUP] = torch.arange(GROUP, dtype=dtype) - 15.5
@@ -93,7 +95,7 @@ def test_inputs_other_than_32_wide_groups_are_left_alone():
     model = tiny_llama(0, layers=1, dtype=torch.float32, hidden=48)  # 48 inputs: not whole groups
     counts = quantize_w4a8(model)  # only the MLP's down matrix (96 inputs) goes on the kernel
     assert counts["w4a8"] == 1 and isinstance(model.model.layers[0].mlp.down_proj, W4A8Linear)
-    assert counts["kept"] == 6 - counts["w8a8"] + 1 and isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert counts["kept"] == 6 - counts["w8a8"] - counts["q8a8"] + 1 and isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
 
 
 def test_a_model_on_w4a8_in_float64_scores_k_tokens_exactly_as_each_alone():
@@ -102,7 +104,7 @@ def test_a_model_on_w4a8_in_float64_scores_k_tokens_exactly_as_each_alone():
     counts = quantize_w4a8(model)
     linears = sum(isinstance(m, torch.nn.Linear) for m in reference.modules())
     assert counts["w4a8"] == linears - 1 and counts["kept"] == 0
-    assert isinstance(model.lm_head, W8A8Linear if has_w8a8_kernel() else torch.nn.Linear)
+    assert isinstance(model.lm_head, (W8A8Linear, Q8A8Linear))  # test_q8a8: which one, by the CPU
     model.to(torch.float64)  # what dtype auto does
     assert all(m.scales.dtype == torch.int16 for m in model.modules() if isinstance(m, W4A8Linear))
     ids = [1, 5, 9, 13, 7, 21, 4, 30, 2, 17]

@@ -35,7 +35,7 @@ from specui.weights.sources import (
     short_error,
 )
 from specui.weights.stream import use_stream_kernel
-from specui.weights.w4a8 import quantize_w4a8, w4a8_unavailable, w4a8_vector
+from specui.weights.w4a8 import quantize_w4a8, w4a8_path, w4a8_unavailable, w4a8_vector
 from specui.weights.w8a8 import has_w8a8_kernel, quantize_w8a8
 
 
@@ -224,20 +224,22 @@ def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
 def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
                    blocks: dict | None, progress: Callable[[int, int], None] | None = None) -> str:
     """Put `model`'s matrices on the 4-bit x 8-bit kernel (specui.weights.w4a8; a GGUF's own
-    4-bit blocks where it has them) and its output head on w8a8's; the note of what went where.
+    4-bit blocks where it has them) and its output head on w8a8's or 8-bit groups; the note of what went where.
     Where the kernel serves none, refused: the user asked for it. The rest of the model: rest_dtype."""
     counts = quantize_w4a8(model, blocks, progress)
     if not counts["w4a8"]:
         why = w4a8_unavailable() or "every matrix failed its self-check (product or row independence) on this CPU"
         raise SpecUIError(f"--quantization w4a8: {why}; use int4, w8a8 or none")
     said = [f"{counts['w4a8']} matrices as 4-bit groups times 8-bit activation groups (SpecUI's kernel, "
-            f"{'AVX512-VNNI' if w4a8_vector() else 'portable loop: no AVX512-VNNI here'})"]
+            f"{w4a8_path() if w4a8_vector() else 'portable loop: no AVX512-VNNI or AVX2 here'})"]
     if counts["from_file"]:
         said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
     elif source is not None and source.folder is None and source.reader is None:
         said.append(f"the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized")
     if counts["w8a8"]:
         said.append("the output head on w8a8's int8 rows")
+    if counts["q8a8"]:
+        said.append("the output head as 8-bit groups times 8-bit activation groups (llama.cpp's Q8_0 arithmetic)")
     if counts["kept"]:
         said.append(f"{counts['kept']} left in {str(model.dtype).removeprefix('torch.')}")
     return f"{role} w4a8: " + ", ".join(said)

@@ -169,7 +169,7 @@ def check_w4a8() -> Check:
                        kernels.q4a8_mm_portable(x, module.packed, module.scales, 96))
     if not same:
         return Check(name, FAILED, "the vector path and the portable loop give different bits here")
-    path = "AVX512-VNNI" if w4a8.w4a8_vector() else "the portable loop (no AVX512-VNNI here)"
+    path = w4a8.w4a8_path() if w4a8.w4a8_vector() else "the portable loop (no AVX512-VNNI or AVX2 here)"
     return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}")
 
 

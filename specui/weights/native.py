@@ -1,7 +1,7 @@
 """SpecUI's own CPU kernels (C++ in specui/weights/kernels/), built here on first use with this
 CPU's instructions and loaded as one extension: the streaming product of float weights
-(stream.py), the rounding and scaling around the int8 product (w8a8.py) and the 4-bit x 8-bit
-product (w4a8.py).
+(stream.py), the rounding and scaling around the int8 product (w8a8.py), the 4-bit x 8-bit
+product (w4a8.py) and the 8-bit x 8-bit one of its output head (q8a8.py).
 
 The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
 and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
@@ -23,7 +23,9 @@ from specui.engine.paths import cache_root
 
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "attend.cpp"))
+SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q8a8.cpp",
+                                             "attend.cpp"))
+HEADERS = (KERNELS / "groups.h",)  # included by the sources: part of the build's hash
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
@@ -38,7 +40,7 @@ def native() -> tuple[object | None, str]:
     except ImportError as e:  # pragma: no cover - part of every torch build
         return None, f"torch's C++ extension builder is missing ({e})"
     _ninja_on_path()
-    text = "".join(source.read_text() for source in SOURCES)
+    text = "".join(source.read_text() for source in SOURCES + HEADERS)
     tag = hashlib.sha256((text + cpu_signature() + torch.__version__).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"native-{tag}"
     folder.mkdir(parents=True, exist_ok=True)

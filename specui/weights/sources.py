@@ -89,7 +89,7 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     bfloat16) and none (its weights dequantized), unless a dtype other than bfloat16 was asked
     for, and with dtype auto also w4a8 (the same blocks times 8-bit activation groups on SpecUI's
     kernel, llama.cpp's arithmetic for these blocks; the rest of the model row-exact) where that
-    kernel runs its vector path here (AVX512-VNNI); none otherwise. Between several,
+    kernel runs a vector path here (AVX512-VNNI or AVX2); none otherwise. Between several,
     specui.weights.quant_choice measures, and with a draft specui.service.joint predicts which
     commits the most tokens per second."""
     if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):

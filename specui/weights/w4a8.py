@@ -6,8 +6,8 @@ the weights for every few rows, so scoring 9 tokens costs about 4x one (README),
 has little to save; w8a8 stays flat but reads twice the bytes. Here each input row is rounded to
 int8 in groups of 32 (one scale each, llama.cpp's Q8 blocks) and multiplied with the 4-bit groups
 on the CPU's int8 dot product (SpecUI's kernel, specui/weights/kernels/q4a8.cpp: AVX512-VNNI where
-the CPU has it, a portable loop with the same bits elsewhere), reading each weight once for all
-the rows. On the Xeon of README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25
+the CPU has it, AVX2's pairwise int8 products into int16 elsewhere on x86-64, a portable loop with
+the same bits where neither is built), reading each weight once for all the rows. On the Xeon of README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25
 ms a matrix for 1 / 8 / 9 / 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37.
 
 What it computes: w = d q + m per group of 32 inputs (a GGUF's Q4_0 / Q4_1 blocks exactly, else
@@ -32,6 +32,7 @@ from specui.weights.quantize import (
     self_checked,
     swap_linears,
 )
+from specui.weights.q8a8 import Q8A8Linear
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, full_range_exact, has_w8a8_kernel
 
 ROWS = 16  # output rows a packed block (the kernel's vector of 16 float32 sums)
@@ -46,10 +47,16 @@ def w4a8_unavailable() -> str:
 
 
 def w4a8_vector() -> bool:
-    """Whether the kernel runs its AVX512-VNNI path here (else the portable loop: the same bits,
-    scalar speed, so quantization auto does not weigh w4a8)."""
+    """Whether the kernel runs a vector path here (AVX512-VNNI or AVX2; else the portable loop:
+    the same bits, scalar speed, so quantization auto does not weigh w4a8)."""
     kernels = native()[0]
     return kernels is not None and bool(kernels.q4a8_vector())
+
+
+def w4a8_path() -> str:
+    """The path the kernel runs here, in words: "AVX512-VNNI", "AVX2" or "portable loop"."""
+    kernels = native()[0]
+    return "unavailable" if kernels is None else str(kernels.q4a8_path())
 
 
 @torch.library.custom_op("specui::w4a8_mm", mutates_args=())
@@ -132,16 +139,17 @@ class W4A8Linear(torch.nn.Module):
 def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
                   progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Swap every Linear of `model` for a W4A8Linear (from `groups[name]` where given, e.g. a GGUF's
-    own 4-bit blocks, else rounded from its weight), the output head for a W8A8Linear; counts
-    "w4a8", "from_file", "w8a8" (the head) and "kept". `progress(done, total)` as each starts."""
+    own 4-bit blocks, else rounded from its weight), the output head for a W8A8Linear (int8 rows
+    times 8-bit activations on oneDNN) where that product is exact here, else for a Q8A8Linear
+    (8-bit groups, specui.weights.q8a8); counts "w4a8", "from_file", "w8a8" or "q8a8" (the head)
+    and "kept". `progress(done, total)` as each starts."""
     groups = groups if groups is not None else {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    levels = FULL if has_w8a8_kernel() and full_range_exact() else REDUCED
-    counts = {"w4a8": 0, "from_file": 0, "w8a8": 0, "kept": 0}
+    counts = {"w4a8": 0, "from_file": 0, "w8a8": 0, "q8a8": 0, "kept": 0}
 
     def make(name: str, module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
         if module is head:
-            return W8A8Linear.from_weight(module.weight.detach().float(), module.bias, levels), "w8a8"
+            return _head(module)
         if module.in_features % GROUP:  # the kernel takes whole groups of inputs
             return None, "w4a8"
         given = groups.get(name)
@@ -151,3 +159,15 @@ def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
 
     return swap_linears(model, make, counts, progress)
 
+
+def _head(module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
+    """The output head's module and its kind: w8a8's int8 rows where oneDNN takes 8-bit activations
+    exactly here (VNNI); else 8-bit groups (AVX2: oneDNN would round the activations to 7 bits, which
+    a real head's outlier rows fail the self-check with), w8a8's 7 bits where those cannot be built."""
+    weight = module.weight.detach().float()
+    if has_w8a8_kernel() and full_range_exact():
+        return W8A8Linear.from_weight(weight, module.bias, FULL), "w8a8"
+    grouped = Q8A8Linear.from_weight(weight, module.bias)
+    if grouped is not None:
+        return grouped, "q8a8"
+    return (W8A8Linear.from_weight(weight, module.bias, REDUCED) if has_w8a8_kernel() else None), "w8a8"

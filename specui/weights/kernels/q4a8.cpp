@@ -1,7 +1,7 @@
 // 4-bit weight groups times 8-bit activation groups (specui/weights/w4a8.py, `--quantization w4a8`):
 // the product llama.cpp computes for Q4 weights (activations rounded to Q8 blocks of 32), here as
 // one kernel that reads each weight once for every row it is given, so scoring k tokens costs
-// little more than one where the CPU has an int8 dot product (AVX512-VNNI).
+// little more than one where the CPU has an int8 dot product (AVX512-VNNI), or AVX2's pairwise one.
 //
 // Weights: rows in blocks of 16, inputs in groups of 32, w = d * q + m (q in 0..15; d and m float16
 // per row and group, a GGUF's Q4_0 / Q4_1 blocks exactly). Packed per (block, group) as 256 bytes:
@@ -12,40 +12,23 @@
 // Output, per row and column, over the groups in order: acc = fma(fma(float(sum(q a)), d, m * sa),
 // da, acc) in float32, written in x's dtype (float32 or float64). Nothing mixes rows and the order of
 // every float operation is fixed, so a row's output is bit for bit the same whatever else is scored
-// with it, and the vector path (VNNI) and the portable one (any CPU) give the same bits:
+// with it, and the vector paths (VNNI, AVX2) and the portable one (any CPU) give the same bits:
 // `q4a8_mm_portable` is there to check that.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <string>
+
+#include "groups.h"
 
 namespace {
 
-constexpr int64_t kGroup = 32;   // inputs a group
+using specui_groups::kGroup;  // inputs a group
+using specui_groups::round_groups;
 constexpr int64_t kRows = 16;    // output rows a block
 constexpr int64_t kBytes = 256;  // packed bytes a (block, group)
-
-template <typename T>
-void round_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* da, float* sa) {
-  const int64_t NG = K / kGroup;
-  at::parallel_for(0, M * NG, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* xg = x + i * kGroup;  // rows are contiguous, so group i of the flat input
-      T top = 0;
-      for (int64_t k = 0; k < kGroup; ++k) top = std::max(top, static_cast<T>(std::abs(xg[k])));
-      const T inv = top > 0 ? static_cast<T>(127) / top : static_cast<T>(0);
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(xg[k] * inv));
-        a[i * kGroup + k] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      da[i] = static_cast<float>(top / static_cast<T>(127));
-      sa[i] = static_cast<float>(sum);
-    }
-  });
-}
 
 inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
 
@@ -168,6 +151,101 @@ void block_vector(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
     t += T;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 without an int8 dot product (Zen 3, older Intel): the sums llama.cpp's AVX2 path forms, with
+// _mm256_maddubs_epi16 (nibble x int8 pairs into int16). Exact, because nothing can saturate: a pair is
+// at most 2 x 15 x 127 and a group's 16 products in one int16 lane at most 30480 < 32767, so every
+// group's int32 sum, and so every float operation after it, is the VNNI path's and the portable one's.
+// A 64-byte vector of 16 rows is two halves of 8 rows here (256-bit registers).
+constexpr bool kVector = true;
+constexpr int64_t kAhead = 8;  // groups prefetched ahead
+
+inline void store8(float* out, int64_t rows, __m256 v) {
+  if (rows == 8) { _mm256_storeu_ps(out, v); return; }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t r = 0; r < rows; ++r) out[r] = tmp[r];
+}
+
+inline void store8(double* out, int64_t rows, __m256 v) {  // float32 sums widened exactly
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t r = 0; r < rows; ++r) out[r] = static_cast<double>(tmp[r]);
+}
+
+// T activation rows against H halves (from half h0) of one block, sums in registers across all groups:
+// H = 2 reads each weight byte once for up to 2 rows; H = 1 leaves room for 4 rows a half.
+template <int T, int H, typename O>
+inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                  O* out, int64_t t0, int64_t NG, int64_t K, int64_t N, int64_t col, int h0) {
+  __m256 acc[T][H];
+  const int32_t* at[T];
+#pragma GCC unroll 8
+  for (int u = 0; u < T; ++u) {
+    at[u] = reinterpret_cast<const int32_t*>(a + (t0 + u) * K);
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) acc[u][h] = _mm256_setzero_ps();
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < NG; ++g) {
+    const uint8_t* wg = wb + g * kBytes;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead * kBytes + 64 * c), _MM_HINT_T0);
+    __m256i s[T][H];
+#pragma GCC unroll 8
+    for (int u = 0; u < T; ++u)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) s[u][h] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 64 * j + 32 * (h0 + h)));
+        const __m256i lo = _mm256_and_si256(v, low4);                        // inputs 4j .. 4j + 3
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // inputs 16 + 4j ..
+#pragma GCC unroll 8
+        for (int u = 0; u < T; ++u) {
+          s[u][h] = _mm256_add_epi16(s[u][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(at[u][g * 8 + j])));
+          s[u][h] = _mm256_add_epi16(s[u][h], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(at[u][g * 8 + 4 + j])));
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      const int64_t r0 = 8 * (h0 + h);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 32 + r0)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * 32 + 16 + r0)));
+#pragma GCC unroll 8
+      for (int u = 0; u < T; ++u) {
+        const int64_t i = (t0 + u) * NG + g;
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[u][h], ones));
+        const __m256 term = _mm256_fmadd_ps(sum, d, _mm256_mul_ps(m, _mm256_set1_ps(sa[i])));
+        acc[u][h] = _mm256_fmadd_ps(term, _mm256_set1_ps(da[i]), acc[u][h]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h) {
+    const int64_t r0 = 8 * (h0 + h), rows = std::min<int64_t>(8, N - col - r0);
+    if (rows <= 0) continue;
+#pragma GCC unroll 8
+    for (int u = 0; u < T; ++u) store8(out + (t0 + u) * N + col + r0, rows, acc[u][h]);
+  }
+}
+
+// The rows 2 at a time over both halves (each weight byte unpacked once for 2 rows), or 4 at a time
+// one half after the other, whichever the count divides into fewer passes; an odd row alone.
+template <typename O>
+void block_vector(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                  O* out, int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  int64_t t = 0;
+  for (; M - t >= 4; t += 4) {
+    micro<4, 1, O>(wb, sb, a, da, sa, out, t, NG, K, N, col, 0);
+    if (N - col > 8) micro<4, 1, O>(wb, sb, a, da, sa, out, t, NG, K, N, col, 1);
+  }
+  if (M - t >= 2) { micro<2, 2, O>(wb, sb, a, da, sa, out, t, NG, K, N, col, 0); t += 2; }
+  if (M - t >= 1) micro<1, 2, O>(wb, sb, a, da, sa, out, t, NG, K, N, col, 0);
+}
 #else
 constexpr bool kVector = false;
 template <typename O>
@@ -234,3 +312,14 @@ torch::Tensor q4a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Ten
 }
 
 bool q4a8_vector() { return kVector; }
+
+// The path q4a8_mm runs on this build, for the load's notes.
+std::string q4a8_path() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "AVX512-VNNI";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "AVX2";
+#else
+  return "portable loop";
+#endif
+}
