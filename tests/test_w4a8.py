@@ -95,7 +95,8 @@ def test_inputs_other_than_32_wide_groups_are_left_alone():
     model = tiny_llama(0, layers=1, dtype=torch.float32, hidden=48)  # 48 inputs: not whole groups
     counts = quantize_w4a8(model)  # only the MLP's down matrix (96 inputs) goes on the kernel
     assert counts["w4a8"] == 1 and isinstance(model.model.layers[0].mlp.down_proj, W4A8Linear)
-    assert counts["kept"] == 6 - counts["w8a8"] - counts["q8a8"] + 1 and isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    assert counts["kept"] == 6 - counts["w8a8"] - counts["q8a8"] + 1
+    assert isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
 
 
 def test_a_model_on_w4a8_in_float64_scores_k_tokens_exactly_as_each_alone():

@@ -7,8 +7,9 @@ has little to save; w8a8 stays flat but reads twice the bytes. Here each input r
 int8 in groups of 32 (one scale each, llama.cpp's Q8 blocks) and multiplied with the 4-bit groups
 on the CPU's int8 dot product (SpecUI's kernel, specui/weights/kernels/q4a8.cpp: AVX512-VNNI where
 the CPU has it, AVX2's pairwise int8 products into int16 elsewhere on x86-64, a portable loop with
-the same bits where neither is built), reading each weight once for all the rows. On the Xeon of README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25
-ms a matrix for 1 / 8 / 9 / 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37.
+the same bits where neither is built), reading each weight once for all the rows. On the Xeon of
+README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25 ms a matrix for 1 / 8 / 9
+/ 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37.
 
 What it computes: w = d q + m per group of 32 inputs (a GGUF's Q4_0 / Q4_1 blocks exactly, else
 rounded at load as int4 rounds them), with d and m in float16; the output head on w8a8's int8 rows
@@ -24,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from specui.weights.native import native
+from specui.weights.q8a8 import Q8A8Linear
 from specui.weights.quantize import (
     GROUP,
     batch_invariant,
@@ -32,7 +34,6 @@ from specui.weights.quantize import (
     self_checked,
     swap_linears,
 )
-from specui.weights.q8a8 import Q8A8Linear
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, full_range_exact, has_w8a8_kernel
 
 ROWS = 16  # output rows a packed block (the kernel's vector of 16 float32 sums)
