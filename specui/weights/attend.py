@@ -27,18 +27,12 @@ ATTENTION = "specui_exact"
 EXACT_DTYPES = (torch.float32, torch.float64)
 
 
-@torch.library.custom_op("specui::attend", mutates_args=())
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
            scale: float) -> torch.Tensor:
     """query (B, H, q, D) contiguous, key / value (B, Hk, L, D), allowed (B or 1, q, L) bool or
-    empty (row i sees keys 0 .. L - q + i) -> (B, q, H, D)."""
-    return native()[0].attend(query, key, value, allowed, scale)
-
-
-@attend.register_fake
-def _(query, key, value, allowed, scale):
-    b, h, q, d = query.shape
-    return query.new_empty((b, q, h, d))
+    empty (row i sees keys 0 .. L - q + i) -> (B, q, H, D). One torch operator (the kernel's own,
+    module.cpp) for torch.compile."""
+    return torch.ops.specui_native.attend(query, key, value, allowed, scale)
 
 
 def _allowed(attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specui.engine.measure import cache_root, cpu_model, cpu_signature
-from specui.weights import w4a8, w8a8
+from specui.weights import q8a8, w4a8, w8a8
 from specui.weights.attend import attend, exact_attention_ready
 from specui.weights.native import native
 from specui.weights.quantize import (
@@ -173,6 +173,25 @@ def check_w4a8() -> Check:
     return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}")
 
 
+def check_q8a8() -> Check:
+    name = "w4a8's head where oneDNN saturates: 8-bit x int8 groups (SpecUI's kernel)"
+    why = w4a8.w4a8_unavailable()
+    if why:
+        return Check(name, UNAVAILABLE, f"{why}; a w4a8 head stays on w8a8 or in float")
+    module = q8a8.Q8A8Linear.from_weight(_matrix(96, 128, 11))
+    if module is None:
+        return Check(name, FAILED, "its product differs from x W^T, or its rows depend on each other, here")
+    kernels = native()[0]
+    x = _matrix(7, 128, 12).double()
+    if not torch.equal(kernels.q8a8_mm(x, module.packed, module.scales, 96),
+                       kernels.q8a8_mm_portable(x, module.packed, module.scales, 96)):
+        return Check(name, FAILED, "the vector path and the portable loop give different bits here")
+    used = "not used here: w8a8 takes 8-bit activations exactly" if w8a8.has_w8a8_kernel() and \
+        w8a8.full_range_exact() else "w4a8's output head goes on it"
+    path = "AVX2" if q8a8.q8a8_vector() else "the portable loop (no AVX2 here)"
+    return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}; {used}")
+
+
 def check_attend() -> Check:
     """SpecUI's row-exact attention (w8a8 / w4a8's float32 rest): each query row the bits it has
     alone, on this CPU's path."""
@@ -238,7 +257,7 @@ def check_bitsandbytes() -> Check:
     return Check(name, PASSED if err < 0.15 else FAILED, f"nf4 product within {err:.1%} of float32 on the GPU")
 
 
-CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_w4a8, check_attend,
+CHECKS: tuple[Callable[[], Check], ...] = (check_int4, check_int8, check_w8a8, check_w4a8, check_q8a8, check_attend,
                                            check_sdpa, check_bitsandbytes)
 
 

@@ -53,7 +53,25 @@ def native() -> tuple[object | None, str]:
         said = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
                     lines[0])
         return None, f"SpecUI's kernels could not be built here ({said.strip()[:200]})"
+    _register_fakes()
     return module, ""
+
+
+def _register_fakes() -> None:
+    """The output shapes of the kernels' torch operators (module.cpp's TORCH_LIBRARY), for
+    torch.compile to trace through them; once, as the extension loads."""
+    def product(x, packed, scales, n):
+        return x.new_empty((x.shape[0], n))
+
+    def stream(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    def attention(query, key, value, allowed, scale):
+        b, h, q, d = query.shape
+        return query.new_empty((b, q, h, d))
+
+    for name, fake in (("q4a8_mm", product), ("q8a8_mm", product), ("stream_mm", stream), ("attend", attention)):
+        torch.library.register_fake(f"specui_native::{name}")(fake)
 
 
 def _ninja_on_path() -> None:

@@ -29,16 +29,10 @@ def q8a8_vector() -> bool:
     return kernels is not None and bool(kernels.q8a8_vector())
 
 
-@torch.library.custom_op("specui::q8a8_mm", mutates_args=())
 def q8a8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """(rows, K) float32 / float64 input times the packed 8-bit (n, K) weights -> (rows, n) in the
-    input's dtype (float32 sums). One op to torch.compile, which cannot trace into SpecUI's extension."""
-    return native()[0].q8a8_mm(x, packed, scales, n)
-
-
-@q8a8_mm.register_fake
-def _(x, packed, scales, n):
-    return x.new_empty((x.shape[0], n))
+    input's dtype (float32 sums). One torch operator (the kernel's own, module.cpp) for torch.compile."""
+    return torch.ops.specui_native.q8a8_mm(x, packed, scales, n)
 
 
 def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

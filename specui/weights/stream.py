@@ -46,16 +46,10 @@ def stream_unavailable() -> str:
     return native_unavailable()
 
 
-@torch.library.custom_op("specui::stream_mm", mutates_args=())
 def stream_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, K) float32 times (N, K) float32 or bfloat16 -> (rows, N) float32. One op to
-    torch.compile (inductor calls the C++ kernel as it is)."""
-    return native()[0].stream_mm(x, weight)
-
-
-@stream_mm.register_fake
-def _(x, weight):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    """(rows, K) float32 times (N, K) float32 or bfloat16 -> (rows, N) float32. One torch operator
+    (the kernel's own, module.cpp) for torch.compile: inductor calls the C++ kernel as it is."""
+    return torch.ops.specui_native.stream_mm(x, weight)
 
 
 class StreamLinear(torch.nn.Module):

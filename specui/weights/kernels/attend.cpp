@@ -67,7 +67,7 @@ std::vector<T> lane_bias(const bool* mask, bool causal, const int64_t* query_of,
 
 // Scores of every key for the lanes: s[j][lane], masked and exponentiated in place; returns
 // nothing, fills `sum` (per lane, in key order). The portable loop, for float64 and CPUs without
-// AVX-512.
+// AVX-512 or AVX2.
 template <typename T>
 void scores_portable(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_stride, T scale, const T* bias,
                      T* s, T* sum) {
@@ -151,11 +151,88 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   }
   _mm512_storeu_ps(sum, total);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the 16 lanes as two vectors of 8, the same operations lane by lane as the AVX-512 path.
+inline __m256 exp8(__m256 x) {
+  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NGT_UQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));  // +0 where zero
+}
+
+void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int64_t k_stride, float scale,
+                   const float* bias, float* s, float* sum) {
+  const __m256 hidden = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 vscale = _mm256_set1_ps(scale);
+  __m256 top0 = hidden, top1 = hidden;
+  int64_t j = 0;
+  for (; j + kKeys <= L; j += kKeys) {
+    __m256 a[kKeys][2];
+    for (int64_t u = 0; u < kKeys; ++u) a[u][0] = a[u][1] = _mm256_setzero_ps();
+    const float* k0 = key + j * k_stride;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 q0 = _mm256_load_ps(qt + d * kLanes), q1 = _mm256_load_ps(qt + d * kLanes + 8);
+#pragma GCC unroll 4
+      for (int64_t u = 0; u < kKeys; ++u) {
+        const __m256 kd = _mm256_set1_ps(k0[u * k_stride + d]);
+        a[u][0] = _mm256_fmadd_ps(kd, q0, a[u][0]);
+        a[u][1] = _mm256_fmadd_ps(kd, q1, a[u][1]);
+      }
+    }
+    for (int64_t u = 0; u < kKeys; ++u) {
+      const float* b = bias + (j + u) * kLanes;
+      const __m256 v0 = _mm256_add_ps(_mm256_mul_ps(a[u][0], vscale), _mm256_loadu_ps(b));
+      const __m256 v1 = _mm256_add_ps(_mm256_mul_ps(a[u][1], vscale), _mm256_loadu_ps(b + 8));
+      _mm256_store_ps(s + (j + u) * kLanes, v0);
+      _mm256_store_ps(s + (j + u) * kLanes + 8, v1);
+      top0 = _mm256_max_ps(top0, v0);
+      top1 = _mm256_max_ps(top1, v1);
+    }
+  }
+  for (; j < L; ++j) {
+    const float* kj = key + j * k_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 kd = _mm256_set1_ps(kj[d]);
+      a0 = _mm256_fmadd_ps(kd, _mm256_load_ps(qt + d * kLanes), a0);
+      a1 = _mm256_fmadd_ps(kd, _mm256_load_ps(qt + d * kLanes + 8), a1);
+    }
+    const __m256 v0 = _mm256_add_ps(_mm256_mul_ps(a0, vscale), _mm256_loadu_ps(bias + j * kLanes));
+    const __m256 v1 = _mm256_add_ps(_mm256_mul_ps(a1, vscale), _mm256_loadu_ps(bias + j * kLanes + 8));
+    _mm256_store_ps(s + j * kLanes, v0);
+    _mm256_store_ps(s + j * kLanes + 8, v1);
+    top0 = _mm256_max_ps(top0, v0);
+    top1 = _mm256_max_ps(top1, v1);
+  }
+  const __m256 seen0 = _mm256_cmp_ps(top0, hidden, _CMP_NEQ_UQ), seen1 = _mm256_cmp_ps(top1, hidden, _CMP_NEQ_UQ);
+  __m256 total0 = _mm256_setzero_ps(), total1 = total0;
+  for (j = 0; j < L; ++j) {
+    float* sj = s + j * kLanes;
+    const __m256 e0 = _mm256_and_ps(seen0, exp8(_mm256_sub_ps(_mm256_load_ps(sj), top0)));
+    const __m256 e1 = _mm256_and_ps(seen1, exp8(_mm256_sub_ps(_mm256_load_ps(sj + 8), top1)));
+    _mm256_store_ps(sj, e0);
+    _mm256_store_ps(sj + 8, e1);
+    total0 = _mm256_add_ps(total0, e0);
+    total1 = _mm256_add_ps(total1, e1);
+  }
+  _mm256_storeu_ps(sum, total0);
+  _mm256_storeu_ps(sum + 8, total1);
+}
 #endif
 
 template <typename T>
 void scores(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_stride, T scale, const T* bias, T* s, T* sum) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if constexpr (std::is_same_v<T, float>) {
     scores_vector(qt, key, L, D, k_stride, scale, bias, s, sum);
     return;
@@ -184,6 +261,26 @@ void weigh_values(const T* s, const T* sum, T* const* out_rows, int64_t w, const
         const __m512 total = _mm512_set1_ps(sum[r]);
         for (int64_t c = 0; c < chunks; ++c)
           _mm512_storeu_ps(o + 16 * c, sum[r] > 0.0f ? _mm512_div_ps(acc[c], total) : acc[c]);
+      }
+      return;
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (D % 8 == 0 && D <= 128) {  // the same fma chain per element, 8 elements a vector
+      const int64_t chunks = D / 8;
+      for (int64_t r = 0; r < w; ++r) {
+        __m256 acc[16];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L; ++j) {
+          const __m256 e = _mm256_set1_ps(s[j * kLanes + r]);
+          const float* vj = value + j * v_stride;
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+        }
+        float* o = out_rows[r];
+        const __m256 total = _mm256_set1_ps(sum[r]);
+        for (int64_t c = 0; c < chunks; ++c)
+          _mm256_storeu_ps(o + 8 * c, sum[r] > 0.0f ? _mm256_div_ps(acc[c], total) : acc[c]);
       }
       return;
     }
