@@ -35,6 +35,18 @@ def q8a8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int)
     return torch.ops.specui_native.q8a8_mm(x, packed, scales, n)
 
 
+def grouped_forward(module: torch.nn.Module, x: torch.Tensor, op) -> torch.Tensor:
+    """A group kernel's module (packed, scales, _mm, bias, in / out_features) applied to x: float32
+    or float64 rows into the kernel, the output in x's dtype. Compiled, the kernel's torch operator
+    `op`; eagerly the kernel itself (even a C++ operator's dispatch costs a few us a call)."""
+    flat = x.reshape(-1, module.in_features)
+    flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).contiguous()
+    mm = op if torch.compiler.is_compiling() else module._mm
+    out = mm(flat, module.packed, module.scales, module.out_features)
+    out = out.view(*x.shape[:-1], module.out_features).to(x.dtype)
+    return out if module.bias is None else out + module.bias.to(x.dtype)
+
+
 def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 blocks of `weight` (N, K), as llama.cpp rounds them: d = max|w| / 127 per group of 32
     (in float16), q = round(w / d) in -127..127. A weight dequantized from Q8_0 blocks comes back
@@ -83,14 +95,7 @@ class Q8A8Linear(torch.nn.Module):
         return (q.float().reshape(self.out_features, -1, GROUP) * d[..., None]).reshape(q.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).contiguous()
-        if torch.compiler.is_compiling():
-            out = q8a8_mm(flat, self.packed, self.scales, self.out_features)
-        else:  # eagerly the kernel itself: a custom op's dispatch costs ~80 us a call
-            out = self._mm(flat, self.packed, self.scales, self.out_features)
-        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+        return grouped_forward(self, x, q8a8_mm)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q8A8Linear | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from specui.weights.native import native
-from specui.weights.q8a8 import Q8A8Linear
+from specui.weights.q8a8 import Q8A8Linear, grouped_forward
 from specui.weights.quantize import (
     GROUP,
     batch_invariant,
@@ -107,14 +107,7 @@ class W4A8Linear(torch.nn.Module):
         return dequantize_groups(*self.groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).contiguous()
-        if torch.compiler.is_compiling():
-            out = w4a8_mm(flat, self.packed, self.scales, self.out_features)
-        else:  # eagerly the kernel itself: a custom op's dispatch costs ~80 us a call
-            out = self._mm(flat, self.packed, self.scales, self.out_features)
-        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+        return grouped_forward(self, x, w4a8_mm)
 
     @classmethod
     def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,

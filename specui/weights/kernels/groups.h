@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <immintrin.h>
 
 namespace specui_groups {
 
@@ -31,5 +32,21 @@ inline void round_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* da,
     }
   });
 }
+
+#if defined(__AVX2__)
+// The first `rows` of 8 float32 sums into the output (float32, or widened exactly to float64).
+inline void store8(float* out, int64_t rows, __m256 v) {
+  if (rows == 8) { _mm256_storeu_ps(out, v); return; }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t r = 0; r < rows; ++r) out[r] = tmp[r];
+}
+
+inline void store8(double* out, int64_t rows, __m256 v) {  // float32 sums widened exactly
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t r = 0; r < rows; ++r) out[r] = static_cast<double>(tmp[r]);
+}
+#endif
 
 }  // namespace specui_groups

@@ -160,18 +160,7 @@ void block_vector(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
 constexpr bool kVector = true;
 constexpr int64_t kAhead = 8;  // groups prefetched ahead
 
-inline void store8(float* out, int64_t rows, __m256 v) {
-  if (rows == 8) { _mm256_storeu_ps(out, v); return; }
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int64_t r = 0; r < rows; ++r) out[r] = tmp[r];
-}
-
-inline void store8(double* out, int64_t rows, __m256 v) {  // float32 sums widened exactly
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int64_t r = 0; r < rows; ++r) out[r] = static_cast<double>(tmp[r]);
-}
+using specui_groups::store8;
 
 // T activation rows against H halves (from half h0) of one block, sums in registers across all groups:
 // H = 2 reads each weight byte once for up to 2 rows; H = 1 leaves room for 4 rows a half.

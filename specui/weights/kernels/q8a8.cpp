@@ -56,18 +56,7 @@ constexpr bool kVector = true;
 constexpr int64_t kAhead = 8;  // groups prefetched ahead
 constexpr int kTile = 4;       // activation rows a pass over the block's weights
 
-inline void store8(float* out, int64_t rows, __m256 v) {
-  if (rows == kRows) { _mm256_storeu_ps(out, v); return; }
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int64_t r = 0; r < rows; ++r) out[r] = tmp[r];
-}
-
-inline void store8(double* out, int64_t rows, __m256 v) {  // float32 sums widened exactly
-  alignas(32) float tmp[8];
-  _mm256_store_ps(tmp, v);
-  for (int64_t r = 0; r < rows; ++r) out[r] = static_cast<double>(tmp[r]);
-}
+using specui_groups::store8;
 
 template <int T, typename O>
 inline void micro(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, O* out, int64_t t0,
