@@ -57,6 +57,7 @@ def native() -> tuple[object | None, str]:
     return module, ""
 
 
+@functools.cache  # once a process: native() is rebuilt after cache_clear() (tests), the operators are not
 def _register_fakes() -> None:
     """The output shapes of the kernels' torch operators (module.cpp's TORCH_LIBRARY), for
     torch.compile to trace through them; once, as the extension loads."""
