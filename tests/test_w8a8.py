@@ -27,6 +27,8 @@ pytestmark = pytest.mark.skipif(not w8a8.has_w8a8_kernel(), reason="this torch b
 def test_the_product_is_close_and_each_row_is_computed_on_its_own(levels):
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(96, 128, generator=g) * 0.05, torch.randn(96, generator=g)
+    if levels == FULL and not w8a8.full_range_exact():
+        pytest.skip("8-bit activations saturate this CPU's int8 kernel (no VNNI): w8a8 rounds to 7 bits here")
     module = W8A8Linear.from_weight(w, bias, levels)
     assert module is not None and module.rows is None  # the int8 copy is dropped once checked
     x = torch.randn(2, 9, 128, generator=g) * torch.logspace(-2, 2, 9)[:, None]  # rows of very different scale
@@ -45,7 +47,8 @@ def test_the_product_is_close_and_each_row_is_computed_on_its_own(levels):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_fused_rounding_and_scaling_give_the_torch_ops_bits(dtype):
     g = torch.Generator().manual_seed(3)
-    module = W8A8Linear.from_weight(torch.randn(80, 192, generator=g) * 0.05, levels=FULL).to(dtype)
+    levels = w8a8.levels_here()
+    module = W8A8Linear.from_weight(torch.randn(80, 192, generator=g) * 0.05).to(dtype)
     assert module._native is not None  # eagerly, SpecUI's kernel rounds and scales
     x = (torch.randn(11, 192, generator=g) * torch.logspace(-3, 3, 11)[:, None]).to(dtype)
     x[1] = 0  # a zero row: max |x| clamped, every level the zero point
@@ -53,8 +56,8 @@ def test_the_fused_rounding_and_scaling_give_the_torch_ops_bits(dtype):
     fused = module(x)
     kernel, module._native = module._native, None  # the torch ops (the compiled path's arithmetic)
     assert fused.dtype == dtype and torch.equal(fused, module(x))
-    qx, top = kernel[0](x.double() if dtype == torch.float64 else x.float(), float(FULL), float(FULL + 1))
-    assert qx.dtype == torch.uint8 and top[1].item() == pytest.approx(1e-30) and qx[1].eq(FULL + 1).all()
+    qx, top = kernel[0](x.double() if dtype == torch.float64 else x.float(), float(levels), float(levels + 1))
+    assert qx.dtype == torch.uint8 and top[1].item() == pytest.approx(1e-30) and qx[1].eq(levels + 1).all()
 
 
 def test_specui_native_0_keeps_the_torch_ops(monkeypatch):

@@ -33,12 +33,23 @@ REPEATS = 7  # timed calls per figure, after one warm-up call
 CPU = torch.device("cpu")
 
 
+def _onednn_packed(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The weights prepacked for oneDNN's linear, or None where this build or CPU has no such
+    path for their dtype (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not on AVX2)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    try:
+        return [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    except RuntimeError:
+        return None
+
+
 def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], object]]:
     """name -> run(x) over every matrix, for the ways this build of torch offers."""
     out: dict[str, Callable[[torch.Tensor], object]] = {
         "plain": lambda x: [torch.nn.functional.linear(x, w) for w in weights]}
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    packed = _onednn_packed(weights)
+    if packed is not None:
         out["oneDNN packed"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                                           for p in packed]
     if weights[0].dtype == torch.float32 and torch.backends.mkl.is_available():

@@ -91,14 +91,17 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether a product matches the one it stands for, within the kernels' bfloat16 rounding
-    (2% of the largest magnitude): the self-check of every kernel module and of the long path."""
-    return bool((got - want).abs().max() <= 0.02 * want.abs().max() + 1e-6)
+AGREE = 0.02  # of the largest magnitude: the kernels' bfloat16 rounding, or 8-bit activations'
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor, tolerance: float = AGREE) -> bool:
+    """Whether a product matches the one it stands for, within the kernels' rounding (`tolerance`
+    of the largest magnitude): the self-check of every kernel module and of the long path."""
+    return bool((got - want).abs().max() <= tolerance * want.abs().max() + 1e-6)
 
 
 def self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.nn.Module | None:
+                 bias: torch.Tensor | None, tolerance: float = AGREE) -> torch.nn.Module | None:
     """`module` if its product with a random input matches x W^T (+ b) for the weight it
     should hold; None where the kernel refuses it or gets it wrong on this machine."""
     x = torch.randn(5, want_weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -109,7 +112,7 @@ def self_checked(module: torch.nn.Module, want_weight: torch.Tensor,
     want = x @ want_weight.float().T
     if bias is not None:
         want = want + bias.float()
-    return module if agrees(got, want) else None
+    return module if agrees(got, want, tolerance) else None
 
 
 def batch_invariant(module: torch.nn.Module, x: torch.Tensor) -> bool:

@@ -20,12 +20,13 @@ then lossless against this quantized target, as with every quantization."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from specui.weights.native import native
-from specui.weights.quantize import batch_invariant, quantize_rows, self_checked, swap_linears
+from specui.weights.quantize import AGREE, batch_invariant, quantize_rows, self_checked, swap_linears
 
 FULL, REDUCED = 127, 63  # activation levels each side of the zero point: 8 bits, or 7 where the kernel saturates
 
@@ -64,6 +65,13 @@ def _product(qx: torch.Tensor, zero: int, w: torch.Tensor) -> torch.Tensor:
     return w8a8_mm(qx, zero, packed, ones, zeros)
 
 
+def levels_here() -> int:
+    """The activation levels this CPU's kernel computes exactly: FULL with a VNNI dot product,
+    REDUCED where it sums pairs of products in int16 (AVX2 without VNNI) and 8 bits saturate."""
+    return FULL if full_range_exact() else REDUCED
+
+
+@functools.cache  # the CPU's answer does not change within a process
 def full_range_exact() -> bool:
     """Whether the kernel computes 8-bit activations exactly here: the worst case (every
     activation 255 around zero point 0, every weight 127) is exact with a VNNI dot product and
@@ -125,19 +133,21 @@ class W8A8Linear(torch.nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    levels: int = FULL) -> W8A8Linear | None:
-        """The module over `weight` rounded to int8 rows, or None where the kernel cannot serve
+                    levels: int | None = None) -> W8A8Linear | None:
+        """The module over `weight` rounded to int8 rows (activations to `levels`, by default
+        what this CPU computes exactly: levels_here), or None where the kernel cannot serve
         it: not CPU, no kernel, a shape it refuses, a product that is not close to x W^T, or one
         whose rows depend on each other (see batch_invariant)."""
         if weight.device.type != "cpu" or not has_w8a8_kernel():
             return None
         rows, scale = quantize_rows(weight)
         try:
-            module = cls(rows, scale, bias, levels)
+            module = cls(rows, scale, bias, levels_here() if levels is None else levels)
         except (RuntimeError, NotImplementedError):  # the packer refuses this build or shape
             return None
         x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
-        if self_checked(module, module.dense(), bias) is None or not batch_invariant(module, x):
+        tolerance = AGREE * FULL / module.levels  # 7-bit activations round twice as coarsely as 8-bit ones
+        if self_checked(module, module.dense(), bias, tolerance) is None or not batch_invariant(module, x):
             return None
         module.rows = None
         return module
@@ -151,7 +161,7 @@ def quantize_w8a8(model: torch.nn.Module,
     if not has_w8a8_kernel():
         counts["kept"] = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
         return counts
-    levels = FULL if full_range_exact() else REDUCED
+    levels = levels_here()
     swap_linears(model, lambda _name, m: (W8A8Linear.from_weight(m.weight.detach(), m.bias, levels), "w8a8"),
                  counts, progress)
     counts["levels"] = levels
