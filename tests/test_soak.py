@@ -1,5 +1,5 @@
 """Bounded soak: the real app (`python app.py`, bundled pair, loopback only) under 8 concurrent
-client sessions sending 5 messages each through the named API, with Stop (cancel) at random
+client sessions sending 3 messages each through the named API, with Stop (cancel) at random
 points and a model reload in the middle. It stops by itself.
 
 Checked: no reply crosses sessions (greedy replies are deterministic: each finished reply
@@ -18,7 +18,7 @@ from app_process import rss_bytes, start_app, stop_app
 
 gradio_client = pytest.importorskip("gradio_client")
 
-SESSIONS, MESSAGES, MAX_NEW_TOKENS = 8, 5, 20
+SESSIONS, MESSAGES, MAX_NEW_TOKENS = 8, 3, 16
 REQUEST_LIMIT_S = 240  # a request waits behind the others and the reload, never longer than this
 PLACES = ["France", "Italy", "Japan", "Egypt", "Canada", "Spain", "Brazil", "Kenya"]
 PROMPTS = [f"What is the capital of {p}?" for p in PLACES] + ["Name three colours.", "Count from 1 to 5."]
