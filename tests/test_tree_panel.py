@@ -81,10 +81,11 @@ def cpu_seconds(fn) -> float:
 
 def test_layout_is_linear_and_survives_malformed_parents():
     fig = tree_figure(chain(5000))  # 5000 deep: no recursion, folded past MAX_DEPTH
-    # linear: 10x the nodes within 30x the time (a quadratic layout takes ~100x), fastest of 3 each
+    # within 1 s of CPU, and linear: 10x the nodes within 30x the time (a quadratic layout takes
+    # ~100x), fastest of 3 each
     small = min(cpu_seconds(lambda: tree_figure(chain(500))) for _ in range(3))
     large = min(cpu_seconds(lambda: tree_figure(chain(5000))) for _ in range(3))
-    assert large < 30 * small + 0.05, (small, large)
+    assert large < min(1.0, 30 * small + 0.05), (small, large)
     fold = next(t for t in fig.data if t.name == "folded")
     assert list(fold.text) == [f"… +{5000 - tf.MAX_DEPTH}"] and "folded" in fig.layout.title.text
     lay = layout_tree([1, 0, 5, -7, 2])  # parents after their child, or out of range: under the context
