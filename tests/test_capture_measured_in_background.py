@@ -101,7 +101,10 @@ def test_compiled_measured_slower_stays_eager_and_is_recorded(record, monkeypatc
     assert engine.settle(WAIT_S)  # benches settle: waits for the measurement, then adopts it
     assert engine.calibration is None and engine.target.runner is None
     assert capture_choice.cached_choice(model) == "off"
-    assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True).calibration is None
+    again = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
+    again.close()
+    engine.close()
+    assert again.calibration is None
 
 
 def test_a_reply_ends_the_measurement_which_starts_again_after(record, monkeypatch):
@@ -134,9 +137,13 @@ def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeyp
     monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     for capture in ("off", "on"):
-        assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture=capture, measure_capture=True).calibration is None
+        unmeasured = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture=capture, measure_capture=True)
+        unmeasured.close()  # left open, an `on` engine's compiles ran on into the next tests (a 21 s teardown)
+        assert unmeasured.calibration is None
     monkeypatch.setenv(calibration.ENV, "0")
-    assert Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto").calibration is None
+    unmeasured = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
+    unmeasured.close()
+    assert unmeasured.calibration is None
     monkeypatch.setenv(calibration.ENV, "1")
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
     assert engine.calibration is not None and engine.calibration.wait(WAIT_S)
