@@ -138,7 +138,7 @@ def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeyp
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     for capture in ("off", "on"):
         unmeasured = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture=capture, measure_capture=True)
-        unmeasured.close()  # left open, an `on` engine's compiles ran on into the next tests (a 21 s teardown)
+        unmeasured.close()
         assert unmeasured.calibration is None
     monkeypatch.setenv(calibration.ENV, "0")
     unmeasured = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
@@ -148,7 +148,8 @@ def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeyp
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
     assert engine.calibration is not None and engine.calibration.wait(WAIT_S)
     engine.close()
-    assert engine.settle(WAIT_S)  # no compile left running past the test
+    assert engine.settle(WAIT_S)  # close() ends a compile under way only at its next Python call: unsettled, it
+    # ran on into the next tests (a 21-68 s teardown)
 
 
 def test_a_replaced_pair_measures_nothing_more(record, monkeypatch):
