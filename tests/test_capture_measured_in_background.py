@@ -55,6 +55,15 @@ def adopted(engine: Engine) -> bool:
     return engine.calibration is None
 
 
+def calibration_at_start(model, **kw):
+    """The measurement an engine on `model` starts with (None: none), read before the engine is
+    closed (closing may end a measurement and clear it)."""
+    engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], **kw)
+    started = engine.calibration
+    engine.close()
+    return started
+
+
 def greedy(engine: Engine, prompt: list[int], n: int = 12) -> list[int]:
     generation = engine.generate(GenerationRequest(list(prompt), n), make_method("speculative", gamma=3))
     with engine.lock:
@@ -101,10 +110,8 @@ def test_compiled_measured_slower_stays_eager_and_is_recorded(record, monkeypatc
     assert engine.settle(WAIT_S)  # benches settle: waits for the measurement, then adopts it
     assert engine.calibration is None and engine.target.runner is None
     assert capture_choice.cached_choice(model) == "off"
-    again = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto", measure_capture=True)
-    again.close()
+    assert calibration_at_start(model, capture="auto", measure_capture=True) is None
     engine.close()
-    assert again.calibration is None
 
 
 def test_a_reply_ends_the_measurement_which_starts_again_after(record, monkeypatch):
@@ -137,13 +144,9 @@ def test_nothing_is_measured_unless_auto_on_a_cpu_with_no_record(record, monkeyp
     monkeypatch.setattr(capture_choice, "timers", quick_measure(1.0, calls))
     model = tiny_llama(0, layers=1, dtype=torch.float32)
     for capture in ("off", "on"):
-        unmeasured = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture=capture, measure_capture=True)
-        unmeasured.close()
-        assert unmeasured.calibration is None
+        assert calibration_at_start(model, capture=capture, measure_capture=True) is None
     monkeypatch.setenv(calibration.ENV, "0")
-    unmeasured = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
-    unmeasured.close()
-    assert unmeasured.calibration is None
+    assert calibration_at_start(model, capture="auto") is None
     monkeypatch.setenv(calibration.ENV, "1")
     engine = Engine(model, TinyTokenizer(), eos_ids=[EOS], capture="auto")
     assert engine.calibration is not None and engine.calibration.wait(WAIT_S)
