@@ -6,6 +6,8 @@ Notation (DESIGN.md 2): p = target distribution, q = draft distribution. Warping
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,7 +94,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 def shown_probs(logits: torch.Tensor, warped: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Probabilities to display in traces: the warped ones when sampling, plain softmax
     when greedy (the one-hot greedy 'distribution' says nothing)."""
-    return logits.float().softmax(-1) if cfg.greedy else warped
+    return softmax_entries(logits.float()) if cfg.greedy else warped
 
 
 def scored(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,17 +104,72 @@ def scored(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, tor
     bfloat16 twice one over float32, on a CPU), and their softmax."""
     if cfg.greedy:
         rows = logits.float()
-        return rows, rows.softmax(-1)
+        return rows, softmax_entries(rows)
     p = warp(logits, cfg)
     return p, p
 
 
+ROW_STATS_ENV = "SPECUI_ROW_STATS"  # "0": greedy rows read without SpecUI's kernel (to compare)
+
+
+def row_stats(rows: torch.Tensor, lse: bool) -> tuple[list[int], list[float]] | None:
+    """(each row's argmax, each row's log-sum-exp where `lse`) of float32 rows (..., V) on a CPU,
+    from SpecUI's native kernel (specui/weights/kernels/logits.cpp) where this process has loaded
+    it (a model on SpecUI's kernels did); None otherwise. The kernel reads each row on every
+    thread, each the columns the output head's same thread wrote: read on one thread, the first
+    pass over a 49k-entry row just written took 102 us against 14 warm (2-core Zen 3).
+    SPECUI_ROW_STATS=0 keeps numpy's argmax and torch's softmax (`python -m specui.bench.rowstats`
+    times both side by side)."""
+    if rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.shape[-1] == 0:
+        return None
+    if os.environ.get(ROW_STATS_ENV) == "0":
+        return None
+    op = getattr(torch.ops.specui_native, "row_stats", None)
+    if op is None:
+        return None
+    best, sums = op(rows.reshape(-1, rows.shape[-1]).contiguous(), lse)
+    return best.tolist(), sums.tolist()
+
+
+class SoftmaxEntries:
+    """softmax(rows) read entry by entry, as a trace reads it (`float(p[t, x])`, or `p[x]` for one
+    row): exp(rows[t, x] - lse_t) from each row's log-sum-exp, with no (rows, V) probabilities built;
+    `best`: each row's argmax, found in the same pass (`greedy_tokens`)."""
+
+    def __init__(self, rows: torch.Tensor, lse: list[float], best: list[int]) -> None:
+        self.rows, self.lse, self.best = rows, lse, best
+
+    def __getitem__(self, index) -> float:
+        row = 0 if self.rows.dim() == 1 else index[0]
+        return math.exp(float(self.rows[index]) - self.lse[row])
+
+
+def softmax_entries(rows: torch.Tensor):
+    """softmax(rows) for a trace to read entries of: SoftmaxEntries from the native kernel's
+    log-sum-exp where it is loaded, else the softmax itself (rows float32 or float64)."""
+    if rows.dim() <= 2:
+        stats = row_stats(rows, lse=True)
+        if stats is not None:
+            return SoftmaxEntries(rows, stats[1], stats[0])
+    return rows.softmax(-1)
+
+
+def greedy_tokens(rows: torch.Tensor, shown) -> list[int]:
+    """Each row's argmax, for `scored`'s (rows, shown): found beside the log-sum-exp where the
+    kernel gave `shown`, else `argmax_tokens(rows)` (a second pass over the logits)."""
+    return shown.best if isinstance(shown, SoftmaxEntries) else argmax_tokens(rows)
+
+
 def argmax_tokens(rows: torch.Tensor) -> list[int]:
     """The first index of the maximum of each row of (..., V), as ints ((V,) gives one). On a
-    CPU, float32 rows go through numpy: torch 2.13's argmax took 43-50 us on one 49k-entry row
-    of a 2-core EPYC (85 us for 3 rows), numpy's 5 (11); greedy decoding takes one per token
-    and verification one per step, so this is most of a greedy step's own time."""
+    CPU, float32 rows go through SpecUI's kernel where it is loaded (`row_stats`: every thread
+    reads the columns it holds), else numpy: torch 2.13's argmax took 43-50 us on one 49k-entry
+    row of a 2-core EPYC (85 us for 3 rows), numpy's 5 (11) warm; greedy decoding takes one per
+    token and verification one per step, so this is most of a greedy step's own time."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        stats = row_stats(rows, lse=False)
+        if stats is not None:
+            return stats[0]
         return np.argmax(rows.detach().numpy(), axis=-1).reshape(-1).tolist()
     return rows.argmax(-1).reshape(-1).tolist()
 

@@ -29,15 +29,18 @@ class TreeVerdict:
 
 def verify_tree(
     tree: TokenTree, rows: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
-    draft_rows: dict[int, torch.Tensor] | None = None,
+    draft_rows: dict[int, torch.Tensor] | None = None, best: list[int] | None = None,
 ) -> TreeVerdict:
     """draft_rows: q~ used to draw each node's children i.i.d. (MCSD); None means the
     children were chosen deterministically. Greedy: the rows' argmax is all that counts (the
-    logits themselves will do)."""
+    logits themselves will do; `best`: their argmax where the caller has it already)."""
     path: list[int] = []
     rejected: list[int] = []
     node = -1
-    best = argmax_tokens(rows) if cfg.greedy else None  # one call for every row
+    if not cfg.greedy:
+        best = None
+    elif best is None:
+        best = argmax_tokens(rows)  # one call for every row
     while True:
         kids = tree.children(node)
         p = rows[node + 1]

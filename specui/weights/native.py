@@ -1,7 +1,8 @@
 """SpecUI's own CPU kernels (C++ in specui/weights/kernels/), built here on first use with this
 CPU's instructions and loaded as one extension: the streaming product of float weights
 (stream.py), the rounding and scaling around the int8 product (w8a8.py), the 4-bit x 8-bit
-product (w4a8.py) and the 8-bit x 8-bit one of its output head (q8a8.py).
+product (w4a8.py), the 8-bit x 8-bit one of its output head (q8a8.py), and a greedy step's argmax and
+log-sum-exp of the logits (engine/sampling.py's `row_stats`).
 
 The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
 and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
@@ -24,7 +25,7 @@ from specui.engine.paths import cache_root
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q8a8.cpp",
-                                             "attend.cpp"))
+                                             "attend.cpp", "logits.cpp"))
 HEADERS = (KERNELS / "groups.h",)  # included by the sources: part of the build's hash
 
 
@@ -71,7 +72,11 @@ def _register_fakes() -> None:
         b, h, q, d = query.shape
         return query.new_empty((b, q, h, d))
 
-    for name, fake in (("q4a8_mm", product), ("q8a8_mm", product), ("stream_mm", stream), ("attend", attention)):
+    def stats(rows, lse):
+        return rows.new_empty((rows.shape[0],), dtype=torch.long), rows.new_empty((rows.shape[0],), dtype=torch.float64)
+
+    for name, fake in (("q4a8_mm", product), ("q8a8_mm", product), ("stream_mm", stream), ("attend", attention),
+                       ("row_stats", stats)):
         torch.library.register_fake(f"specui_native::{name}")(fake)
 
 

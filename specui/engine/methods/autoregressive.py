@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specui.engine.method import DecodeContext, Method, StepResult
-from specui.engine.sampling import argmax_tokens, sample, scored
+from specui.engine.sampling import greedy_tokens, sample, scored
 from specui.engine.trace import TARGET, NodeTrace
 
 
@@ -14,7 +14,7 @@ class Autoregressive(Method):
         with ctx.timer.phase("verify"):
             logits = ctx.target.advance(ctx.ids, need=1)[-1]
             rows, shown = scored(logits, ctx.sampling)
-            token = argmax_tokens(rows)[0] if ctx.sampling.greedy else sample(rows, ctx.generator)
+            token = greedy_tokens(rows, shown)[0] if ctx.sampling.greedy else sample(rows, ctx.generator)
             p = float(shown[token])
         node = NodeTrace(token_id=token, text="", parent=-1, depth=1, status=TARGET, p=p)
         return StepResult(tokens=[token], nodes=[node])

@@ -30,7 +30,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.speculative import Speculative, chain_nodes, verify_chain
-from specui.engine.sampling import SamplingConfig, drawn, scored, shown_probs
+from specui.engine.sampling import SamplingConfig, drawn, greedy_tokens, scored, shown_probs
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.heads.acceptance import AcceptanceHead
@@ -183,7 +183,7 @@ class SpecDecPP(Method):
         with ctx.timer.phase("verify"):
             p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
             p, p_shown = scored(p_logits, cfg)
-            verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
+            verdict = verify_chain(drafts, q, p, cfg, ctx.generator, greedy_tokens(p, p_shown) if cfg.greedy else None)
         q_shown = shown_probs(torch.stack(chain.logit_rows), q, cfg) if drafts else p_shown
         nodes = chain_nodes(drafts, verdict, q_shown, p_shown)
         for node, a, risk in zip(nodes, chain.accept, chain.risk):

@@ -10,7 +10,17 @@ from dataclasses import dataclass
 import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
-from specui.engine.sampling import SamplingConfig, argmax_tokens, drawn, residual, sample, scored, shown_probs, uniform
+from specui.engine.sampling import (
+    SamplingConfig,
+    argmax_tokens,
+    drawn,
+    greedy_tokens,
+    residual,
+    sample,
+    scored,
+    shown_probs,
+    uniform,
+)
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
 from specui.errors import SpecUIError
@@ -61,12 +71,13 @@ def accept_chain(drafts: list[int], q, p, generator: torch.Generator | None) -> 
 
 def verify_chain(
     drafts: list[int], q: torch.Tensor, p: torch.Tensor, cfg: SamplingConfig,
-    generator: torch.Generator | None,
+    generator: torch.Generator | None, best: list[int] | None = None,
 ) -> ChainVerdict:
     """q: warped draft rows (n, V); p: warped target rows (n + 1, V). Greedy: accept while
-    the target's argmax agrees (p's rows may then be the logits themselves)."""
+    the target's argmax agrees (p's rows may then be the logits themselves; `best`: their
+    argmax where the caller has it already)."""
     if cfg.greedy:
-        best = argmax_tokens(p)  # one call for every row
+        best = argmax_tokens(p) if best is None else best  # one call for every row
         n = next((t for t, x in enumerate(drafts) if best[t] != x), len(drafts))
         return ChainVerdict(accepted=n, next_token=best[n], bonus=n == len(drafts))
     n, end = accept_chain(drafts, q, p, generator)
@@ -127,7 +138,7 @@ def chain_step(drafts: list[int], q: torch.Tensor | None, q_logits: torch.Tensor
     """Verify a drafted chain against the target's logits (len(drafts) + 1, V) and build the
     step's result: accepted drafts, then the correction or bonus token (Speculative, EMS-SD)."""
     p, p_shown = scored(p_logits, cfg)
-    verdict = verify_chain(drafts, q, p, cfg, generator)
+    verdict = verify_chain(drafts, q, p, cfg, generator, greedy_tokens(p, p_shown) if cfg.greedy else None)
     q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
     return StepResult(
         tokens=drafts[: verdict.accepted] + [verdict.next_token],

@@ -16,7 +16,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.tree_budget import NodeBudget
-from specui.engine.sampling import SamplingConfig, scored, warp
+from specui.engine.sampling import SamplingConfig, greedy_tokens, scored, warp
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
 from specui.engine.tree import TokenTree
@@ -109,7 +109,8 @@ class TreeMethod(Method):
         with ctx.timer.phase("verify"):
             logits = ctx.target.forward_tree(ctx.ids, tree, self.ancestors(tree))
             p, p_shown = scored(logits, cfg)
-            verdict = verify_tree(tree, p, cfg, ctx.generator, self.verify_rows())
+            verdict = verify_tree(tree, p, cfg, ctx.generator, self.verify_rows(),
+                                  greedy_tokens(p, p_shown) if cfg.greedy else None)
         # 4. commit the accepted path (the loop appends the tokens)
         ctx.target.commit_path(tree, verdict.path)
         if drafted:
