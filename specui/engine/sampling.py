@@ -115,7 +115,7 @@ ROW_STATS_ENV = "SPECUI_ROW_STATS"  # "0": greedy rows read without SpecUI's ker
 def row_stats(rows: torch.Tensor, lse: bool) -> tuple[list[int], list[float]] | None:
     """(each row's argmax, each row's log-sum-exp where `lse`) of float32 rows (..., V) on a CPU,
     from SpecUI's native kernel (specui/weights/kernels/logits.cpp) where this process has loaded
-    it (a model on SpecUI's kernels did); None otherwise. The kernel reads each row on every
+    it (load_concrete loads it with every CPU model); None otherwise. The kernel reads each row on every
     thread, each the columns the output head's same thread wrote: read on one thread, the first
     pass over a 49k-entry row just written took 102 us against 14 warm (2-core Zen 3).
     SPECUI_ROW_STATS=0 keeps numpy's argmax and torch's softmax (`python -m specui.bench.rowstats`

@@ -17,7 +17,7 @@ from specui.weights import stand_in
 from specui.weights.attend import exact_attention_ready, use_exact_attention
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
-from specui.weights.native import has_native, native_unavailable
+from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
     BUNDLED,
@@ -84,6 +84,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         where, gguf = source.location()
     device = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
+    if device.type == "cpu":  # a greedy step reads the logits with the kernels' row_stats wherever they build:
+        native()  # loaded with every CPU model, so the same pair gives the same figures in every process
     if spec.quantization in CPU_KERNELS:
         if device.type != "cpu":
             raise SpecUIError(f"--quantization {spec.quantization} is SpecUI's CPU kernel; "
