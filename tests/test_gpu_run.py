@@ -72,12 +72,15 @@ def test_smoke_runs_on_random_weights(tmp_path):
     assert all(c["equal"] for c in section["checks"])
 
 
-def test_only_runs_the_sections_named(tiny_dirs, tmp_path):
+def test_only_runs_the_sections_named_in_the_order_named(tiny_dirs, tmp_path):
+    """A lease short of time starts with what was never measured: `--only` names the sections and
+    their order (by default the speeds come first, equality after them)."""
     target, draft, _ = tiny_dirs
     assert gpu.main(["--out", str(tmp_path), "--dry-run", "--target", str(target), "--draft", str(draft),
-                     "--stand-ins", "", "--bitsandbytes", "", "--only", "equality"]) == 0
+                     "--stand-ins", "", "--bitsandbytes", "", "--only", "equality,bundled",
+                     "--max-new-tokens", "4", "--limit", "1"]) == 0
     names = [s["name"] for s in json.loads((tmp_path / "results.json").read_text())["sections"]]
-    assert len(names) == 1 and names[0].startswith("equality")
+    assert len(names) == 2 and names[0].startswith("equality") and names[1].startswith("bundled")
 
 
 def test_isolated_sections_run_in_processes_of_their_own(tiny_dirs, tmp_path):

@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="on a CPU, tiny: checks the run itself, measures nothing")
     ap.add_argument("--smoke", action="store_true", help="only the random-weight smoke section (no model files)")
-    ap.add_argument("--only", default="", help="comma-separated starts of the section names to run (e.g. "
-                                                "'equality,stand-in 7b'); default every section")
+    ap.add_argument("--only", default="", help="comma-separated starts of the section names to run, in that "
+                                                "order (e.g. 'stand-in 7b,equality'); default every section")
     ap.add_argument("--isolate", choices=("yes", "no"), default=None,
                     help="each section in a process of its own (default: yes on a GPU, no in a dry run)")
     ap.add_argument("--section", default="", help=argparse.SUPPRESS)  # a child: run exactly this one
@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     isolate = not args.section and (args.isolate == "yes" or (args.isolate is None and not args.dry_run))
     prompts = [] if isolate else bench_prompts(load_tokenizer(ModelSpec(args.target)), args.prompts, args.limit)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    plan = [p for p in sections(args) if (p[0] == args.section if args.section else
-                                          not wanted or any(p[0].startswith(w) for w in wanted))]
+    plan = sorted((p for p in sections(args) if (p[0] == args.section if args.section else
+                                                 not wanted or any(p[0].startswith(w) for w in wanted))),
+                  key=lambda p: next((i for i, w in enumerate(wanted) if p[0].startswith(w)), 0))
     for i, (name, needs, work) in enumerate(plan):
         if run.left_s < needs:
             run.add({"name": name, "note": f"skipped: {run.left_s:.0f} s of the budget left, it needs {needs}"})
