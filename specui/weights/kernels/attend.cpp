@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vexp.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;  // query rows computed side by side (lanes): each lane on its own
@@ -153,22 +155,7 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: the 16 lanes as two vectors of 8, the same operations lane by lane as the AVX-512 path.
-inline __m256 exp8(__m256 x) {
-  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NGT_UQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(zero, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));  // +0 where zero
-}
+using specui_vec::exp8;
 
 void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int64_t k_stride, float scale,
                    const float* bias, float* s, float* sum) {

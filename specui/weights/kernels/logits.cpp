@@ -17,7 +17,9 @@
 #include <limits>
 #include <tuple>
 #include <vector>
-#if defined(__AVX2__)
+
+#include "vexp.h"
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -32,25 +34,8 @@ struct Part {
   double sum = 0.0;                                      // sum of exp(x - top) over the part
 };
 
-#if defined(__AVX2__)
-// exp of 8 floats at x <= 0 (Cephes' expf: 2^n times a degree-7 polynomial; relative error ~1e-7),
-// inputs below -87.3 giving about 0 (the sum of a softmax has at least one term of 1)
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+#if defined(__AVX2__) && defined(__FMA__)
+using specui_vec::exp8;  // vexp.h: exp(x - top) of 8 entries, x - top <= 0
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -73,7 +58,7 @@ void scan(const float* x, int64_t b, int64_t e, bool with_sum, Part& part) {
   int64_t i = b;
   float top = -std::numeric_limits<float>::infinity();
   bool nan = false;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
   __m256 vtop = _mm256_set1_ps(top), vnan = _mm256_setzero_ps();
   for (; i + 8 <= e; i += 8) {
     __m256 v = _mm256_loadu_ps(x + i);
@@ -94,7 +79,7 @@ void scan(const float* x, int64_t b, int64_t e, bool with_sum, Part& part) {
   }
   part.top = top;
   i = b;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
   const __m256 vt = _mm256_set1_ps(top);
   for (; i + 8 <= e; i += 8) {
     int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_EQ_OQ));
@@ -109,7 +94,7 @@ void scan(const float* x, int64_t b, int64_t e, bool with_sum, Part& part) {
   if (!with_sum || std::isinf(top)) return;  // all -inf: no terms; +inf: the row's lse is +inf
   double sum = 0.0;
   i = b;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= e; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vt)));
   sum = hsum(acc);
