@@ -64,10 +64,60 @@ def test_a_static_cache_session_counts_its_forwards_too():
     assert session.clock.seconds - before >= 2 * FORWARD_S
 
 
-def test_no_clock_on_a_gpu_device():
+class _FakeEvent:
+    """torch.cuda.Event's timing surface on a machine without CUDA: `record` reads a fake GPU
+    clock (seconds), `elapsed_time` answers in milliseconds as CUDA does."""
+    now = 0.0
+    broken = False
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = None
+
+    def record(self) -> None:
+        self.at = _FakeEvent.now
+
+    def synchronize(self) -> None:
+        assert self.at is not None
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        if _FakeEvent.broken:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        return (end.at - self.at) * 1000.0
+
+
+def test_a_gpu_clock_sums_its_forwards_gpu_time_when_read(monkeypatch):
+    """On a GPU a forward returns before it ran: the clock keeps a CUDA event pair around each and
+    sums their GPU time when read; nothing is timed while a graph is being captured; an event
+    pair that cannot be read says "not measured" (None) and the forwards still run."""
     from specui.engine.timing import ForwardClock
 
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    _FakeEvent.now, _FakeEvent.broken = 0.0, False
+
+    def forward(x, gpu_s):
+        _FakeEvent.now += gpu_s  # the GPU time this forward's kernels take
+        return x + 1
+
     clock = ForwardClock(torch.device("cuda"))
+    assert clock.seconds == 0.0
+    assert clock.run(forward, 1, 0.25) == 2 and clock.run(forward, 2, 0.5) == 3
+    assert clock.seconds == pytest.approx(0.75)
+    capturing[0] = True
+    assert clock.run(forward, 3, 9.0) == 4  # a capture: run, not timed
+    capturing[0] = False
+    assert clock.seconds == pytest.approx(0.75)
+    _FakeEvent.broken = True
+    clock.run(forward, 4, 1.0)
+    assert clock.seconds is None and clock.run(forward, 5, 1.0) == 6
+
+
+def test_no_clock_on_other_devices():
+    from specui.engine.timing import ForwardClock
+
+    clock = ForwardClock(torch.device("meta"))
     assert clock.seconds is None and clock.run(lambda x: x + 1, 1) == 2
 
 

@@ -50,18 +50,58 @@ def fastest_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dic
 
 class ForwardClock:
     """Seconds spent inside a model's own forward calls (the time a step's Python, masks,
-    sampling and bookkeeping are measured against). CPU only: on a GPU a forward returns once
-    its kernels are queued, so the clock there says nothing and stays `None`."""
+    sampling and bookkeeping are measured against). On a CPU, each forward's wall time. On a
+    GPU a forward returns once its kernels are queued, so the clock records a pair of CUDA
+    events around each and sums their elapsed GPU time when read (`seconds`): a step has read
+    its logits back by then, so the events are done and reading waits for nothing. A forward
+    run while a CUDA graph is being captured is not timed (events cannot be recorded into a
+    capture); an event pair that cannot be read makes the clock say `None` (not measured)
+    rather than fail a reply. Other devices: `None`."""
+
+    PENDING_MAX = 4096  # event pairs kept unread at most (read at once past that)
 
     def __init__(self, device: torch.device) -> None:
-        self.seconds: float | None = 0.0 if device.type == "cpu" else None
+        self._cuda = device.type == "cuda"
+        self._seconds: float | None = 0.0 if device.type in ("cpu", "cuda") else None
+        self._pending: list[tuple[object, object]] = []
+
+    @property
+    def seconds(self) -> float | None:
+        if self._pending:
+            self._settle()
+        return self._seconds
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, []
+        if self._seconds is None:
+            return
+        try:
+            pending[-1][1].synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in pending) / 1000.0
+        except RuntimeError:  # an event recorded where it cannot be timed: say "not measured"
+            self._seconds = None
 
     def run(self, fn: Callable[..., object], *args, **kwargs):
-        """`fn(*args, **kwargs)`, its wall time added to the clock."""
-        if self.seconds is None:
+        """`fn(*args, **kwargs)`, its time added to the clock."""
+        if self._seconds is None:
             return fn(*args, **kwargs)
+        if self._cuda:
+            return self._run_cuda(fn, *args, **kwargs)
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self._seconds += time.perf_counter() - t0
+
+    def _run_cuda(self, fn: Callable[..., object], *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            return fn(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end.record()
+            self._pending.append((start, end))
+            if len(self._pending) > self.PENDING_MAX:
+                self._settle()
