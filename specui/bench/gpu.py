@@ -291,9 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     isolate = not args.section and (args.isolate == "yes" or (args.isolate is None and not args.dry_run))
     prompts = [] if isolate else bench_prompts(load_tokenizer(ModelSpec(args.target)), args.prompts, args.limit)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    plan = sorted((p for p in sections(args) if (p[0] == args.section if args.section else
-                                                 not wanted or any(p[0].startswith(w) for w in wanted))),
-                  key=lambda p: next((i for i, w in enumerate(wanted) if p[0].startswith(w)), 0))
+
+    def rank(name: str) -> int | None:  # its place in --only (None: not named); 0 for all without --only
+        return next((i for i, w in enumerate(wanted) if name.startswith(w)), None) if wanted else 0
+
+    plan = [p for p in sections(args) if (p[0] == args.section if args.section else rank(p[0]) is not None)]
+    plan.sort(key=lambda p: rank(p[0]) or 0)
     for i, (name, needs, work) in enumerate(plan):
         if run.left_s < needs:
             run.add({"name": name, "note": f"skipped: {run.left_s:.0f} s of the budget left, it needs {needs}"})

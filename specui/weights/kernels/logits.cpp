@@ -18,10 +18,7 @@
 #include <tuple>
 #include <vector>
 
-#include "vexp.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vexp.h"  // and <immintrin.h>, where AVX2 and FMA are there
 
 namespace {
 
