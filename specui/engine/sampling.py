@@ -134,23 +134,79 @@ def row_stats(rows: torch.Tensor, lse: bool) -> tuple[list[int], list[float]] | 
 class SoftmaxEntries:
     """softmax(rows) read entry by entry, as a trace reads it (`float(p[t, x])`, or `p[x]` for one
     row): exp(rows[t, x] - lse_t) from each row's log-sum-exp, with no (rows, V) probabilities built;
-    `best`: each row's argmax, found in the same pass (`greedy_tokens`)."""
+    `best`: each row's argmax, found in the same pass (`greedy_tokens`); `top`: each row's
+    largest logit where it was read with them (a GPU's rows: an entry at a row's argmax, the
+    entry greedy decoding reads most, then needs no read of the device)."""
 
-    def __init__(self, rows: torch.Tensor, lse: list[float], best: list[int]) -> None:
-        self.rows, self.lse, self.best = rows, lse, best
+    def __init__(self, rows: torch.Tensor, lse: list[float], best: list[int], top: list[float] | None = None) -> None:
+        self.rows, self.lse, self.best, self.top = rows, lse, best, top
 
     def __getitem__(self, index) -> float:
-        row = 0 if self.rows.dim() == 1 else index[0]
+        row, col = (0, index) if self.rows.dim() == 1 else index
+        if self.top is not None and col == self.best[row]:
+            return math.exp(self.top[row] - self.lse[row])
         return math.exp(float(self.rows[index]) - self.lse[row])
+
+    def read(self, rows: list[int], cols: list[int]) -> list[float]:
+        """[self[r, c] for each pair], the entries not at a known argmax read in one go."""
+        known = self.top is not None
+        need = [i for i, (r, c) in enumerate(zip(rows, cols)) if not known or c != self.best[r]]
+        logits = _gather(self.rows, [rows[i] for i in need], [cols[i] for i in need])
+        out = [math.exp(self.top[r] - self.lse[r]) if known else 0.0 for r in rows]
+        for i, v in zip(need, logits):
+            out[i] = math.exp(v - self.lse[rows[i]])
+        return out
+
+
+def _reads_wait(device: torch.device) -> bool:
+    """Whether reading a value of this device's memory waits for the device (a GPU's: every
+    `float(t[i])` is a synchronisation), so a step should read what it needs in one go."""
+    return device.type != "cpu"
+
+
+def _gather(table: torch.Tensor, rows: list[int], cols: list[int], one_read: bool | None = None) -> list[float]:
+    """[float(table[r, c]) ...]: one by one on a CPU (a few us each, less than building index
+    tensors for the handful a step reads), in one read elsewhere (each read of a GPU's memory
+    waits for the device: a 25-node tree's entries were 26 waits a step); `one_read` forces either."""
+    if not rows:
+        return []
+    if not (_reads_wait(table.device) if one_read is None else one_read):
+        return [float(table[r, c]) for r, c in zip(rows, cols)]
+    index = torch.tensor([rows, cols], dtype=torch.long).to(table.device, non_blocking=True)
+    return table[index[0], index[1]].tolist()
+
+
+def read_entries(shown, rows: list[int], cols: list[int]) -> list[float]:
+    """`float(shown[r, c])` for each (r, c) of a 2-D `shown` (a tensor, or SoftmaxEntries), the
+    same values, read from the device in one go rather than one wait per entry."""
+    if isinstance(shown, SoftmaxEntries):
+        return shown.read(list(rows), list(cols))
+    return _gather(shown, list(rows), list(cols))
+
+
+def device_row_stats(rows: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
+    """(each row's argmax (its first maximum), log-sum-exp, largest entry) of float rows (..., V)
+    with torch's ops, read back in one go: on a GPU, the greedy step's one wait for the device
+    (its argmax and the trace's p at it), where a softmax and two reads were two."""
+    flat = rows.reshape(-1, rows.shape[-1])
+    best = flat.argmax(-1)
+    top = flat.gather(1, best[:, None])[:, 0]
+    exact = flat.dtype if flat.shape[-1] <= 1 << 24 else torch.float64  # an index as a float: exact below 2^24
+    stats = torch.stack([best.to(exact), torch.logsumexp(flat, -1).to(exact), top.to(exact)]).tolist()
+    return [int(b) for b in stats[0]], stats[1], stats[2]
 
 
 def softmax_entries(rows: torch.Tensor):
     """softmax(rows) for a trace to read entries of: SoftmaxEntries from the native kernel's
-    log-sum-exp where it is loaded, else the softmax itself (rows float32 or float64)."""
-    if rows.dim() <= 2:
+    log-sum-exp where it is loaded (a CPU), from torch's in one read on other devices, else the
+    softmax itself (rows float32 or float64)."""
+    if rows.dim() <= 2 and rows.shape[-1] > 0:
         stats = row_stats(rows, lse=True)
         if stats is not None:
             return SoftmaxEntries(rows, stats[1], stats[0])
+        if _reads_wait(rows.device) and rows.dtype in (torch.float32, torch.float64):
+            best, lse, top = device_row_stats(rows)
+            return SoftmaxEntries(rows, lse, best, top)
     return rows.softmax(-1)
 
 

@@ -29,7 +29,7 @@ import torch
 from specui.engine.method import DecodeContext, StepResult
 from specui.engine.methods.fork import ChainCheck, Fork, ForkDrafter, ForkMask, check_chains, tree_forward
 from specui.engine.methods.tree import DraftedTree, TreeMethod, draft_probs, expected_accept, top_tokens_rows
-from specui.engine.sampling import sample, shown_probs, warp
+from specui.engine.sampling import read_entries, sample, shown_probs, warp
 from specui.engine.trace import ACCEPTED, DROPPED, REJECTED, TARGET, UNVERIFIED, NodeTrace
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
@@ -233,6 +233,8 @@ def approximate_nodes(tree: TokenTree, best: ChainCheck, fork: Fork, p_shown: to
     drawn from where this path ends."""
     on_path = set(best.path)
     depths = tree.depths
+    kids = [i for i, parent in enumerate(tree.parents) if parent >= 0]
+    p_kids = dict(zip(kids, read_entries(p_shown, [tree.parents[i] + 1 for i in kids], [tree.tokens[i] for i in kids])))
     nodes = []
     for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
         root = tree.path(i)[0]
@@ -241,7 +243,7 @@ def approximate_nodes(tree: TokenTree, best: ChainCheck, fork: Fork, p_shown: to
         else:
             status = (ACCEPTED if i in on_path else REJECTED if i == best.rejected
                       else UNVERIFIED if root == best.root else DROPPED)
-            q, p = tree.q[i], float(p_shown[parent + 1, tok])
+            q, p = tree.q[i], p_kids[i]
         nodes.append(NodeTrace(token_id=tok, text="", parent=parent, depth=depths[i], status=status, q=q, p=p,
                                beam=root, accept_pred=fork.accept.get(i), reject_pred=fork.risk(i)))
     return nodes

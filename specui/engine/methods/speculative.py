@@ -15,6 +15,7 @@ from specui.engine.sampling import (
     argmax_tokens,
     drawn,
     greedy_tokens,
+    read_entries,
     residual,
     sample,
     scored,
@@ -89,17 +90,19 @@ def chain_nodes(
 ) -> list[NodeTrace]:
     """The step's chain for the trace: accepted..., rejected, unverified..., then the
     resampled or bonus token hanging under the last accepted draft."""
+    a, n = verdict.accepted, len(drafts)
+    scored_n = min(a + 1, n)  # the drafts verification reached (the rest: unverified, no p)
+    steps = list(range(n))
+    q = read_entries(q_shown, steps, drafts)
+    p = read_entries(p_shown, steps[:scored_n] + [a], drafts[:scored_n] + [verdict.next_token])
     nodes = []
     for t, x in enumerate(drafts):
-        status = ACCEPTED if t < verdict.accepted else REJECTED if t == verdict.accepted else UNVERIFIED
-        nodes.append(NodeTrace(
-            token_id=x, text="", parent=t - 1, depth=t + 1, status=status,
-            q=float(q_shown[t, x]), p=float(p_shown[t, x]) if status != UNVERIFIED else None,
-        ))
-    a = verdict.accepted
+        status = ACCEPTED if t < a else REJECTED if t == a else UNVERIFIED
+        nodes.append(NodeTrace(token_id=x, text="", parent=t - 1, depth=t + 1, status=status,
+                               q=q[t], p=p[t] if t < scored_n else None))
     nodes.append(NodeTrace(
         token_id=verdict.next_token, text="", parent=a - 1, depth=a + 1,
-        status=BONUS if verdict.bonus else RESAMPLED, p=float(p_shown[a, verdict.next_token]),
+        status=BONUS if verdict.bonus else RESAMPLED, p=p[-1],
     ))
     return nodes
 

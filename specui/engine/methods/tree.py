@@ -16,7 +16,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.tree_budget import NodeBudget
-from specui.engine.sampling import SamplingConfig, greedy_tokens, scored, warp
+from specui.engine.sampling import SamplingConfig, greedy_tokens, read_entries, scored, warp
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
 from specui.engine.tree import TokenTree
@@ -145,13 +145,15 @@ class TreeMethod(Method):
 def tree_nodes(tree: TokenTree, verdict: TreeVerdict, p_shown: torch.Tensor) -> list[NodeTrace]:
     on_path, rejected = set(verdict.path), set(verdict.rejected)
     depths = tree.depths
+    last = verdict.path[-1] if verdict.path else -1
+    p = read_entries(p_shown, [parent + 1 for parent in tree.parents] + [last + 1],
+                     list(tree.tokens) + [verdict.next_token])
     nodes = []
     for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
         status = ACCEPTED if i in on_path else REJECTED if i in rejected else UNVERIFIED
         nodes.append(NodeTrace(token_id=tok, text="", parent=parent, depth=depths[i], status=status,
-                               q=tree.q[i], p=float(p_shown[parent + 1, tok]), p_hat=tree.p_hat[i]))
-    last = verdict.path[-1] if verdict.path else -1
-    p_next = float(p_shown[last + 1, verdict.next_token])
+                               q=tree.q[i], p=p[i], p_hat=tree.p_hat[i]))
+    p_next = p[-1]
     nodes.append(NodeTrace(token_id=verdict.next_token, text="", parent=last, depth=len(verdict.path) + 1,
                            status=BONUS if verdict.bonus else RESAMPLED, p=p_next))
     return nodes

@@ -1,0 +1,95 @@
+"""Reading a step's probabilities where each read waits for the device (a GPU): the greedy
+step's argmax, log-sum-exp and largest logit in one read (`device_row_stats`), a trace's
+entries in one read (`read_entries`), the same values the one-by-one reads give. The GPU's
+path is run here on a CPU by making the engine treat CPU memory as a GPU's."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specui.engine import sampling
+from specui.engine.sampling import SamplingConfig, SoftmaxEntries, device_row_stats, read_entries
+
+
+def logit_rows(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(5, 3001, generator=g) * 3
+    rows[1] = (rows[1] * 2).round() / 2  # ties: the first maximum wins, as numpy's argmax
+    rows[2, ::2] = float("-inf")  # masked entries
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_device_row_stats_are_argmax_logsumexp_and_the_top_logit(dtype):
+    rows = logit_rows(0).to(dtype)
+    best, lse, top = device_row_stats(rows)
+    assert best == np.argmax(rows.numpy(), axis=-1).tolist()
+    assert lse == pytest.approx(torch.logsumexp(rows.double(), -1).tolist(), rel=1e-6)
+    assert top == [float(rows[r, b]) for r, b in enumerate(best)]  # exactly the entry at the argmax
+    one = device_row_stats(rows[3])  # one row (V,)
+    assert one[0] == [best[3]] and one[2] == [top[3]]
+
+
+def test_softmax_entries_with_the_top_logit_read_the_same_probabilities():
+    rows = logit_rows(1)
+    best, lse, top = device_row_stats(rows)
+    shown = SoftmaxEntries(rows, lse, best, top)
+    want = rows.double().softmax(-1)
+    pairs = [(r, c) for r in range(5) for c in (0, 7, 3000, best[r])]
+    for r, c in pairs:
+        assert shown[r, c] == pytest.approx(float(want[r, c]), rel=1e-5, abs=1e-12)
+    rs, cs = [r for r, _ in pairs], [c for _, c in pairs]
+    assert shown.read(rs, cs) == [shown[r, c] for r, c in pairs]
+    one = SoftmaxEntries(rows[4], [lse[4]], [best[4]], [top[4]])
+    assert one[best[4]] == math.exp(top[4] - lse[4]) and one[9] == pytest.approx(float(want[4, 9]), rel=1e-5)
+
+
+@pytest.mark.parametrize("one_read", [None, True, False])
+def test_read_entries_gives_what_reading_one_by_one_gives(one_read):
+    table = logit_rows(2).softmax(-1)
+    rows, cols = [0, 4, 4, 1, 2], [5, 0, 2999, 17, 4]
+    want = [float(table[r, c]) for r, c in zip(rows, cols)]
+    assert sampling._gather(table, rows, cols, one_read=one_read) == want
+    assert read_entries(table, rows, cols) == want
+    assert read_entries(table, [], []) == []
+    best, lse, _ = device_row_stats(logit_rows(2))
+    no_top = SoftmaxEntries(logit_rows(2), lse, best)  # the CPU kernel's kind: no top logits
+    assert no_top.read(rows, cols) == [no_top[r, c] for r, c in zip(rows, cols)]
+
+
+@pytest.mark.parametrize("method,params", [("autoregressive", {}), ("speculative", {"gamma": 3}),
+                                           ("opt-tree", {"nodes": 8}), ("mcsd", {}), ("specdec++", {})])
+def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, method, params):
+    """The GPU's way of reading (stats and entries in one read each, no kernel) gives the same
+    reply token for token and the same trace probabilities as the CPU's."""
+    from conftest import EOS, TinyTokenizer, tiny_llama
+
+    from specui.engine import Engine, GenerationRequest, make_method
+
+    target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    runs, reads = {}, []
+    gather = sampling._gather
+    for waits in (False, True):
+        if waits:
+            monkeypatch.setattr(sampling, "_reads_wait", lambda device: True)
+            monkeypatch.setattr(sampling, "row_stats", lambda rows, lse: None)
+            monkeypatch.setattr(sampling, "_gather", lambda *a, **k: reads.append(len(a[1])) or gather(*a, **k))
+        gen = engine.generate(GenerationRequest([1, 5, 9, 13], 24, SamplingConfig()), make_method(method, **params))
+        gen.run()
+        runs[waits] = gen
+    cpu, gpu = runs[False], runs[True]
+    assert gpu.output_ids == cpu.output_ids
+    assert len(gpu.steps) == len(cpu.steps)
+    for a, b in zip(gpu.steps, cpu.steps):
+        assert [(n.token_id, n.status) for n in a.nodes] == [(n.token_id, n.status) for n in b.nodes]
+        for x, y in zip(a.nodes, b.nodes):
+            for field in ("p", "q"):
+                u, v = getattr(x, field), getattr(y, field)
+                assert (u is None) == (v is None) and (u is None or u == pytest.approx(v, rel=1e-4, abs=1e-7))
+    if method == "autoregressive":
+        assert reads == []  # its token's p is the top logit's: read with the argmax, no second read
+    else:
+        assert reads, "the trace's entries went through one read a table"
