@@ -39,6 +39,15 @@ class TinyTokenizer:
         return "".join(f"t{i} " for i in ids if not (skip_special_tokens and i == EOS))
 
 
+def assert_same_node_probabilities(a: list, b: list) -> None:
+    """Two steps' trace nodes show the same p and q (None in the same places; else equal to
+    float32 rounding): what two ways of reading the same logits must give."""
+    for x, y in zip(a, b):
+        for field in ("p", "q"):
+            u, v = getattr(x, field), getattr(y, field)
+            assert (u is None) == (v is None) and (u is None or u == pytest.approx(v, rel=1e-4, abs=1e-7))
+
+
 def tiny_llama(
     seed: int, layers: int = 2, vocab: int = TINY_VOCAB, dtype=torch.float64, hidden: int = 32,
 ) -> LlamaForCausalLM:

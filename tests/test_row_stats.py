@@ -85,7 +85,7 @@ def test_greedy_helpers_give_what_numpy_and_softmax_give():
 def test_greedy_methods_decode_and_trace_the_same_with_and_without_the_kernel(monkeypatch, method, params):
     """Every greedy method's reply is the same token for token whichever way the rows are read,
     and its trace shows the same probabilities (to float32 rounding)."""
-    from conftest import EOS, TinyTokenizer, tiny_llama
+    from conftest import EOS, TinyTokenizer, assert_same_node_probabilities, tiny_llama
 
     from specui.engine import Engine, GenerationRequest, make_method
 
@@ -101,7 +101,4 @@ def test_greedy_methods_decode_and_trace_the_same_with_and_without_the_kernel(mo
     assert kernel.output_ids == plain.output_ids
     for a, b in zip(kernel.steps, plain.steps):
         assert [n.token_id for n in a.nodes] == [n.token_id for n in b.nodes]
-        for x, y in zip(a.nodes, b.nodes):
-            for field in ("p", "q"):
-                u, v = getattr(x, field), getattr(y, field)
-                assert (u is None) == (v is None) and (u is None or u == pytest.approx(v, rel=1e-4, abs=1e-7))
+        assert_same_node_probabilities(a.nodes, b.nodes)

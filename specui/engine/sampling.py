@@ -143,19 +143,20 @@ class SoftmaxEntries:
 
     def __getitem__(self, index) -> float:
         row, col = (0, index) if self.rows.dim() == 1 else index
-        if self.top is not None and col == self.best[row]:
+        if self._at_top(row, col):
             return math.exp(self.top[row] - self.lse[row])
         return math.exp(float(self.rows[index]) - self.lse[row])
 
     def read(self, rows: list[int], cols: list[int]) -> list[float]:
         """[self[r, c] for each pair], the entries not at a known argmax read in one go."""
-        known = self.top is not None
-        need = [i for i, (r, c) in enumerate(zip(rows, cols)) if not known or c != self.best[r]]
-        logits = _gather(self.rows, [rows[i] for i in need], [cols[i] for i in need])
-        out = [math.exp(self.top[r] - self.lse[r]) if known else 0.0 for r in rows]
-        for i, v in zip(need, logits):
-            out[i] = math.exp(v - self.lse[rows[i]])
-        return out
+        at_top = [self._at_top(r, c) for r, c in zip(rows, cols)]
+        read = iter(_gather(self.rows, [r for r, t in zip(rows, at_top) if not t],
+                            [c for c, t in zip(cols, at_top) if not t]))
+        return [math.exp((self.top[r] if t else next(read)) - self.lse[r]) for r, t in zip(rows, at_top)]
+
+    def _at_top(self, row: int, col: int) -> bool:
+        """Whether (row, col) is the row's argmax and its logit was read with it (no read needed)."""
+        return self.top is not None and col == self.best[row]
 
 
 def _reads_wait(device: torch.device) -> bool:
@@ -164,13 +165,13 @@ def _reads_wait(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _gather(table: torch.Tensor, rows: list[int], cols: list[int], one_read: bool | None = None) -> list[float]:
+def _gather(table: torch.Tensor, rows: list[int], cols: list[int]) -> list[float]:
     """[float(table[r, c]) ...]: one by one on a CPU (a few us each, less than building index
     tensors for the handful a step reads), in one read elsewhere (each read of a GPU's memory
-    waits for the device: a 25-node tree's entries were 26 waits a step); `one_read` forces either."""
+    waits for the device: a 25-node tree's entries were 26 waits a step)."""
     if not rows:
         return []
-    if not (_reads_wait(table.device) if one_read is None else one_read):
+    if not _reads_wait(table.device):
         return [float(table[r, c]) for r, c in zip(rows, cols)]
     index = torch.tensor([rows, cols], dtype=torch.long).to(table.device, non_blocking=True)
     return table[index[0], index[1]].tolist()
