@@ -93,7 +93,7 @@ def test_a_shape_first_met_while_decoding_is_compiled_next():
 def test_a_failed_compile_leaves_the_model_eager_with_a_note(monkeypatch, tmp_path):
     model = tiny_llama(2, layers=1, dtype=torch.float32)
 
-    def broken(_model, _variant=None):
+    def broken(_model, _variant=None, _call=None):
         def fn(**_kw):
             raise AssertionError("inductor could not lower this graph")
         return fn

@@ -33,8 +33,13 @@ class EagerGraphs:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captures += 1
-        out = forward()
-        return (lambda: out.copy_(forward())), out
+        out = forward()  # a tensor, or a tuple of them (a forward that returns hidden states too)
+
+        def replay():
+            for kept, fresh in zip(*((o if isinstance(o, tuple) else (o,)) for o in (out, forward())), strict=True):
+                kept.copy_(fresh)
+
+        return replay, out
 
 
 def static(engine: Engine, mode: str = "graphs", fail: bool = False) -> list[EagerGraphs]:

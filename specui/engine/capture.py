@@ -7,7 +7,8 @@ land past the valid length and are never read), run, read the real rows' logits.
 
 How it runs is the mode:
 - "exact": eager at the real shapes (no padding): a feature draft, a forward whose hidden
-  states are read through hooks, anything longer than the biggest bucket.
+  states are read through hooks (a model engine/hidden.py has no hook-free forward for),
+  anything longer than the biggest bucket.
 - "buckets": eager at the padded shapes, exactly as a captured forward runs them; on a CPU
   this is what `--capture on` runs today, and it is how the padding and masks are tested
   without a GPU.
@@ -30,6 +31,10 @@ cached on disk by inductor, under ~/.cache/specui/inductor unless TORCHINDUCTOR_
 was set first; a failure that a stale cache may explain is retried once on a fresh one.
 Measured on an H100 (random weights, the bundled target's shape, bf16): one replayed graph
 costs 3.0 ms unfused and 1.4 ms compiled (about 1000 small kernels become a few hundred).
+A forward asked for its hidden states too (`run(..., hidden=True)`: SpecDec++'s and MCSD's
+drafts) runs engine/hidden.py's forward, which returns them beside the logits, in the same mode:
+its own compile (a variant of the model's), its own graphs and Warmup shapes (keys ending in
+HIDDEN), so a compile that fails there leaves only those forwards eager.
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention, routed_attention
 from specui.engine.compiled import compile_model
+from specui.engine.hidden import logits_and_hidden
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
-from specui.engine.warmup import DYNAMO, RECOMPILE, Warmup
+from specui.engine.warmup import DYNAMO, HIDDEN, RECOMPILE, Warmup
 from specui.errors import SpecUIError
 from specui.settings import CAPTURES
 
@@ -86,6 +92,7 @@ class _Graph:
         self.mask = torch.zeros((1, 1, bucket, window), dtype=mask_dtype, device=device)
         self.replay: Callable[[], None] | None = None
         self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None  # a hidden-state forward's second output
 
 
 class CudaGraphs:
@@ -129,12 +136,19 @@ class StaticForward:
             graphs = CudaGraphs()
         self.model, self.cache, self.mode, self.backend = model, cache, mode, graphs
         self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.failed: dict[tuple[int, int], str] = {}
+        self.graphs: dict[tuple, _Graph] = {}  # (bucket, window), or (bucket, window, HIDDEN)
+        self.failed: dict[tuple, str] = {}
         self.grouped = (routed_attention(model), grouped) if compiled and grouped else None
         # what the padded shapes run; the attention's routing is traced, not guarded: its own compile
-        self.fn = compile_model(model, grouped if self.grouped else None) if compiled else model
+        variant = grouped if self.grouped else None
+        self.fn = compile_model(model, variant) if compiled else model
+        # (logits, hidden) without hooks (None: this model's hidden states need hooks, "exact"), and its compile
+        self.hidden_call = logits_and_hidden(model)
+        self.hidden_fn = self.hidden_call
+        if compiled and self.hidden_call is not None:
+            self.hidden_fn = compile_model(model, (HIDDEN, variant), self.hidden_call)
         self.compile_problem = ""
+        self.hidden_problem = ""  # why the hidden-state forwards run eagerly (their compile failed)
         self._generation = cache.generation
         self.clock = ForwardClock(cache.device)  # time inside the forwards (the session reads it)
         self._causal: torch.Tensor | None = None  # every causal mask is a slice of this (see _mask)
@@ -154,6 +168,8 @@ class StaticForward:
         if self.grouped and self.fn is not self.model:
             notes.append(f"compiled attention: grouped matmuls for up to {self.grouped[1]} queries (measured faster "
                          "here than SDPA compiled; python -m specui.bench.capture)")
+        if self.hidden_problem:
+            notes.append(f"hidden-state forwards not compiled: {self.hidden_problem}")
         return notes + ([f"not compiled: {self.compile_problem}"] if self.compile_problem else [])
 
     @property
@@ -176,16 +192,21 @@ class StaticForward:
             return None
         return m if self.compiled and self.mode == "buckets" else bucket_for(m)
 
-    def captured(self) -> list[tuple[int, int]]:
-        """The (bucket, window) shapes held as graphs."""
+    def captured(self) -> list[tuple]:
+        """The (bucket, window) shapes held as graphs ((bucket, window, HIDDEN) for those that
+        return hidden states too)."""
         return sorted(k for k, g in self.graphs.items() if g.replay is not None)
 
     # -- one forward -------------------------------------------------------------------
     def run(self, ids: torch.Tensor, positions: list[int] | None, attend: torch.Tensor | None, keep: int = 0,
-            exact: bool = False, **extra) -> torch.Tensor:
+            exact: bool = False, hidden: bool = False, **extra):
         """Feed `ids` (m,) after the cache's valid length at `positions` (None: the next m),
         row i attending to what `attend` (bool (m, length + m)) allows (None: causal). Returns
-        the logits (keep or m, V) of the last `keep` rows (0: all); the valid length grows by m."""
+        the logits (keep or m, V) of the last `keep` rows (0: all); the valid length grows by m.
+        `hidden` (where `hidden_call` is not None): (logits, the hidden states (rows, H) the
+        output layer read for those rows)."""
+        if hidden and self.hidden_call is None:
+            raise SpecUIError("this model's hidden states are read through hooks, in an exact forward")
         cache = self.cache
         start, m = cache.length, ids.numel()
         bucket = None if exact or extra or self.mode == "exact" else self.width_for(m)
@@ -201,19 +222,22 @@ class StaticForward:
         if width > m:
             ids = torch.cat([ids, ids.new_zeros(width - m)])
         cache.prepare(start, window)
-        if bucket is not None and self.mode == "graphs" and (bucket, window) not in self.failed:
-            logits = self.clock.run(self._replay, bucket, window, ids, positions_t, mask)
+        key = (bucket, window, HIDDEN) if hidden else (bucket, window)
+        if bucket is not None and self.mode == "graphs" and key not in self.failed:
+            out = self.clock.run(self._replay, key, ids, positions_t, mask)
         else:
             kw = dict(input_ids=ids[None], position_ids=positions_t, attention_mask=mask[None, None],
                       past_key_values=cache, use_cache=True, **extra)
             if bucket is None:
                 self.eager += 1
-                logits = self.clock.run(self.model, logits_to_keep=keep, **kw).logits[0]
+                out = self.clock.run(self.hidden_call if hidden else self.model, logits_to_keep=keep, **kw)
             else:
-                logits = self.clock.run(self._padded, **kw).logits[0]
+                out = self.clock.run(self._padded, hidden=hidden, **kw)
+            out = (out[0][0], out[1][0]) if hidden else out.logits[0]
         cache.set_length(start + m)
-        rows = logits if logits.shape[0] == m else logits[:m]  # (each view op is a few us on a CPU)
-        return rows[-keep:] if 0 < keep < m else rows
+        if hidden:
+            return _real_rows(out[0], m, keep), _real_rows(out[1], m, keep)
+        return _real_rows(out, m, keep)
 
     def _mask(self, start: int, m: int, width: int, window: int, attend: torch.Tensor | None) -> torch.Tensor:
         """Additive mask (width, window): causal rows (the padded ones too), the real rows'
@@ -265,12 +289,14 @@ class StaticForward:
         return row
 
     # -- CUDA graphs -------------------------------------------------------------------
-    def _replay(self, bucket: int, window: int, ids: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+    def _replay(self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        """The logits (bucket, V) of the graph for `key`, captured on first use; with HIDDEN in
+        the key, (logits, hidden states)."""
         if self._generation != self.cache.generation:  # the store moved: every graph read the old one
             self.graphs.clear()
             self._generation = self.cache.generation
-        key = (bucket, window)
+        bucket, window = key[:2]
+        hidden = key[-1] == HIDDEN
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _Graph(bucket, window, self.cache.device, self.mask_dtype)
@@ -279,30 +305,35 @@ class StaticForward:
         graph.mask.copy_(mask[None, None])
         if graph.replay is None:
             try:
-                graph.replay, graph.logits = self.backend.capture(lambda: self._call(graph))
+                graph.replay, out = self.backend.capture(lambda: self._call(graph, hidden))
+                graph.logits, graph.hidden = out if hidden else (out, None)
             except (RuntimeError, torch.OutOfMemoryError) as e:
                 del self.graphs[key]
                 self.failed[key] = f"capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # what the failed capture took
-                return self._call(graph)[0]
+                out = self._call(graph, hidden)
+                return (out[0][0], out[1][0]) if hidden else out[0]
         graph.replay()
         self.replays += 1
-        return graph.logits[0].clone()  # the next replay (any graph: they share a pool) overwrites it
+        # the next replay (any graph: they share a pool) overwrites the outputs
+        return (graph.logits[0].clone(), graph.hidden[0].clone()) if hidden else graph.logits[0].clone()
 
-    def _call(self, graph: _Graph) -> torch.Tensor:
+    def _call(self, graph: _Graph, hidden: bool = False):
+        """The graph's forward on its static inputs: logits (1, bucket, V), or with `hidden`
+        (logits, hidden states)."""
         out = self._padded(input_ids=graph.ids, position_ids=graph.positions, attention_mask=graph.mask,
-                           past_key_values=self.cache, use_cache=True)
-        return out.logits
+                           past_key_values=self.cache, use_cache=True, hidden=hidden)
+        return out if hidden else out.logits
 
-    def _padded(self, **kw):
+    def _padded(self, hidden: bool = False, **kw):
         """A padded shape's forward: compiled where it compiles (and, with a Warmup, where it
-        has compiled already), else the model itself."""
+        has compiled already), else the model itself; with `hidden`, the hidden-state forward
+        ((logits, hidden)) likewise."""
+        if hidden:
+            return self._padded_hidden(kw)
         if self.fn is not self.model:
-            for name, dims in (("input_ids", (1,)), ("position_ids", (1,)), ("attention_mask", (2, 3))):
-                for dim in dims:  # one compile for every bucket and window (size 1 is specialised anyway)
-                    torch._dynamo.maybe_mark_dynamic(kw[name], dim)
-            torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)  # the window: a size, not a constant
+            _mark_dynamic(kw, self.cache)
             try:
                 with grouped_attention(*self.grouped) if self.grouped else nullcontext():
                     out = self.compiled_call(kw)
@@ -318,24 +349,63 @@ class StaticForward:
         self.eager += 1
         return self.model(**kw)
 
-    def compiled_call(self, kw: dict, shape: tuple[int, ...] | None = None, run: Callable | None = None):
+    def _padded_hidden(self, kw: dict):
+        """`_padded` for the hidden-state forward: its own compile, whose failure leaves only
+        these forwards eager (with a note)."""
+        if self.hidden_fn is not self.hidden_call:
+            _mark_dynamic(kw, self.cache)
+            shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity, HIDDEN)
+            try:
+                with grouped_attention(*self.grouped) if self.grouped else nullcontext():
+                    out = self.compiled_call(kw, shape, fn=self.hidden_fn)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - as in _padded
+                self.hidden_fn = self.hidden_call
+                self.hidden_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                out = None
+            if out is not None:
+                self.compiled_runs += 1
+                return out
+        self.eager += 1
+        return self.hidden_call(**kw)
+
+    def compiled_call(self, kw: dict, shape: tuple[int, ...] | None = None, run: Callable | None = None,
+                      fn: Callable | None = None):
         """The compiled forward, or None where it would have to wait: with a Warmup, a call that
         would compile runs nothing (the Warmup is asked for that shape). Such a call takes no
         lock: the "fail_on_recompile" stance makes it raise before it could compile (which must
         never overlap a Warmup's compile), and a Warmup whose compile begins under that stance
         tries again. `shape` and `run`: what the Warmup is asked for (default: this runner's
-        (bucket, window, capacity)); beam rows over this model (engine/rows.py) pass theirs."""
+        (bucket, window, capacity)); beam rows over this model (engine/rows.py) pass theirs.
+        `fn`: the compiled callable (default the forward's; the hidden-state forward's)."""
+        fn = fn or self.fn
         if self.warmup is None or self.blocking:
             with DYNAMO:
-                return self.fn(**kw)
+                return fn(**kw)
         shape = shape or (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity)
         if self.warmup.waiting(shape):  # asked already: a failed try costs more than the forward
             return None
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self.fn(**kw)
+                return fn(**kw)
         except RuntimeError as e:
             if RECOMPILE not in str(e):
                 raise
             self.warmup.ask(shape, run)
             return None
+
+
+def _real_rows(out: torch.Tensor, m: int, keep: int) -> torch.Tensor:
+    """The rows (keep or m, .) of the real tokens' last `keep` (0: all) of a forward's padded output."""
+    rows = out if out.shape[0] == m else out[:m]  # (each view op is a few us on a CPU)
+    return rows[-keep:] if 0 < keep < m else rows
+
+
+def _mark_dynamic(kw: dict, cache: StaticKVCache) -> None:
+    """Sizes a compile sees as symbols: one compile for every bucket and window (size 1 is
+    specialised anyway), the window a size, not a constant."""
+    for name, dims in (("input_ids", (1,)), ("position_ids", (1,)), ("attention_mask", (2, 3))):
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(kw[name], dim)
+    torch._dynamo.maybe_mark_dynamic(cache.columns, 0)

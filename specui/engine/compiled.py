@@ -35,7 +35,7 @@ COMPILED = "_specui_compiled"  # where a model keeps its compiled callables (its
 RECOMPILES = 64  # torch.compile's recompiles per code object (a few shapes each; size 1 is its own)
 
 
-def compile_model(model: torch.nn.Module, variant: object = None):
+def compile_model(model: torch.nn.Module, variant: object = None, call=None):
     """The model's compiled callable, with the model's call signature: its own code object (so
     its own graph cache) and no guards on its modules, or, once that fails, one with dynamo's
     guards (`GuardedFallback`). Made once per model and `variant` and kept on the model, so every
@@ -46,13 +46,15 @@ def compile_model(model: torch.nn.Module, variant: object = None):
     variant is a compile of its own. With a compile per engine the prepared GPU run's bundled
     section ran past its budget on an H100 (2026-11-27), and its CPU dry run took 383 s against
     120 s now (2-core Xeon, one run each). The recompile limit is raised once so a few shapes do
-    not exhaust it (the default 8 would leave the rest silently eager)."""
+    not exhaust it (the default 8 would leave the rest silently eager). `call`: what is compiled
+    in place of the model's own forward (a variant of its own: engine/hidden.py's forward that
+    returns the hidden states beside the logits), called with the model's keyword arguments."""
     owner, made = model.__dict__.get(COMPILED, (None, {}))
     if owner != id(model):  # a deep copy of the model (another dtype) carries its source's: not its own
         made = {}
         model.__dict__[COMPILED] = (id(model), made)  # not a submodule or buffer: state_dict and .to() skip it
     if variant not in made:
-        made[variant] = _compile(model)
+        made[variant] = _compile(model, call or model)
     return made[variant]
 
 
@@ -64,15 +66,15 @@ def compile_model(model: torch.nn.Module, variant: object = None):
 QUIET = {"size_asserts": False}
 
 
-def _compile(model: torch.nn.Module):
+def _compile(model: torch.nn.Module, call):
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILES))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())  # inductor reads it at each compile
     unguarded = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # not in older torch
     if unguarded is None:
-        return torch.compile(_own_code(model), options=QUIET)
-    return GuardedFallback(model, torch.compile(_own_code(model), options={"guard_filter_fn": unguarded, **QUIET}))
+        return torch.compile(_own_code(call), options=QUIET)
+    return GuardedFallback(call, torch.compile(_own_code(call), options={"guard_filter_fn": unguarded, **QUIET}))
 
 
 class GuardedFallback:
@@ -87,8 +89,8 @@ class GuardedFallback:
     compile (it writes the same cache slots); a recompile that the "fail_on_recompile" stance
     refuses is not a failure and passes through."""
 
-    def __init__(self, model: torch.nn.Module, fast) -> None:
-        self.model, self.fast, self.guarded = model, fast, None
+    def __init__(self, call, fast) -> None:
+        self.call, self.fast, self.guarded = call, fast, None
 
     def __call__(self, *args, **kwargs):
         if self.guarded is None:
@@ -97,12 +99,12 @@ class GuardedFallback:
             except (AssertionError, torch._dynamo.exc.TorchDynamoException) as e:  # dynamo's own failures only
                 if RECOMPILE in str(e):
                     raise
-                self.guarded = torch.compile(_own_code(self.model, "specui_guarded"))
+                self.guarded = torch.compile(_own_code(self.call, "specui_guarded"))
         return self.guarded(*args, **kwargs)
 
 
-def _own_code(model: torch.nn.Module, kind: str = "specui_forward"):
-    """A function that calls `model`, with a code object of its own and a name no other compile
+def _own_code(model, kind: str = "specui_forward"):
+    """A function that calls `model` (a model, or another callable over one), with a code object of its own and a name no other compile
     has: dynamo keeps compiled graphs per code object, and its automatic-dynamic record (which
     sizes it saw change, so compiles as symbols next time) per code *name* and place. Under one
     shared name every model's compile inherited every other's record, sizes of other models

@@ -117,6 +117,7 @@ class ModelSession:
         # seconds inside the model's forward calls (CPU; None on a GPU): the step's other time is ours
         self.clock = ForwardClock(self.device) if self.runner is None else self.runner.clock
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
+        self._hidden: list[torch.Tensor] | None = None  # hidden states the runner returned (with_hidden, no hook)
         self.cached_ids: list[int] = []
         self._tree_base = 0  # where the last scored tree's entries start in the cache
         self._tree_pending = False  # tree entries in the cache that commit_path has not settled
@@ -218,7 +219,16 @@ class ModelSession:
     def with_hidden(self, forward, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(*args)` (one of this session's forwards: advance, forward_tree, extend_tree)
         and the hidden states (rows, H) its output layer read for the logit rows it returned
-        (after the final norm: what SpecDec++'s head and MCSD's decision models take)."""
+        (after the final norm: what SpecDec++'s head and MCSD's decision models take). Over a
+        static cache the runner's forward returns them (compiled and captured like any other:
+        engine/hidden.py); otherwise a hook reads them, in an eager forward at the real shapes."""
+        if self._runner_reads_hidden():
+            self._hidden = []
+            try:
+                rows = forward(*args)
+                return rows, self._hidden[-1][-rows.shape[0]:]
+            finally:
+                self._hidden = None
         self._hooked += 1
         try:
             with output_layer_inputs(self.model) as seen:
@@ -226,6 +236,10 @@ class ModelSession:
         finally:
             self._hooked -= 1
         return rows, seen[-1][0, -rows.shape[0]:]
+
+    def _runner_reads_hidden(self) -> bool:
+        """Whether this session's forwards can return hidden states without a hook."""
+        return self.runner is not None and self.runner.hidden_call is not None and self.features is None
 
     def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """`advance`, and the hidden states (need, H) at those positions."""
@@ -295,6 +309,10 @@ class ModelSession:
     def _logits(self, input_ids: torch.Tensor, positions: list[int] | None, attend: torch.Tensor | None,
                 keep: int, extra: dict) -> torch.Tensor:
         if self.runner is not None:  # hooks read hidden states: those forwards run eagerly
+            if self._hidden is not None:
+                logits, hidden = self.runner.run(input_ids[0], positions, attend, keep, hidden=True, **extra)
+                self._hidden.append(hidden)
+                return logits
             exact = self._hooked > 0 or self.features is not None
             return self.runner.run(input_ids[0], positions, attend, keep, exact=exact, **extra)
         if attend is not None:

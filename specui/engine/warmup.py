@@ -33,6 +33,7 @@ from specui.engine.static_cache import StaticKVCache
 # take turns; a forward that must not wait runs under the "fail_on_recompile" stance instead
 DYNAMO = threading.Lock()
 RECOMPILE = "Detected recompile"  # how the fail_on_recompile stance says a call would compile
+HIDDEN = "hidden"  # the last part of a shape whose forward returns hidden states too (engine/hidden.py)
 
 
 class Warmup:
@@ -44,7 +45,8 @@ class Warmup:
     compile under way; it goes on once nothing decodes. A shape is (bucket, window,
     capacity) for the runner's own one-row forwards, and (bucket, window, capacity, rows) for
     several rows over the same model (beam search's and DSBD's RowSession, which asks with the
-    forward that builds and runs such a shape: `ask(shape, run)`). Plain bookkeeping for the
+    forward that builds and runs such a shape: `ask(shape, run)`), and (bucket, window, capacity,
+    HIDDEN) for the runner's forward that returns hidden states too (engine/hidden.py). Plain bookkeeping for the
     report: `compiled` (shapes done), `queue` (waiting), `seconds` (spent compiling, pauses
     included), `interrupted` (pauses), `paused_s`, `note`."""
 
@@ -228,8 +230,11 @@ class Warmup:
                 self._retried = True
                 self.note = f"compile failed ({problem}); retried on a fresh compile cache"
                 return self._compile(shape)
-            runner.compile_problem = problem
-            runner.fn = runner.model
+            if _hidden(shape):  # only the hidden-state forwards stay eager
+                runner.hidden_problem, runner.hidden_fn = problem, runner.hidden_call
+            else:
+                runner.compile_problem = problem
+                runner.fn = runner.model
             return False
         return True
 
@@ -239,13 +244,13 @@ class Warmup:
         dtype: its scratch rows are a cache of their own)."""
         runner = self.runner
         probe = type(runner)(runner.model, cache, "buckets")
-        probe.fn, probe.grouped = runner.fn, runner.grouped
+        probe.fn, probe.grouped, probe.hidden_fn = runner.fn, runner.grouped, runner.hidden_fn
         return probe
 
     def _one_row(self, shape: tuple[int, ...]) -> str:
-        """The runner's forward at (bucket, window, capacity) on the scratch cache (zeros);
-        returns what failed, "" if nothing."""
-        bucket, window, capacity = shape
+        """The runner's forward at (bucket, window, capacity) on the scratch cache (zeros), the
+        hidden-state one for a shape that ends in HIDDEN; returns what failed, "" if nothing."""
+        bucket, window, capacity = shape[:3]
         runner = self.runner
         if self._scratch is None or self._scratch.capacity != capacity:
             self._scratch = None
@@ -254,11 +259,16 @@ class Warmup:
         probe = self._probe(scratch)
         scratch.allocate()
         scratch.set_length(window - bucket)
-        probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None)
-        return probe.compile_problem
+        probe.run(torch.zeros(bucket, dtype=torch.long, device=scratch.device), None, None, hidden=_hidden(shape))
+        return probe.hidden_problem if _hidden(shape) else probe.compile_problem
 
 
 RESTARTS = 16  # compiles begun under a decoding call's stance, tried again
+
+
+def _hidden(shape: tuple) -> bool:
+    """A shape of the forward that returns hidden states too (engine/capture.py's HIDDEN)."""
+    return shape[-1] == HIDDEN
 
 
 def compile_cache_dir() -> Path:

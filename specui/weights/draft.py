@@ -75,6 +75,21 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, logits_to_keep=0, labels=None, features=None, **kwargs):
+        logits, _hidden, out = self._forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                             use_cache, logits_to_keep, features, **kwargs)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states, attentions=out.attentions)
+
+    def logits_and_hidden(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                          inputs_embeds=None, use_cache=None, logits_to_keep=0, features=None, **kwargs):
+        """The forward's logits (1, rows, V) and the hidden states its head read (1, rows, H), no
+        hook needed (engine/hidden.py: so SpecDec++'s and MCSD's draft forwards can be compiled)."""
+        logits, hidden, _out = self._forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                             use_cache, logits_to_keep, features, **kwargs)
+        return logits, hidden
+
+    def _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                 logits_to_keep, features, **kwargs):
         if self.feature_fc is not None and inputs_embeds is None:
             inputs_embeds, input_ids = self.mix_features(input_ids, features), None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -86,8 +101,7 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
         small = self.head_logits(hidden)
         logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         logits.index_copy_(-1, self.token_map, small)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states, attentions=out.attentions)
+        return logits, hidden, out
 
 
 def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, int]:

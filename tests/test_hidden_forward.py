@@ -1,0 +1,154 @@
+"""Hidden states without hooks (engine/hidden.py): over a static cache a forward asked for the
+hidden states its output layer read returns them beside the logits, in every forward mode
+(exact, padded buckets, CUDA graphs through a stand-in graph, compiled), equal to what a hook
+reads on the eager growing cache; a model with no known hook-free forward still reads them
+through hooks; SpecDec++'s and MCSD's drafts replay captured hidden-state forwards and decode as
+autoregressive; a hidden-state compile that fails leaves only those forwards eager."""
+
+import copy
+
+import pytest
+import torch
+from conftest import EOS, TINY_VOCAB, TinyTokenizer, tiny_llama
+from test_capture import EagerGraphs, static
+from test_greedy_equivalence import PROMPTS
+from test_mcsd_fork import decision_models
+from test_specdec import make_head
+from transformers import LlamaForCausalLM
+
+from specui.engine import Engine, GenerationRequest, make_method
+from specui.engine.capture import StaticForward
+from specui.engine.hidden import logits_and_hidden
+from specui.engine.session import ModelSession
+from specui.weights.draft import SpecUIDraftForCausalLM
+
+
+def specui_draft(seed: int = 2) -> SpecUIDraftForCausalLM:
+    """A SpecUI draft (reduced head, a token map) over a tiny Llama's weights: half the
+    vocabulary in its head, so the logits it returns are a scatter, not the head's own."""
+    source = tiny_llama(seed, layers=2)
+    config = copy.deepcopy(source.config)
+    config.specui_draft = {"head_size": TINY_VOCAB // 2}
+    draft = SpecUIDraftForCausalLM(config).to(source.dtype)
+    state = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    draft.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(source.lm_head.weight[: TINY_VOCAB // 2])
+        draft.token_map.copy_(torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(seed))[: TINY_VOCAB // 2])
+    return draft.eval()
+
+
+class CustomForward(LlamaForCausalLM):
+    """A causal LM whose forward is its own: no hook-free hidden-state forward is assumed."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def with_runner(model, mode: str, compiled: bool = False) -> ModelSession:
+    session = ModelSession(model, capture="on")
+    graphs = EagerGraphs() if mode == "graphs" else None
+    session.runner = StaticForward(model, session.cache, mode, graphs=graphs, compiled=compiled)
+    return session
+
+
+def hidden_steps(session: ModelSession) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A prefill's last row, a chain of 3 tokens, one token, and a tree of 4 nodes: (logits, hidden) each."""
+    from specui.engine.tree import TokenTree
+
+    ids = [1, 5, 9, 13, 7]
+    out = [session.advance_with_hidden(ids, 1)]
+    ids += [22, 4, 30]
+    out.append(session.advance_with_hidden(ids, 3))
+    ids += [8]
+    out.append(session.advance_with_hidden(ids, 1))
+    tree = TokenTree(tokens=[3, 11, 12, 40], parents=[-1, 0, 0, 1])
+    out.append(session.with_hidden(session.forward_tree, ids + [17], tree))
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(4, layers=2), specui_draft], ids=["llama", "specui-draft"])
+@pytest.mark.parametrize("mode", ["exact", "buckets", "graphs"])
+def test_the_runner_returns_the_hidden_states_a_hook_reads(make, mode):
+    model = make()
+    assert logits_and_hidden(model) is not None
+    session = with_runner(model, mode)
+    reference = hidden_steps(ModelSession(model))  # the growing cache: read through a hook
+    for (logits, hidden), (ref_logits, ref_hidden) in zip(hidden_steps(session), reference, strict=True):
+        assert hidden.shape == ref_hidden.shape == (logits.shape[0], model.config.hidden_size)
+        assert torch.allclose(logits, ref_logits, atol=1e-10) and torch.allclose(hidden, ref_hidden, atol=1e-10)
+    runner = session.runner
+    if mode == "graphs":  # replayed from graphs of their own, beside none of the plain forward's
+        assert runner.replays > 0 and runner.captured() and all(k[-1] == "hidden" for k in runner.captured())
+    if mode == "exact":
+        assert runner.eager == 4
+
+
+def test_a_model_without_a_known_hook_free_forward_reads_through_hooks():
+    source = tiny_llama(4, layers=2)
+    model = CustomForward(source.config).to(source.dtype).eval()
+    model.load_state_dict(source.state_dict())
+    assert logits_and_hidden(model) is None
+    session = with_runner(model, "graphs")
+    reference = hidden_steps(ModelSession(source))
+    for (logits, hidden), (ref_logits, ref_hidden) in zip(hidden_steps(session), reference, strict=True):
+        assert torch.allclose(logits, ref_logits, atol=1e-10) and torch.allclose(hidden, ref_hidden, atol=1e-10)
+    assert session.runner.replays == 0 and session.runner.eager == 4  # exact forwards, as before
+
+
+def test_compiled_hidden_state_forwards_equal_the_hooked_ones():
+    model = tiny_llama(6, layers=1, dtype=torch.float32)
+    session = with_runner(model, "buckets", compiled=True)
+    reference = hidden_steps(ModelSession(model))
+    for (logits, hidden), (ref_logits, ref_hidden) in zip(hidden_steps(session), reference, strict=True):
+        assert torch.allclose(logits, ref_logits, atol=1e-4) and torch.allclose(hidden, ref_hidden, atol=1e-5)
+    runner = session.runner
+    if runner.hidden_problem:  # a machine without a C++ compiler: eager, and said
+        assert any(n.startswith("hidden-state forwards not compiled") for n in runner.notes)
+    else:
+        assert runner.compiled_runs == 4 and runner.eager == 0
+
+
+@pytest.mark.parametrize("name,params,extra", [
+    ("specdec++", {"threshold": 0.6}, lambda: {"acceptance_head": make_head(32, 1, 1.0)}),
+    ("mcsd", {"width": 3, "gamma": 3}, lambda: {"decision": decision_models(32, 0.0)}),
+])
+def test_specdec_and_mcsd_drafts_replay_captured_hidden_state_forwards(name, params, extra, monkeypatch):
+    from specui.engine import session as session_module
+
+    def no_hooks(_model):
+        raise AssertionError("a hook was asked for the hidden states")
+
+    monkeypatch.setattr(session_module, "output_layer_inputs", no_hooks)
+    target, draft = tiny_llama(0, layers=3), tiny_llama(1, layers=1)
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on", **extra())
+    static(on, "graphs")
+    for prompt in PROMPTS:
+        reference = off.generate(GenerationRequest(list(prompt), 30), make_method("autoregressive")).run()
+        gen = on.generate(GenerationRequest(list(prompt), 30), make_method(name, **params)).run()
+        assert gen.output_ids == reference.output_ids
+        assert any(s.drafted for s in gen.steps)
+    runner = on.draft.runner
+    assert any(k[-1] == "hidden" for k in runner.captured()) and runner.replays > 0
+
+
+def test_a_failed_hidden_state_compile_leaves_only_those_forwards_eager():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    model = tiny_llama(7, layers=1)
+    session = with_runner(model, "buckets")
+    runner = session.runner
+    runner.fn = lambda **kw: model(**kw)  # stands for a compiled forward that works
+
+    def broken(**_kw):
+        raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
+
+    runner.hidden_fn = broken
+    reference = hidden_steps(ModelSession(model))
+    for (logits, hidden), (ref_logits, ref_hidden) in zip(hidden_steps(session), reference, strict=True):
+        assert torch.allclose(logits, ref_logits, atol=1e-10) and torch.allclose(hidden, ref_hidden, atol=1e-10)
+    assert runner.hidden_fn is runner.hidden_call and runner.fn is not runner.model
+    assert "hidden-state forwards not compiled: BackendCompilerFailed" in runner.notes[0]
+    session.advance([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1)
+    assert runner.compiled_runs == 1  # the plain forward still runs its compile
