@@ -152,3 +152,43 @@ def test_a_failed_hidden_state_compile_leaves_only_those_forwards_eager():
     assert "hidden-state forwards not compiled: BackendCompilerFailed" in runner.notes[0]
     session.advance([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1)
     assert runner.compiled_runs == 1  # the plain forward still runs its compile
+
+
+def test_hidden_state_shapes_compile_in_the_background_and_run_compiled_once_ready():
+    """With a Warmup (`--capture auto` on a CPU that measured compiled forwards faster), a
+    hidden-state forward whose shape is not compiled yet runs eagerly and asks for it; the
+    Warmup compiles it on a scratch cache once no reply decodes; from then on it runs compiled,
+    and the Model tab's line counts it."""
+    import threading
+
+    from test_background_compile import SETTLE_S
+
+    from specui.service.reports import capture_line
+
+    model = tiny_llama(8, layers=1, dtype=torch.float32, hidden=48)  # shapes no other test compiled
+    decoding = threading.Event()
+    decoding.set()
+    session = ModelSession(model, capture="on", background=True)
+    runner = session.runner
+    warmup = runner.warmup
+    warmup.paused = decoding.is_set
+    warmup.cancel()  # the plain one-row shapes: only the hidden ones here
+    reference = ModelSession(model)
+    ids = [1, 5, 9, 13, 7]
+    got, want = session.advance_with_hidden(ids, 1), reference.advance_with_hidden(ids, 1)
+    assert runner.compiled_runs == 0
+    shape = (5, 256, runner.cache.capacity, "hidden")
+    assert shape in warmup.queue
+    decoding.clear()
+    assert warmup.wait(SETTLE_S), warmup.queue
+    assert shape in warmup.compiled and not runner.hidden_problem, runner.notes
+    ids += [22, 4, 30, 8, 17]
+    got2, want2 = session.advance_with_hidden(ids, 5), reference.advance_with_hidden(ids, 5)
+    assert runner.compiled_runs == 1
+    for (a, ha), (b, hb) in ((got, want), (got2, want2)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-5)
+    report = {"setting": "auto", "draft": {"mode": "buckets+compiled", "background": True, "notes": [],
+                                           "compiled": [list(s) for s in warmup.compiled],
+                                           "compiling": [], "compile_s": warmup.seconds}}
+    assert "1 hidden-state shape" in capture_line(report) and "beam-rows" not in capture_line(report)

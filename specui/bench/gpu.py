@@ -50,7 +50,9 @@ from specui.weights.loading import BUNDLED, ModelSpec, load_tokenizer
 
 LOSSLESS = ("autoregressive", "speculative:3", "auto", "opt-tree:25", "tree", "mcsd", "specdec++", "lookup")
 METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "mcsd", "specdec++")
-STAND_IN_METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25")
+# specdec++ too since its draft's hidden-state forwards are captured like the rest (engine/hidden.py):
+# it was the fastest method at the 1.7b stand-in on a CPU (Zen 4, 2026-12-04)
+STAND_IN_METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "specdec++")
 CHILD_GRACE_S = 180  # a section may run past the budget it started under (its minimum is a guess)
 
 

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from specui.engine.warmup import HIDDEN
 from specui.service.joint import predicted_with_draft
 from specui.service.pair import ModelPair
 
@@ -46,8 +47,11 @@ def _compile_state(state: dict) -> str:
     done, waiting = state["compiled"], state["compiling"]
     buckets = sorted({shape[0] for shape in done if len(shape) == 3})  # (bucket, window, capacity)
     ready = ", ".join(str(b) for b in buckets) or "no"
-    rows = sum(len(shape) == 4 for shape in done)  # (bucket, window, capacity, rows): beam search's, DSBD's
+    # (bucket, window, capacity, rows): beam search's, DSBD's; (..., "hidden"): SpecDec++'s and MCSD's drafts
+    rows = sum(len(shape) == 4 and shape[3] != HIDDEN for shape in done)
+    hidden = sum(shape[-1] == HIDDEN for shape in done)
     ready += " tokens" + (f", {rows} beam-rows shape{'s' if rows != 1 else ''}" if rows else "")
+    ready += f", {hidden} hidden-state shape{'s' if hidden != 1 else ''}" if hidden else ""
     total = len(done) + len(waiting)
     if not waiting:
         return (f"compiled ({ready}; {len(done)} shapes compiled in the background in "
