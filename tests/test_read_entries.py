@@ -51,7 +51,7 @@ def test_read_entries_gives_what_reading_one_by_one_gives(monkeypatch, waits):
     table = logit_rows(2).softmax(-1)
     rows, cols = [0, 4, 4, 1, 2], [5, 0, 2999, 17, 4]
     want = [float(table[r, c]) for r, c in zip(rows, cols)]
-    monkeypatch.setattr(sampling, "_reads_wait", lambda device: waits)  # True: one gather, as on a GPU
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: waits)  # True: one gather, as on a GPU
     assert sampling._gather(table, rows, cols) == want
     assert read_entries(table, rows, cols) == want
     assert read_entries(table, [], []) == []
@@ -75,7 +75,7 @@ def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, m
     gather = sampling._gather
     for waits in (False, True):
         if waits:
-            monkeypatch.setattr(sampling, "_reads_wait", lambda device: True)
+            monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
             monkeypatch.setattr(sampling, "row_stats", lambda rows, lse: None)
             monkeypatch.setattr(sampling, "_gather", lambda *a, **k: reads.append(len(a[1])) or gather(*a, **k))
         gen = engine.generate(GenerationRequest([1, 5, 9, 13], 24, SamplingConfig()), make_method(method, **params))
@@ -91,3 +91,56 @@ def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, m
         assert reads == []  # its token's p is the top logit's: read with the argmax, no second read
     else:
         assert reads, "the trace's entries went through one read a table"
+
+
+def test_a_greedy_chain_on_a_device_feeds_its_drafts_back_unread(monkeypatch):
+    """Where reads wait (a GPU; here a CPU told so), a greedy chain feeds each drafted argmax back
+    as a device tensor and reads the chain once: the same tokens and rows as drafting one token at
+    a time, nothing read per token, the draft's cache holding the same ids after it, and drafts
+    after an EOS dropped as the one-at-a-time chain stops there."""
+    from conftest import tiny_llama
+
+    from specui.engine.methods import speculative
+    from specui.engine.session import ModelSession
+
+    draft = tiny_llama(4, layers=1, dtype=torch.float32)
+    context = [1, 5, 9, 13, 7, 22]
+    for gamma in (2, 5):
+        one = ModelSession(draft)
+        want = speculative.draft_chain(one, context, gamma, SamplingConfig(), None, frozenset())
+        monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+        monkeypatch.setattr(speculative, "drawn", lambda *a: pytest.fail("a drafted token was read on its own"))
+        chained = ModelSession(draft)
+        assert chained.feeds_device_tokens
+        got = speculative.draft_chain(chained, context, gamma, SamplingConfig(), None, frozenset())
+        assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert chained.cached_ids == one.cached_ids == context + want[0][:-1]
+        for (k1, v1), (k2, v2) in zip(chained.kv(), one.kv()):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        eos = frozenset({want[0][1]})  # the second draft is an EOS: the chain ends there
+        stopped = speculative.draft_chain(ModelSession(draft), context, gamma, SamplingConfig(), None, eos)
+        assert stopped[0] == want[0][: want[0].index(want[0][1]) + 1] and stopped[1].shape[0] == len(stopped[0])
+        monkeypatch.undo()
+
+
+def test_device_chains_over_captured_graphs_equal_autoregressive(monkeypatch):
+    """The device chain over a static cache whose forwards replay graphs (a CPU stand-in for
+    CUDA graphs): the drafted token enters the graph's static input by a device copy, and the
+    replies equal autoregressive decoding."""
+    from conftest import EOS, TinyTokenizer, tiny_llama
+    from test_capture import static
+    from test_greedy_equivalence import PROMPTS
+
+    from specui.engine import Engine, GenerationRequest, make_method
+
+    target, draft = tiny_llama(0, layers=3), tiny_llama(1, layers=1)
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    static(on, "graphs")
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+    for prompt in PROMPTS:
+        want = off.generate(GenerationRequest(list(prompt), 30), make_method("autoregressive")).run().output_ids
+        for gamma in (2, 4):
+            assert on.generate(GenerationRequest(list(prompt), 30), make_method("speculative", gamma=gamma)).run(
+            ).output_ids == want
+    assert on.draft.runner.replays > 0 and on.draft.feeds_device_tokens

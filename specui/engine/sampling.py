@@ -159,7 +159,7 @@ class SoftmaxEntries:
         return self.top is not None and col == self.best[row]
 
 
-def _reads_wait(device: torch.device) -> bool:
+def reads_wait(device: torch.device) -> bool:
     """Whether reading a value of this device's memory waits for the device (a GPU's: every
     `float(t[i])` is a synchronisation), so a step should read what it needs in one go."""
     return device.type != "cpu"
@@ -171,7 +171,7 @@ def _gather(table: torch.Tensor, rows: list[int], cols: list[int]) -> list[float
     waits for the device: a 25-node tree's entries were 26 waits a step)."""
     if not rows:
         return []
-    if not _reads_wait(table.device):
+    if not reads_wait(table.device):
         return [float(table[r, c]) for r, c in zip(rows, cols)]
     index = torch.tensor([rows, cols], dtype=torch.long).to(table.device, non_blocking=True)
     return table[index[0], index[1]].tolist()
@@ -205,7 +205,7 @@ def softmax_entries(rows: torch.Tensor):
         stats = row_stats(rows, lse=True)
         if stats is not None:
             return SoftmaxEntries(rows, stats[1], stats[0])
-        if _reads_wait(rows.device) and rows.dtype in (torch.float32, torch.float64):
+        if reads_wait(rows.device) and rows.dtype in (torch.float32, torch.float64):
             best, lse, top = device_row_stats(rows)
             return SoftmaxEntries(rows, lse, best, top)
     return rows.softmax(-1)

@@ -15,10 +15,14 @@ from transformers import PreTrainedModel
 
 from specui.engine.capture import StaticForward, capture_mode, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.engine import sampling
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
+
+
+PENDING = -1  # in cached_ids: a token fed as a device tensor whose id is not read yet (advance_token)
 
 
 @contextmanager
@@ -215,6 +219,30 @@ class ModelSession:
         if logits.shape[0] == need and logits.shape[1] == self.vocab_size:
             return logits
         return logits[-need:, : self.vocab_size]
+
+    @property
+    def feeds_device_tokens(self) -> bool:
+        """Whether a drafted token should be fed back as the device tensor it is (`advance_token`)
+        rather than read first: where every read of the device's memory waits for it (a GPU), for
+        a plain session (a feature draft's forwards take the target's states too)."""
+        return sampling.reads_wait(self.device) and type(self).advance is ModelSession.advance and self.features is None
+
+    @torch.inference_mode()
+    def advance_token(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed one token that is still a device tensor (a drafted argmax, not read back) after
+        the cached ones; returns its logits (1, V). Its id is PENDING in `cached_ids` until
+        `settle_tokens` gives it, so nothing matches it as a prefix before then."""
+        logits = self._forward(token.reshape(1, 1).to(torch.long), keep=1)
+        self.cached_ids.append(PENDING)
+        return logits[-1:, : self.vocab_size]
+
+    def settle_tokens(self, ids: Sequence[int]) -> None:
+        """The ids of the tokens fed by `advance_token` since the last settle, in order."""
+        pending = [i for i, t in enumerate(self.cached_ids) if t == PENDING]
+        if len(pending) != len(ids):
+            raise RuntimeError(f"{len(pending)} tokens fed as device tensors, {len(ids)} ids given")
+        for i, t in zip(pending, ids):
+            self.cached_ids[i] = int(t)
 
     def with_hidden(self, forward, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(*args)` (one of this session's forwards: advance, forward_tree, extend_tree)

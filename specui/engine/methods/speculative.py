@@ -43,6 +43,8 @@ def draft_chain(
     depends on the draft alone, so verification stays lossless).
     Returns (tokens, q~ rows (n, V), raw draft logits (n, V)); greedy: the logits (float32)
     stand in for q~'s one-hot rows (sampling.drawn)."""
+    if cfg.greedy and confidence is None and gamma > 1 and draft.feeds_device_tokens:
+        return greedy_chain_on_device(draft, ids, gamma, eos_ids)
     tokens: list[int] = []
     q_rows, logit_rows = [], []
     for _ in range(gamma):
@@ -58,6 +60,28 @@ def draft_chain(
             if float(own.softmax(-1)[token]) < confidence:
                 break
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
+
+
+def greedy_chain_on_device(draft: ModelSession, ids: list[int], gamma: int,
+                           eos_ids: frozenset[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """`draft_chain`, greedy, where every read of the device's memory waits for it (a GPU): each
+    drafted argmax stays on the device and is fed straight back (`advance_token`), and the gamma
+    tokens are read in one go at the end, so the host queues the chain's forwards without waiting
+    for each (one wait a chain, not one a token; measured on an H200 before this: a captured draft
+    token cost 0.56-0.6 ms against a target forward of 1.9 ms, most of it the host's). The same
+    tokens as drafting one at a time: the argmax of the same float32 rows, first of equal ones;
+    drafts after an EOS are dropped, their cache entries cropped by the next `advance` like any
+    rejected draft's."""
+    rows = [draft.advance(ids, need=1)[-1]]
+    picks = [rows[0].float().argmax()]
+    for _ in range(gamma - 1):
+        rows.append(draft.advance_token(picks[-1])[-1])
+        picks.append(rows[-1].float().argmax())
+    tokens = torch.stack(picks).tolist()  # the chain's one read
+    draft.settle_tokens(tokens[:-1])
+    n = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+    logits = torch.stack(rows[:n])
+    return tokens[:n], logits.float(), logits
 
 
 def accept_chain(drafts: list[int], q, p, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
