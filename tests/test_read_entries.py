@@ -61,6 +61,7 @@ def test_read_entries_gives_what_reading_one_by_one_gives(monkeypatch, waits):
 
 
 @pytest.mark.parametrize("method,params", [("autoregressive", {}), ("speculative", {"gamma": 3}),
+                                           ("speculative", {"gamma": 5, "confidence": 0.5}), ("auto", {}),
                                            ("opt-tree", {"nodes": 8}), ("mcsd", {}), ("specdec++", {})])
 def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, method, params):
     """The GPU's way of reading (stats and entries in one read each, no kernel) gives the same
@@ -83,6 +84,8 @@ def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, m
         runs[waits] = gen
     cpu, gpu = runs[False], runs[True]
     assert gpu.output_ids == cpu.output_ids
+    if method == "auto":  # its choices follow the timings it measures: the replies are what must agree
+        return
     assert len(gpu.steps) == len(cpu.steps)
     for a, b in zip(gpu.steps, cpu.steps):
         assert [(n.token_id, n.status) for n in a.nodes] == [(n.token_id, n.status) for n in b.nodes]
@@ -105,22 +108,32 @@ def test_a_greedy_chain_on_a_device_feeds_its_drafts_back_unread(monkeypatch):
 
     draft = tiny_llama(4, layers=1, dtype=torch.float32)
     context = [1, 5, 9, 13, 7, 22]
-    for gamma in (2, 5):
+    stops = 0
+    for gamma, confidence in ((2, None), (5, None), (5, 0.3), (6, 0.6), (7, 0.9), (8, 0.0)):
         one = ModelSession(draft)
-        want = speculative.draft_chain(one, context, gamma, SamplingConfig(), None, frozenset())
+        want = speculative.draft_chain(one, context, gamma, SamplingConfig(), None, frozenset(), confidence)
+        stops += len(want[0]) < gamma
         monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
         monkeypatch.setattr(speculative, "drawn", lambda *a: pytest.fail("a drafted token was read on its own"))
         chained = ModelSession(draft)
         assert chained.feeds_device_tokens
-        got = speculative.draft_chain(chained, context, gamma, SamplingConfig(), None, frozenset())
+        got = speculative.draft_chain(chained, context, gamma, SamplingConfig(), None, frozenset(), confidence)
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-        assert chained.cached_ids == one.cached_ids == context + want[0][:-1]
+        # past a confidence stop up to CONFIDENCE_CHUNK - 1 more drafts were fed, with their true ids
+        assert chained.cached_ids[: len(one.cached_ids)] == one.cached_ids == context + want[0][:-1]
+        assert len(chained.cached_ids) - len(one.cached_ids) < speculative.CONFIDENCE_CHUNK
+        assert -1 not in chained.cached_ids
         for (k1, v1), (k2, v2) in zip(chained.kv(), one.kv()):
-            assert torch.equal(k1, k2) and torch.equal(v1, v2)
-        eos = frozenset({want[0][1]})  # the second draft is an EOS: the chain ends there
-        stopped = speculative.draft_chain(ModelSession(draft), context, gamma, SamplingConfig(), None, eos)
-        assert stopped[0] == want[0][: want[0].index(want[0][1]) + 1] and stopped[1].shape[0] == len(stopped[0])
+            n = k2.shape[-2]
+            assert torch.equal(k1[..., :n, :], k2) and torch.equal(v1[..., :n, :], v2)
+        eos = frozenset({want[0][1]}) if len(want[0]) > 1 else frozenset()  # the second draft an EOS: it ends there
+        if eos:
+            stopped = speculative.draft_chain(ModelSession(draft), context, gamma, SamplingConfig(), None, eos,
+                                              confidence)
+            assert stopped[0] == want[0][: want[0].index(want[0][1]) + 1]
+            assert stopped[1].shape[0] == len(stopped[0])
         monkeypatch.undo()
+    assert stops >= 2  # the confidences stopped some chains early
 
 
 def test_device_chains_over_captured_graphs_equal_autoregressive(monkeypatch):
@@ -140,7 +153,7 @@ def test_device_chains_over_captured_graphs_equal_autoregressive(monkeypatch):
     monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
     for prompt in PROMPTS:
         want = off.generate(GenerationRequest(list(prompt), 30), make_method("autoregressive")).run().output_ids
-        for gamma in (2, 4):
-            assert on.generate(GenerationRequest(list(prompt), 30), make_method("speculative", gamma=gamma)).run(
+        for params in ({"gamma": 2}, {"gamma": 4}, {"gamma": 5, "confidence": 0.5}):
+            assert on.generate(GenerationRequest(list(prompt), 30), make_method("speculative", **params)).run(
             ).output_ids == want
     assert on.draft.runner.replays > 0 and on.draft.feeds_device_tokens
