@@ -34,7 +34,8 @@ def specui_draft(seed: int = 2) -> SpecUIDraftForCausalLM:
     draft.load_state_dict(state, strict=False)
     with torch.no_grad():
         draft.lm_head.weight.copy_(source.lm_head.weight[: TINY_VOCAB // 2])
-        draft.token_map.copy_(torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(seed))[: TINY_VOCAB // 2])
+        order = torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(seed))
+        draft.token_map.copy_(order[: TINY_VOCAB // 2])
     return draft.eval()
 
 
@@ -69,11 +70,14 @@ def hidden_steps(session: ModelSession) -> list[tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize("make", [lambda: tiny_llama(4, layers=2), specui_draft], ids=["llama", "specui-draft"])
 @pytest.mark.parametrize("mode", ["exact", "buckets", "graphs"])
-def test_the_runner_returns_the_hidden_states_a_hook_reads(make, mode):
+def test_the_runner_returns_the_hidden_states_a_hook_reads(make, mode, monkeypatch):
+    from specui.engine import session as session_module
+
     model = make()
     assert logits_and_hidden(model) is not None
     session = with_runner(model, mode)
     reference = hidden_steps(ModelSession(model))  # the growing cache: read through a hook
+    monkeypatch.setattr(session_module, "output_layer_inputs", lambda _m: pytest.fail("a hook read them"))
     for (logits, hidden), (ref_logits, ref_hidden) in zip(hidden_steps(session), reference, strict=True):
         assert hidden.shape == ref_hidden.shape == (logits.shape[0], model.config.hidden_size)
         assert torch.allclose(logits, ref_logits, atol=1e-10) and torch.allclose(hidden, ref_hidden, atol=1e-10)
@@ -192,3 +196,56 @@ def test_hidden_state_shapes_compile_in_the_background_and_run_compiled_once_rea
                                            "compiled": [list(s) for s in warmup.compiled],
                                            "compiling": [], "compile_s": warmup.seconds}}
     assert "1 hidden-state shape" in capture_line(report) and "beam-rows" not in capture_line(report)
+
+
+def test_a_failed_hidden_state_capture_runs_eagerly_and_says_so():
+    """A CUDA graph of a hidden-state forward that fails to capture leaves that shape eager, and
+    the capture report (the Model tab's) names it."""
+    target, draft = tiny_llama(0, layers=3), tiny_llama(1, layers=1)
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on",
+                acceptance_head=make_head(32, 1, 1.0))
+    static(on, "graphs", fail=True)
+    want = off.generate(GenerationRequest(list(PROMPTS[0]), 24), make_method("autoregressive")).run().output_ids
+    got = on.generate(GenerationRequest(list(PROMPTS[0]), 24), make_method("specdec++", threshold=0.6)).run()
+    assert got.output_ids == want
+    notes = on.capture_report()["draft"]["notes"]
+    assert any("(with hidden states): eager (capture failed: RuntimeError" in n for n in notes), notes
+
+
+def test_a_background_hidden_state_compile_that_fails_leaves_those_forwards_eager(monkeypatch):
+    """A Warmup whose hidden-state compile fails turns only those forwards eager (with a note),
+    drops the hidden-state shapes still queued, and keeps compiling the plain forward's."""
+    import threading
+
+    from test_background_compile import SETTLE_S
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from specui.engine import warmup as warmup_module
+
+    monkeypatch.setattr(warmup_module, "_fresh_compile_cache", lambda: False)
+    model = tiny_llama(9, layers=1, dtype=torch.float32)
+    decoding = threading.Event()
+    decoding.set()
+    session = ModelSession(model, capture="on", background=True)
+    runner = session.runner
+    warmup = runner.warmup
+    warmup.paused = decoding.is_set
+    warmup.cancel()
+
+    def broken(**_kw):
+        raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
+
+    runner.hidden_fn = broken
+    plain = runner.fn
+    capacity = runner.cache.capacity
+    first, second = (3, 256, capacity, "hidden"), (5, 256, capacity, "hidden")
+    warmup.ask(first)
+    warmup.ask(second)
+    decoding.clear()
+    assert warmup.wait(SETTLE_S), warmup.queue
+    assert runner.hidden_fn is runner.hidden_call and runner.fn is plain
+    assert first not in warmup.compiled and second not in warmup.compiled and not warmup.queue
+    assert any(n.startswith("hidden-state forwards not compiled: BackendCompilerFailed") for n in runner.notes)
+    warmup.ask((4, 256, capacity, "hidden"))  # that forward stays eager: nothing to ask for
+    assert not warmup.queue

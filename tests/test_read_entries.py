@@ -151,9 +151,12 @@ def test_device_chains_over_captured_graphs_equal_autoregressive(monkeypatch):
     on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
     static(on, "graphs")
     monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+    fed = []
+    feed = type(on.draft).advance_token
+    monkeypatch.setattr(type(on.draft), "advance_token", lambda self, token: fed.append(1) or feed(self, token))
     for prompt in PROMPTS:
         want = off.generate(GenerationRequest(list(prompt), 30), make_method("autoregressive")).run().output_ids
         for params in ({"gamma": 2}, {"gamma": 4}, {"gamma": 5, "confidence": 0.5}):
             assert on.generate(GenerationRequest(list(prompt), 30), make_method("speculative", **params)).run(
             ).output_ids == want
-    assert on.draft.runner.replays > 0 and on.draft.feeds_device_tokens
+    assert on.draft.runner.replays > 0 and on.draft.feeds_device_tokens and fed  # drafts fed back unread

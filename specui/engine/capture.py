@@ -162,7 +162,8 @@ class StaticForward:
 
     @property
     def notes(self) -> list[str]:
-        notes = [f"{b} tokens over {w} slots: eager ({why})" for (b, w), why in sorted(self.failed.items())]
+        notes = [f"{key[0]} tokens over {key[1]} slots{' (with hidden states)' if key[-1] == HIDDEN else ''}: eager "
+                 f"({why})" for key, why in sorted(self.failed.items())]
         if self.warmup is not None and self.warmup.note:
             notes.append(self.warmup.note)
         if self.grouped and self.fn is not self.model:

@@ -104,12 +104,13 @@ class GuardedFallback:
 
 
 def _own_code(model, kind: str = "specui_forward"):
-    """A function that calls `model` (a model, or another callable over one), with a code object of its own and a name no other compile
-    has: dynamo keeps compiled graphs per code object, and its automatic-dynamic record (which
-    sizes it saw change, so compiles as symbols next time) per code *name* and place. Under one
-    shared name every model's compile inherited every other's record, sizes of other models
-    included, and a compile without module guards then failed now and then in CI ("sources must
-    not be empty for symbol s79"), the guarded fallback with it, as it read the same record."""
+    """A function that calls `model` (a model, or another callable over one), with a code object of its
+    own and a name no other compile has: dynamo keeps compiled graphs per code object, and its
+    automatic-dynamic record (which sizes it saw change, so compiles as symbols next time) per
+    code *name* and place. Under one shared name every model's compile inherited every other's
+    record, sizes of other models included, and a compile without module guards then failed now
+    and then in CI ("sources must not be empty for symbol s79"), the guarded fallback with it,
+    as it read the same record."""
     def forward(*args, **kwargs):
         return model(*args, **kwargs)
 

@@ -13,14 +13,13 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
+from specui.engine import sampling
 from specui.engine.capture import StaticForward, capture_mode, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
-from specui.engine import sampling
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.tree import TokenTree
 from specui.errors import SpecUIError
-
 
 PENDING = -1  # in cached_ids: a token fed as a device tensor whose id is not read yet (advance_token)
 
@@ -237,12 +236,14 @@ class ModelSession:
         return logits[-1:, : self.vocab_size]
 
     def settle_tokens(self, ids: Sequence[int]) -> None:
-        """The ids of the tokens fed by `advance_token` since the last settle, in order."""
-        pending = [i for i, t in enumerate(self.cached_ids) if t == PENDING]
-        if len(pending) != len(ids):
-            raise RuntimeError(f"{len(pending)} tokens fed as device tensors, {len(ids)} ids given")
-        for i, t in zip(pending, ids):
-            self.cached_ids[i] = int(t)
+        """The ids of the tokens fed by `advance_token` since the last settle, in order: the last
+        len(ids) cached ones (nothing else feeds the cache between)."""
+        n, cached = len(ids), self.cached_ids
+        if not n:
+            return
+        if n > len(cached) or any(t != PENDING for t in cached[-n:]) or (len(cached) > n and cached[-n - 1] == PENDING):
+            raise RuntimeError(f"{n} ids given for tokens fed as device tensors, which the cache does not end with")
+        cached[-n:] = [int(t) for t in ids]
 
     def with_hidden(self, forward, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward(*args)` (one of this session's forwards: advance, forward_tree, extend_tree)

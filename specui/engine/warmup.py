@@ -81,6 +81,12 @@ class Warmup:
             if window <= capacity:
                 self.ask((bucket, window, capacity))
 
+    def _off(self, shape: tuple) -> bool:
+        """Whether the forward this shape is of runs eagerly for good (its compile failed): the
+        hidden-state forward's for a HIDDEN shape, the plain one's for any other."""
+        runner = self.runner
+        return runner.hidden_fn is runner.hidden_call if _hidden(shape) else runner.fn is runner.model
+
     def _idle(self) -> bool:
         return not self.queue and not self._busy
 
@@ -124,7 +130,7 @@ class Warmup:
         runner's forward, or a rows shape with `run(probe, shape)`, which builds that shape on
         scratch rows over the probe runner, runs it, and returns what failed ("" if nothing)."""
         with self._cond:
-            if self._stopping or self.runner.fn is self.runner.model or shape in self.queue or shape in self.compiled:
+            if self._stopping or self._off(shape) or shape in self.queue or shape in self.compiled:
                 return
             self.queue.append(shape)
             self.asked += 1
@@ -176,7 +182,9 @@ class Warmup:
         sys.setprofile(self._yield)  # this thread only
         lowest_priority()
         with self._cond:
-            if not self.queue or self.runner.fn is self.runner.model:
+            while self.queue and self._off(self.queue[0]):  # that forward stays eager now: nothing to compile
+                self.queue.pop(0)
+            if not self.queue:
                 self._finish()
                 return
             shape = self.queue[0]
@@ -244,7 +252,9 @@ class Warmup:
         dtype: its scratch rows are a cache of their own)."""
         runner = self.runner
         probe = type(runner)(runner.model, cache, "buckets")
-        probe.fn, probe.grouped, probe.hidden_fn = runner.fn, runner.grouped, runner.hidden_fn
+        probe.fn, probe.grouped = runner.fn, runner.grouped
+        if runner.hidden_fn is not runner.hidden_call:  # (the probe's eager one is its own object)
+            probe.hidden_fn = runner.hidden_fn
         return probe
 
     def _one_row(self, shape: tuple[int, ...]) -> str:
