@@ -79,6 +79,32 @@ def test_measure_on_tiny_models_leaves_caches_clean(tiny_engine):
     assert tiny_engine.target.length == 0 and tiny_engine.draft.length == 0
 
 
+def test_where_reads_wait_a_draft_token_is_timed_inside_a_device_chain(tiny_engine, monkeypatch):
+    """On a device whose reads wait (a GPU; here a CPU told so), the profile's draft token is the
+    cost of a token in a chain fed back on the device (measure.chain_token_ms), as the chains the
+    methods run there; tree layers (width > 1) and the target are timed as before; the caches are
+    left clean, with no unread id behind."""
+    from specui.engine import measure, profiling, sampling
+
+    chains, forwards = [], []
+    chain, forward = measure.chain_token_ms, measure.forward_ms
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+    monkeypatch.setattr(profiling, "chain_token_ms", lambda s, c, *a, **k: chains.append(c) or chain(s, c, *a, **k))
+
+    def timed(s, c, k, *a, **kw):
+        forwards.append((s is tiny_engine.draft, k))
+        return forward(s, c, k, *a, **kw)
+
+    monkeypatch.setattr(profiling, "forward_ms", timed)
+    p = measure_profile(tiny_engine.target, tiny_engine.draft, contexts=(8, 32), ks=(1, 4), widths=(1, 2),
+                        repeats=1)
+    assert sorted(set(chains)) == [8, 32] and (True, 1) not in forwards and (True, 2) in forwards
+    assert p.draft_ms[1] > 0 and p.draft_context_ms[8] == p.draft_ms[1]
+    assert tiny_engine.draft.length == 0 and -1 not in tiny_engine.draft.cached_ids
+    monkeypatch.undo()
+    assert measure.chain_token_ms(tiny_engine.draft, 16, 1) > 0  # on a CPU too (it is only chosen where reads wait)
+
+
 def test_a_longer_context_is_stretched_not_computed(tiny_target):
     from specui.engine.session import ModelSession
 

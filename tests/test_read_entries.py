@@ -103,6 +103,7 @@ def test_a_greedy_chain_on_a_device_feeds_its_drafts_back_unread(monkeypatch):
     after an EOS dropped as the one-at-a-time chain stops there."""
     from conftest import tiny_llama
 
+    from specui.engine import device_chain
     from specui.engine.methods import speculative
     from specui.engine.session import ModelSession
 
@@ -121,7 +122,7 @@ def test_a_greedy_chain_on_a_device_feeds_its_drafts_back_unread(monkeypatch):
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         # past a confidence stop up to CONFIDENCE_CHUNK - 1 more drafts were fed, with their true ids
         assert chained.cached_ids[: len(one.cached_ids)] == one.cached_ids == context + want[0][:-1]
-        assert len(chained.cached_ids) - len(one.cached_ids) < speculative.CONFIDENCE_CHUNK
+        assert len(chained.cached_ids) - len(one.cached_ids) < device_chain.CONFIDENCE_CHUNK
         assert -1 not in chained.cached_ids
         for (k1, v1), (k2, v2) in zip(chained.kv(), one.kv()):
             n = k2.shape[-2]

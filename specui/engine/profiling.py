@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from specui.engine.measure import forward_ms
+from specui.engine.measure import chain_token_ms, forward_ms
 from specui.engine.profile import (
     CONTEXTS,
     DRAFT_WIDTHS,
@@ -90,7 +90,7 @@ def measure_profile(
             if progress is not None:
                 who = "target" if session is target else "draft"
                 progress(i / len(jobs), f"profiling {who}: {k} tokens after {c}")
-            ms = forward_ms(session, c, k, repeats, max(ks) if session is target else max(widths), quick=True)
+            ms = _point_ms(session, session is not target, c, k, repeats, max(ks) if session is target else max(widths))
             if session is target:
                 target_ms[c][k] = ms
                 continue
@@ -104,7 +104,7 @@ def measure_profile(
             for who, c, k in sorted(disturbed(profile, RETIME_SLACK)):
                 if progress is not None:
                     progress(0.99, f"timing again: {who} {k} tokens after {c}")
-                ms = forward_ms(target if who == "target" else draft, c, k, repeats, quick=True)
+                ms = _point_ms(target if who == "target" else draft, who == "draft", c, k, repeats)
                 if who == "target":
                     target_ms[c][k] = min(target_ms[c][k], ms)
                 if who == "draft" and c == draft_contexts[0]:
@@ -119,6 +119,14 @@ def measure_profile(
         progress(1.0, "profiling done")
     profile.created, profile.measure_s = time.time(), time.perf_counter() - t0
     return profile
+
+
+def _point_ms(session: ModelSession, is_draft: bool, context: int, k: int, repeats: int, room: int = 64) -> float:
+    """A profile point: `forward_ms`, except a draft token where the draft feeds its tokens back
+    on the device (a GPU), which is timed inside a chain as the methods draft it (`chain_token_ms`)."""
+    if is_draft and k == 1 and session.feeds_device_tokens:
+        return chain_token_ms(session, context, repeats, quick=True)
+    return forward_ms(session, context, k, repeats, room, quick=True)
 
 
 def _steady(target: ModelSession, target_ms: dict[int, dict[int, float]], ks: tuple[int, ...], repeats: int,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specui.engine.device_chain import greedy_chain_on_device
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.sampling import (
     SamplingConfig,
@@ -60,59 +61,6 @@ def draft_chain(
             if float(own.softmax(-1)[token]) < confidence:
                 break
     return tokens, torch.stack(q_rows), torch.stack(logit_rows)
-
-
-CONFIDENCE_CHUNK = 2  # a device chain that stops on the draft's confidence reads its tokens this many at a time
-
-
-def greedy_chain_on_device(draft: ModelSession, ids: list[int], gamma: int, eos_ids: frozenset[int],
-                           confidence: float | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """`draft_chain`, greedy, where every read of the device's memory waits for it (a GPU): each
-    drafted argmax stays on the device and is fed straight back (`advance_token`), and the tokens
-    are read in one go at the end, so the host queues the chain's forwards without waiting for
-    each (one wait a chain, not one a token; measured on an H200 before this: a captured draft
-    token cost 0.56-0.6 ms against a target forward of 1.9 ms, most of it the host's). With
-    `confidence` (`auto`'s chains) each token's draft probability is computed on the device with
-    it and the tokens are read CONFIDENCE_CHUNK at a time, so at most that many less one drafts
-    past the stop are computed for nothing. The same tokens as drafting one at a time: the argmax
-    of the same float32 rows (first of equal ones), the same softmax entry against `confidence`;
-    drafts past an EOS or the stop are dropped, their cache entries cropped by the next `advance`
-    like any rejected draft's."""
-    try:
-        return _device_chain(draft, ids, gamma, eos_ids, confidence)
-    except BaseException:
-        draft.commit(ids)  # no token whose id was never read stays in the session (a cancel, out of memory)
-        raise
-
-
-def _device_chain(draft: ModelSession, ids: list[int], gamma: int, eos_ids: frozenset[int],
-                  confidence: float | None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    chunk = gamma if confidence is None else CONFIDENCE_CHUNK
-    rows: list[torch.Tensor] = []
-    drafted: list[int] = []  # every token drafted (fed or not), read
-    tokens: list[int] = []  # the chain: up to the stop
-    pick = None
-    while len(drafted) < gamma:
-        picks, sure = [], []
-        for _ in range(min(chunk, gamma - len(drafted) - len(picks))):
-            row = (draft.advance(ids, need=1) if pick is None else draft.advance_token(pick))[-1]
-            f = row.float()
-            pick = f.argmax()
-            rows.append(row)
-            picks.append(pick)
-            if confidence is not None:
-                sure.append(f.softmax(-1)[pick])
-        read = torch.stack([t.to(torch.float64) for t in picks + sure]).tolist()  # one read a chunk
-        before = len(drafted)
-        drafted += [int(t) for t in read[: len(picks)]]
-        draft.settle_tokens(drafted[max(0, before - 1): -1])  # every drafted token but the last was fed
-        for i, token in enumerate(drafted[before:]):
-            tokens.append(token)
-            if token in eos_ids or (confidence is not None and read[len(picks) + i] < confidence):
-                logits = torch.stack(rows[: len(tokens)])
-                return tokens, logits.float(), logits
-    logits = torch.stack(rows)
-    return tokens, logits.float(), logits
 
 
 def accept_chain(drafts: list[int], q, p, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
