@@ -47,7 +47,9 @@ from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention, routed_attention
 from specui.engine.compiled import compile_model
+from specui.engine.graphs import CudaGraphs, Graph
 from specui.engine.hidden import logits_and_hidden
+from specui.engine.masks import StaticMasks
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.warmup import DYNAMO, HIDDEN, RECOMPILE, Warmup
@@ -83,40 +85,6 @@ def capture_mode(capture: str, device: torch.device) -> str | None:
     return "graphs" if device.type == "cuda" else "buckets"
 
 
-class _Graph:
-    """One captured shape: its static inputs, the replay and its output."""
-
-    def __init__(self, bucket: int, window: int, device: torch.device, mask_dtype: torch.dtype) -> None:
-        self.ids = torch.zeros((1, bucket), dtype=torch.long, device=device)
-        self.positions = torch.zeros((1, bucket), dtype=torch.long, device=device)
-        self.mask = torch.zeros((1, 1, bucket, window), dtype=mask_dtype, device=device)
-        self.replay: Callable[[], None] | None = None
-        self.logits: torch.Tensor | None = None
-        self.hidden: torch.Tensor | None = None  # a hidden-state forward's second output
-
-
-class CudaGraphs:
-    """Captures a forward as a CUDA graph; every graph of one model shares a memory pool."""
-
-    def __init__(self) -> None:
-        self.pool = None
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        """Warm up on a side stream (the forward writes this step's own slots, which the replay
-        writes again), capture; returns (replay, the output it refreshes)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
-        self.pool = graph.pool()
-        return graph.replay, out
-
-
 class StaticForward:
     """Runs one model over its StaticKVCache; `notes` says what happened to captures."""
 
@@ -136,7 +104,7 @@ class StaticForward:
             graphs = CudaGraphs()
         self.model, self.cache, self.mode, self.backend = model, cache, mode, graphs
         self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        self.graphs: dict[tuple, _Graph] = {}  # (bucket, window), or (bucket, window, HIDDEN)
+        self.graphs: dict[tuple, Graph] = {}  # (bucket, window), or (bucket, window, HIDDEN)
         self.failed: dict[tuple, str] = {}
         self.grouped = (routed_attention(model), grouped) if compiled and grouped else None
         # what the padded shapes run; the attention's routing is traced, not guarded: its own compile
@@ -151,8 +119,7 @@ class StaticForward:
         self.hidden_problem = ""  # why the hidden-state forwards run eagerly (their compile failed)
         self._generation = cache.generation
         self.clock = ForwardClock(cache.device)  # time inside the forwards (the session reads it)
-        self._causal: torch.Tensor | None = None  # every causal mask is a slice of this (see _mask)
-        self._rows: dict[int, tuple[torch.Tensor, int]] = {}  # window: (one token's mask, its start)
+        self.masks = StaticMasks(cache, self.mask_dtype, BUCKETS[-1])  # every forward's additive mask
         self.replays = 0  # forwards that ran as a replayed graph
         self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
         self.compiled_runs = 0  # padded forwards that ran compiled
@@ -215,7 +182,7 @@ class StaticForward:
         window = start + m if bucket is None else round_up(start + bucket)
         cache.grow(round_up(window))  # the window always holds the (padded) new rows
         positions = list(range(start, start + m)) if positions is None else list(positions)
-        mask = self._mask(start, m, width, window, attend)
+        mask = self.masks.build(start, m, width, window, attend)
         padded = positions + [positions[-1]] * (width - m)  # padded rows repeat the last position
         positions_t = torch.tensor([padded], dtype=torch.long)
         if cache.device.type != "cpu":
@@ -240,55 +207,6 @@ class StaticForward:
             return _real_rows(out[0], m, keep), _real_rows(out[1], m, keep)
         return _real_rows(out, m, keep)
 
-    def _mask(self, start: int, m: int, width: int, window: int, attend: torch.Tensor | None) -> torch.Tensor:
-        """Additive mask (width, window): causal rows (the padded ones too), the real rows'
-        own pattern where `attend` gives one; slots past a row's reach are hidden."""
-        if attend is None:
-            return self._causal_mask(start, width, window)
-        device = self.cache.device
-        cols = self.cache.offsets[:window]
-        reach = start + torch.arange(width, device=device)
-        allowed = cols[None, :] <= reach[:, None]
-        if attend is not None:
-            allowed[:m, : start + m] = attend.to(device, non_blocking=True)
-        lowest = torch.finfo(self.mask_dtype).min
-        return torch.zeros((width, window), dtype=self.mask_dtype, device=device).masked_fill_(~allowed, lowest)
-
-    def _causal_mask(self, start: int, width: int, window: int) -> torch.Tensor:
-        """The causal mask (row i sees slots <= start + i) as one copy of a slice of a template
-        built once per capacity: template[i, c] = 0 where c <= i + capacity, so columns from
-        capacity - start on are the mask (a decoding step made it in 6 small ops before)."""
-        if width == 1:
-            return self._one_row_mask(start, window)
-        capacity = self.cache.capacity
-        template = self._causal
-        if template is None or template.shape[1] != 2 * capacity or template.shape[0] < width:
-            rows = max(width, BUCKETS[-1])
-            i = torch.arange(rows, device=self.cache.device)[:, None]
-            c = torch.arange(2 * capacity, device=self.cache.device)[None, :]
-            template = torch.zeros((rows, 2 * capacity), dtype=self.mask_dtype, device=self.cache.device)
-            self._causal = template.masked_fill_(c > i + capacity, torch.finfo(self.mask_dtype).min)
-        # always a copy: a one-row slice counts as contiguous, and `.contiguous()` would hand
-        # SDPA a view 4 bytes into the template (CUDA's kernels fault on a misaligned mask)
-        out = torch.empty((width, window), dtype=self.mask_dtype, device=self.cache.device)
-        return out.copy_(template[:width, capacity - start: capacity - start + window])
-
-    def _one_row_mask(self, start: int, window: int) -> torch.Tensor:
-        """The causal mask of one new token (1, window): slots <= start visible. One per window,
-        kept and changed in place where the start moved (decoding: one slot a forward), as
-        `_causal_mask`'s copy cost two to three times its few small ops on a CPU. The forward
-        reads it before the next one changes it (the same stream on a GPU; a graph copies it)."""
-        row, seen = self._rows.get(window, (None, -1))
-        if row is None:
-            row = torch.full((1, window), torch.finfo(self.mask_dtype).min, dtype=self.mask_dtype,
-                             device=self.cache.device)
-        if start > seen:
-            row.narrow(1, seen + 1, start - seen).zero_()  # (start < window: the window holds the new token)
-        elif start < seen:
-            row.narrow(1, start + 1, seen - start).fill_(torch.finfo(self.mask_dtype).min)
-        self._rows[window] = (row, start)
-        return row
-
     # -- CUDA graphs -------------------------------------------------------------------
     def _replay(self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         """The logits (bucket, V) of the graph for `key`, captured on first use; with HIDDEN in
@@ -300,7 +218,7 @@ class StaticForward:
         hidden = key[-1] == HIDDEN
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _Graph(bucket, window, self.cache.device, self.mask_dtype)
+            graph = self.graphs[key] = Graph(bucket, window, self.cache.device, self.mask_dtype)
         graph.ids.copy_(ids[None])
         graph.positions.copy_(positions)
         graph.mask.copy_(mask[None, None])
@@ -320,7 +238,7 @@ class StaticForward:
         # the next replay (any graph: they share a pool) overwrites the outputs
         return (graph.logits[0].clone(), graph.hidden[0].clone()) if hidden else graph.logits[0].clone()
 
-    def _call(self, graph: _Graph, hidden: bool = False):
+    def _call(self, graph: Graph, hidden: bool = False):
         """The graph's forward on its static inputs: logits (1, bucket, V), or with `hidden`
         (logits, hidden states)."""
         out = self._padded(input_ids=graph.ids, position_ids=graph.positions, attention_mask=graph.mask,

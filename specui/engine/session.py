@@ -7,67 +7,20 @@ returns the logits asked for, `commit` crops back to the longest prefix that is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from specui.engine import sampling
 from specui.engine.capture import StaticForward, capture_mode, round_up
+from specui.engine.hidden import capture_features, feature_sources, output_layer_inputs
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.tree import TokenTree
-from specui.errors import SpecUIError
 
 PENDING = -1  # in cached_ids: a token fed as a device tensor whose id is not read yet (advance_token)
-
-
-@contextmanager
-def output_layer_inputs(model: PreTrainedModel) -> Iterator[list[torch.Tensor]]:
-    """Collect what the model's output layer reads (its hidden states after the final norm,
-    already cut to logits_to_keep) during the forwards inside the block."""
-    seen: list[torch.Tensor] = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    try:
-        yield seen
-    finally:
-        hook.remove()
-
-
-def feature_sources(model: PreTrainedModel, layers: Sequence[int] = ()) -> list[torch.nn.Module]:
-    """The modules whose outputs a feature draft reads: the final norm (no `layers`), or these
-    decoder layers (their output residual stream, low / middle / high as in EAGLE-3)."""
-    decoder = model.get_decoder()
-    if not layers:
-        norm = getattr(decoder, "norm", None)
-        if norm is None:
-            raise SpecUIError("a feature draft needs a target whose decoder ends in a final norm (Llama-like)")
-        return [norm]
-    blocks = getattr(decoder, "layers", None)
-    n = 0 if blocks is None else len(blocks)
-    if not all(-n <= i < n for i in layers):
-        raise SpecUIError(f"the draft reads the target's layers {list(layers)}, but the target has {n} decoder layers")
-    return [blocks[i] for i in layers]
-
-
-@contextmanager
-def capture_features(model: PreTrainedModel, layers: Sequence[int] = ()) -> Iterator[Callable[[], torch.Tensor]]:
-    """While inside, every forward of `model` records its feature sources' outputs; the yielded
-    function gives the last forward's, concatenated on the last dim ((B, T, H * sources))."""
-    sources = feature_sources(model, layers)
-    last: list[torch.Tensor | None] = [None] * len(sources)
-
-    def keep(i: int):
-        return lambda _m, _a, out: last.__setitem__(i, out[0] if isinstance(out, tuple) else out)
-
-    hooks = [m.register_forward_hook(keep(i)) for i, m in enumerate(sources)]
-    try:
-        yield lambda: torch.cat(last, dim=-1)
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def activation_dtype(model: PreTrainedModel) -> torch.dtype:

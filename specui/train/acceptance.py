@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specui.engine.session import output_layer_inputs
+from specui.engine.hidden import output_layer_inputs
 from specui.heads.acceptance import AcceptanceHead, draft_fingerprint, q_stats
 from specui.train.data import AnswerSet, SavedFields
 from specui.train.trainer import TrainConfig, train

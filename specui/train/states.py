@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from specui.engine.session import capture_features
+from specui.engine.hidden import capture_features
 
 CHUNK_ANSWERS = 256  # answers per saved chunk
 
