@@ -134,12 +134,12 @@ def test_the_causal_mask_from_its_template_equals_the_rule(capacity):
     for start, width, window in [(0, 1, 256), (5, 4, 256), (255, 1, 256), (200, 64, 512), (300, 16, 512)]:
         if window > capacity:
             continue
-        mask = runner._mask(start, width, width, window, None)
+        mask = runner.masks.build(start, width, width, window, None)
         rule = torch.arange(window)[None, :] <= start + torch.arange(width)[:, None]
         assert mask.shape == (width, window) and mask.is_contiguous()
         # its own buffer, never a view into the template (one row at an odd offset: misaligned on CUDA)
-        if runner._causal is not None:
-            assert mask.untyped_storage().data_ptr() != runner._causal.untyped_storage().data_ptr()
+        if runner.masks._causal is not None:
+            assert mask.untyped_storage().data_ptr() != runner.masks._causal.untyped_storage().data_ptr()
         assert mask.data_ptr() % 16 == 0
         assert torch.equal(mask, torch.zeros(width, window).masked_fill(~rule, lowest))
 
@@ -156,7 +156,7 @@ def test_one_tokens_mask_changed_in_place_equals_the_rule_wherever_the_start_mov
     starts = [0, 1, 2, 3, 9, 4, 4, 100, 255, 0, 254, 17, 300, 511, 256, 0]
     for start in starts:
         window = 256 if start < 256 else 512
-        mask = runner._mask(start, 1, 1, window, None)
+        mask = runner.masks.build(start, 1, 1, window, None)
         rule = torch.arange(window)[None, :] <= start
         assert mask.shape == (1, window) and mask.is_contiguous() and mask.data_ptr() % 16 == 0
         assert torch.equal(mask, torch.zeros(1, window).masked_fill(~rule, lowest)), start
