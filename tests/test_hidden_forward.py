@@ -6,6 +6,7 @@ through hooks; SpecDec++'s and MCSD's drafts replay captured hidden-state forwar
 autoregressive; a hidden-state compile that fails leaves only those forwards eager."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -158,25 +159,30 @@ def test_a_failed_hidden_state_compile_leaves_only_those_forwards_eager():
     assert runner.compiled_runs == 1  # the plain forward still runs its compile
 
 
+def paused_background(model) -> tuple[ModelSession, "threading.Event"]:
+    """A session that compiles in the background, paused while the returned event is set (a
+    reply decodes), its first plain shapes cancelled: only what a test asks for compiles."""
+    decoding = threading.Event()
+    decoding.set()
+    session = ModelSession(model, capture="on", background=True)
+    session.runner.warmup.paused = decoding.is_set
+    session.runner.warmup.cancel()
+    return session, decoding
+
+
 def test_hidden_state_shapes_compile_in_the_background_and_run_compiled_once_ready():
     """With a Warmup (`--capture auto` on a CPU that measured compiled forwards faster), a
     hidden-state forward whose shape is not compiled yet runs eagerly and asks for it; the
     Warmup compiles it on a scratch cache once no reply decodes; from then on it runs compiled,
     and the Model tab's line counts it."""
-    import threading
-
     from test_background_compile import SETTLE_S
 
     from specui.service.reports import capture_line
 
     model = tiny_llama(8, layers=1, dtype=torch.float32, hidden=48)  # shapes no other test compiled
-    decoding = threading.Event()
-    decoding.set()
-    session = ModelSession(model, capture="on", background=True)
+    session, decoding = paused_background(model)
     runner = session.runner
     warmup = runner.warmup
-    warmup.paused = decoding.is_set
-    warmup.cancel()  # the plain one-row shapes: only the hidden ones here
     reference = ModelSession(model)
     ids = [1, 5, 9, 13, 7]
     got, want = session.advance_with_hidden(ids, 1), reference.advance_with_hidden(ids, 1)
@@ -216,8 +222,6 @@ def test_a_failed_hidden_state_capture_runs_eagerly_and_says_so():
 def test_a_background_hidden_state_compile_that_fails_leaves_those_forwards_eager(monkeypatch):
     """A Warmup whose hidden-state compile fails turns only those forwards eager (with a note),
     drops the hidden-state shapes still queued, and keeps compiling the plain forward's."""
-    import threading
-
     from test_background_compile import SETTLE_S
     from torch._dynamo.exc import BackendCompilerFailed
 
@@ -225,13 +229,9 @@ def test_a_background_hidden_state_compile_that_fails_leaves_those_forwards_eage
 
     monkeypatch.setattr(warmup_module, "_fresh_compile_cache", lambda: False)
     model = tiny_llama(9, layers=1, dtype=torch.float32)
-    decoding = threading.Event()
-    decoding.set()
-    session = ModelSession(model, capture="on", background=True)
+    session, decoding = paused_background(model)
     runner = session.runner
     warmup = runner.warmup
-    warmup.paused = decoding.is_set
-    warmup.cancel()
 
     def broken(**_kw):
         raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)

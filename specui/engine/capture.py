@@ -248,46 +248,29 @@ class StaticForward:
     def _padded(self, hidden: bool = False, **kw):
         """A padded shape's forward: compiled where it compiles (and, with a Warmup, where it
         has compiled already), else the model itself; with `hidden`, the hidden-state forward
-        ((logits, hidden)) likewise."""
-        if hidden:
-            return self._padded_hidden(kw)
-        if self.fn is not self.model:
+        ((logits, hidden)) likewise, on a compile of its own whose failure leaves only those
+        forwards eager (with a note)."""
+        fn, eager = (self.hidden_fn, self.hidden_call) if hidden else (self.fn, self.model)
+        if fn is not eager:
             _mark_dynamic(kw, self.cache)
+            shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity) + ((HIDDEN,) if hidden else ())
             try:
                 with grouped_attention(*self.grouped) if self.grouped else nullcontext():
-                    out = self.compiled_call(kw)
+                    out = self.compiled_call(kw, shape, fn=fn)
             except torch.OutOfMemoryError:
                 raise  # the forward's, not the compiler's
             except Exception as e:  # noqa: BLE001 - the compiler fails in many types (dynamo asserts too)
-                self.fn = self.model
-                self.compile_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                if hidden:
+                    self.hidden_fn, self.hidden_problem = self.hidden_call, problem
+                else:
+                    self.fn, self.compile_problem = self.model, problem
                 out = None
             if out is not None:
                 self.compiled_runs += 1
                 return out
         self.eager += 1
-        return self.model(**kw)
-
-    def _padded_hidden(self, kw: dict):
-        """`_padded` for the hidden-state forward: its own compile, whose failure leaves only
-        these forwards eager (with a note)."""
-        if self.hidden_fn is not self.hidden_call:
-            _mark_dynamic(kw, self.cache)
-            shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity, HIDDEN)
-            try:
-                with grouped_attention(*self.grouped) if self.grouped else nullcontext():
-                    out = self.compiled_call(kw, shape, fn=self.hidden_fn)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # noqa: BLE001 - as in _padded
-                self.hidden_fn = self.hidden_call
-                self.hidden_problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-                out = None
-            if out is not None:
-                self.compiled_runs += 1
-                return out
-        self.eager += 1
-        return self.hidden_call(**kw)
+        return eager(**kw)
 
     def compiled_call(self, kw: dict, shape: tuple[int, ...] | None = None, run: Callable | None = None,
                       fn: Callable | None = None):
