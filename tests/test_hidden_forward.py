@@ -17,7 +17,7 @@ from test_mcsd_fork import decision_models
 from test_specdec import make_head
 from transformers import LlamaForCausalLM
 
-from specui.engine import Engine, GenerationRequest, make_method
+from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.capture import StaticForward
 from specui.engine.hidden import logits_and_hidden
 from specui.engine.session import ModelSession
@@ -114,12 +114,17 @@ def test_compiled_hidden_state_forwards_equal_the_hooked_ones():
         assert runner.compiled_runs == 4 and runner.eager == 0
 
 
-@pytest.mark.parametrize("name,params,extra", [
-    ("specdec++", {"threshold": 0.6}, lambda: {"acceptance_head": make_head(32, 1, 1.0)}),
-    ("mcsd", {"width": 3, "gamma": 3}, lambda: {"decision": decision_models(32, 0.0)}),
+@pytest.mark.parametrize("name,params,extra,waits", [
+    ("specdec++", {"threshold": 0.6}, lambda: {"acceptance_head": make_head(32, 1, 1.0)}, False),
+    ("specdec++", {"threshold": 0.6}, lambda: {"acceptance_head": make_head(32, 1, 1.0, reads="before")}, True),
+    ("mcsd", {"width": 3, "gamma": 3}, lambda: {"decision": decision_models(32, 0.0)}, False),
 ])
-def test_specdec_and_mcsd_drafts_replay_captured_hidden_state_forwards(name, params, extra, monkeypatch):
+def test_specdec_and_mcsd_drafts_replay_captured_hidden_state_forwards(name, params, extra, waits, monkeypatch):
+    """`waits`: reads treated as a GPU's (SpecDec++ then drafts on the device, in chunks)."""
+    from specui.engine import sampling
     from specui.engine import session as session_module
+
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: waits)
 
     def no_hooks(_model):
         raise AssertionError("a hook was asked for the hidden states")
@@ -249,3 +254,43 @@ def test_a_background_hidden_state_compile_that_fails_leaves_those_forwards_eage
     assert any(n.startswith("hidden-state forwards not compiled: BackendCompilerFailed") for n in runner.notes)
     warmup.ask((4, 256, capacity, "hidden"))  # that forward stays eager: nothing to ask for
     assert not warmup.queue
+
+
+@pytest.mark.parametrize("reads", ["before", "after"])
+def test_specdec_drafting_on_a_device_reads_in_chunks_and_drafts_the_same_chain(reads, monkeypatch):
+    """Where reads wait (a GPU; a CPU told so here), SpecDec++'s greedy drafting keeps each
+    argmax and a_t on the device and reads DEVICE_CHUNK candidates at a time: the same tokens,
+    rows, a_t, risks and stop reasons as one candidate at a time, for stops by the head, by
+    gamma_max and by an EOS, and the cache holds the chain's true ids after it."""
+    from specui.engine import sampling
+    from specui.engine.methods import specdec
+
+    draft = tiny_llama(1, layers=1)
+    context = [1, 5, 9, 13, 7, 22]
+    cases, reasons = [], set()
+    for bias, threshold, gamma_max in ((3.0, 0.9, 3), (1.0, 0.6, 8), (0.0, 0.3, 8), (2.0, 0.5, 6), (4.0, 0.95, 2)):
+        head = make_head(32, 1, bias, reads=reads)
+        for eos in (frozenset(), None):
+            one = with_runner(draft, "buckets")
+            want = specdec.draft_adaptive(one, head, context, threshold, gamma_max, SamplingConfig(), None,
+                                          eos or frozenset())
+            if eos is None:  # the second candidate an EOS, where there is one
+                if len(want.tokens) < 2:
+                    continue
+                eos = frozenset({want.tokens[1]})
+                one = with_runner(draft, "buckets")
+                want = specdec.draft_adaptive(one, head, context, threshold, gamma_max, SamplingConfig(), None, eos)
+            cases.append((head, threshold, gamma_max, eos, want, one))
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling, "reads_wait", lambda device: True)
+        patch.setattr(specdec, "drawn", lambda *a: pytest.fail("a candidate was read on its own"))
+        for head, threshold, gamma_max, eos, want, one in cases:
+            chained = with_runner(draft, "buckets")
+            assert chained.feeds_device_tokens and chained.hidden_without_hooks
+            got = specdec.draft_adaptive(chained, head, context, threshold, gamma_max, SamplingConfig(), None, eos)
+            assert (got.tokens, got.stop_reason) == (want.tokens, want.stop_reason)
+            assert got.accept == want.accept and got.risk == want.risk
+            assert all(torch.equal(a, b) for a, b in zip(got.q_rows, want.q_rows, strict=True))
+            assert chained.cached_ids[: len(one.cached_ids)] == one.cached_ids and -1 not in chained.cached_ids
+            reasons.add(want.stop_reason)
+    assert {"threshold", "gamma_max", "eos"} <= reasons

@@ -204,7 +204,7 @@ class ModelSession:
         (after the final norm: what SpecDec++'s head and MCSD's decision models take). Over a
         static cache the runner's forward returns them (compiled and captured like any other:
         engine/hidden.py); otherwise a hook reads them, in an eager forward at the real shapes."""
-        if self._runner_reads_hidden():
+        if self.hidden_without_hooks:
             self._hidden = []
             try:
                 rows = forward(*args)
@@ -219,8 +219,10 @@ class ModelSession:
             self._hooked -= 1
         return rows, seen[-1][0, -rows.shape[0]:]
 
-    def _runner_reads_hidden(self) -> bool:
-        """Whether this session's forwards can return hidden states without a hook."""
+    @property
+    def hidden_without_hooks(self) -> bool:
+        """Whether this session's forwards return hidden states without a hook (a static cache's
+        runner with a hook-free forward for the model: engine/hidden.py)."""
         return self.runner is not None and self.runner.hidden_call is not None and self.features is None
 
     def advance_with_hidden(self, ids: Sequence[int], need: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,18 +82,23 @@ class AcceptanceHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
         return torch.sigmoid(self.logit(hidden, stats))
 
-    @torch.inference_mode()
     def predict(self, hidden: torch.Tensor, draft_logits: torch.Tensor, token: int) -> float:
         """a_t for one candidate `token`: the draft's hidden state (H,) (after reading it, or
         the one that gave its q~, as `reads` says), and the raw draft logits (V,) it was
         drawn from."""
+        return float(self.predict_on_device(hidden, draft_logits, token))
+
+    @torch.inference_mode()
+    def predict_on_device(self, hidden: torch.Tensor, draft_logits: torch.Tensor, token) -> torch.Tensor:
+        """`predict` as a 0-d tensor on the hidden state's device, unread; `token` an int or a
+        0-d device tensor (a drafted argmax not read yet)."""
         stats = None
         if self.use_q:
             stats = q_stats(draft_logits)
             if self.reads == "before":
                 stats = torch.cat([stats, draft_logits.float().softmax(-1)[token].reshape(1)])
             stats = stats.unsqueeze(0)
-        return float(self(hidden.unsqueeze(0), stats)[0])
+        return self(hidden.unsqueeze(0), stats)[0]
 
 
 def draft_fingerprint(draft: torch.nn.Module) -> str:

@@ -77,6 +77,12 @@ def draft_adaptive(
     draft: ModelSession, head: AcceptanceHead, ids: list[int], threshold: float, gamma_max: int,
     cfg: SamplingConfig, generator: torch.Generator, eos_ids: frozenset[int],
 ) -> DraftedChain:
+    if cfg.greedy and gamma_max > 1 and draft.feeds_device_tokens and draft.hidden_without_hooks:
+        try:
+            return draft_adaptive_on_device(draft, head, ids, threshold, gamma_max, eos_ids)
+        except BaseException:
+            draft.commit(ids)  # no token whose id was never read stays in the session
+            raise
     chain = DraftedChain()
     if gamma_max <= 0:
         chain.stop_reason = "no room"
@@ -114,6 +120,66 @@ def draft_adaptive(
             chain.stop_reason = "threshold"
             return chain
         logits = out[-1]
+
+
+DEVICE_CHUNK = 2  # candidates a chain on a device drafts between two reads
+
+
+def draft_adaptive_on_device(draft: ModelSession, head: AcceptanceHead, ids: list[int], threshold: float,
+                             gamma_max: int, eos_ids: frozenset[int]) -> DraftedChain:
+    """`draft_adaptive`, greedy, where every read of the device waits for it (a GPU): each
+    candidate's argmax and the head's a_t stay on the device, the argmax is fed straight back
+    (`advance_token`), and DEVICE_CHUNK candidates are read at a time, so the chain waits once a
+    chunk rather than twice a candidate; the stop rule then runs on what was read, in the same
+    order as one candidate at a time (EOS, a "before" head's verdict, gamma_max, an "after"
+    head's verdict), so the chain is the same. At most DEVICE_CHUNK - 1 candidates past the stop
+    are drafted for nothing; their cache entries are cropped like any rejected draft's."""
+    chain = DraftedChain()
+    before = head.reads == "before"
+    out, hidden = draft.advance_with_hidden(ids, need=1)
+    logits, state = out[-1], hidden[-1]
+    keep, drafted = 1.0, 0
+    while True:
+        chunk = []  # (raw logits row, argmax, a_t or None, fed)
+        while len(chunk) < DEVICE_CHUNK and drafted < gamma_max:
+            pick = logits.float().argmax()
+            fed = drafted + 1 < gamma_max  # the last candidate is never fed (nor judged after)
+            a = head.predict_on_device(state, logits, pick) if before else None
+            row = logits
+            if fed:
+                out, hidden = draft.with_hidden(draft.advance_token, pick)
+                logits, state = out[-1], hidden[-1]
+                if not before:
+                    a = head.predict_on_device(state, row, pick)
+            chunk.append((row, pick, a, fed))
+            drafted += 1
+        judged = [a for _, _, a, _ in chunk if a is not None]
+        read = torch.stack([p.to(torch.float64) for _, p, _, _ in chunk]
+                           + [a.to(torch.float64).reshape(()) for a in judged]).tolist()  # the chunk's one read
+        tokens, accepts = [int(t) for t in read[: len(chunk)]], iter(read[len(chunk):])
+        draft.settle_tokens([t for t, (_, _, _, fed) in zip(tokens, chunk) if fed])
+        for token, (row, _, a, _fed) in zip(tokens, chunk):
+            chain.tokens.append(token)
+            chain.q_rows.append(row.float())
+            chain.logit_rows.append(row)
+            accept = next(accepts) if a is not None else None
+            chain.accept.append(None)
+            chain.risk.append(None)
+            if token in eos_ids:
+                chain.stop_reason = "eos"
+                return chain
+            if accept is not None:
+                keep *= accept
+                chain.accept[-1], chain.risk[-1] = accept, 1.0 - keep
+                if before and 1.0 - keep > threshold:
+                    chain.stop_reason = "threshold"
+                    return chain
+            if len(chain.tokens) >= gamma_max:
+                chain.stop_reason = "gamma_max"
+                return chain
+            if not before and accept is not None and 1.0 - keep > threshold:
+                chain.stop_reason = "threshold"
+                return chain
 
 
 class SpecDecPP(Method):
