@@ -161,3 +161,32 @@ def test_device_chains_over_captured_graphs_equal_autoregressive(monkeypatch):
             assert on.generate(GenerationRequest(list(prompt), 30), make_method("speculative", **params)).run(
             ).output_ids == want
     assert on.draft.runner.replays > 0 and on.draft.feeds_device_tokens and fed  # drafts fed back unread
+
+
+def test_a_device_chain_that_fails_leaves_no_unread_id(monkeypatch):
+    """A failure inside a device chain (a cancel, out of memory) crops the draft back to the
+    committed ids: no PENDING id stays in the session, and the next chain drafts as usual."""
+    from conftest import tiny_llama
+
+    from specui.engine.methods import speculative
+    from specui.engine.session import ModelSession
+
+    draft = tiny_llama(4, layers=1, dtype=torch.float32)
+    context = [1, 5, 9, 13, 7, 22]
+    want = speculative.draft_chain(ModelSession(draft), context, 4, SamplingConfig(), None, frozenset())
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+    session = ModelSession(draft)
+    feed, fed = ModelSession.advance_token, []
+
+    def failing(self, token):
+        fed.append(1)
+        if len(fed) == 2:
+            raise KeyboardInterrupt  # stands for a cancel mid-chain
+        return feed(self, token)
+
+    monkeypatch.setattr(ModelSession, "advance_token", failing)
+    with pytest.raises(KeyboardInterrupt):
+        speculative.draft_chain(session, context, 4, SamplingConfig(), None, frozenset())
+    assert -1 not in session.cached_ids and session.cached_ids == context[: len(session.cached_ids)]
+    monkeypatch.setattr(ModelSession, "advance_token", feed)
+    assert speculative.draft_chain(session, context, 4, SamplingConfig(), None, frozenset())[0] == want[0]

@@ -201,7 +201,7 @@ class StaticForward:
                 out = self.clock.run(self.hidden_call if hidden else self.model, logits_to_keep=keep, **kw)
             else:
                 out = self.clock.run(self._padded, hidden=hidden, **kw)
-            out = (out[0][0], out[1][0]) if hidden else out.logits[0]
+            out = _first(out if hidden else out.logits)
         cache.set_length(start + m)
         if hidden:
             return _real_rows(out[0], m, keep), _real_rows(out[1], m, keep)
@@ -231,12 +231,11 @@ class StaticForward:
                 self.failed[key] = f"capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # what the failed capture took
-                out = self._call(graph, hidden)
-                return (out[0][0], out[1][0]) if hidden else out[0]
+                return _first(self._call(graph, hidden))
         graph.replay()
         self.replays += 1
         # the next replay (any graph: they share a pool) overwrites the outputs
-        return (graph.logits[0].clone(), graph.hidden[0].clone()) if hidden else graph.logits[0].clone()
+        return _first((graph.logits, graph.hidden) if hidden else graph.logits, clone=True)
 
     def _call(self, graph: Graph, hidden: bool = False):
         """The graph's forward on its static inputs: logits (1, bucket, V), or with `hidden`
@@ -296,6 +295,14 @@ class StaticForward:
                 raise
             self.warmup.ask(shape, run)
             return None
+
+
+def _first(out, clone: bool = False):
+    """The first (only) batch row of a forward's output: of a tensor, or of each in a (logits,
+    hidden) pair; copies with `clone` (a graph's outputs, which the next replay overwrites)."""
+    if isinstance(out, tuple):
+        return tuple(_first(t, clone) for t in out)
+    return out[0].clone() if clone else out[0]
 
 
 def _real_rows(out: torch.Tensor, m: int, keep: int) -> torch.Tensor:

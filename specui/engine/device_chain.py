@@ -28,11 +28,8 @@ def greedy_chain_on_device(draft: ModelSession, ids: list[int], gamma: int, eos_
     of the same float32 rows (first of equal ones), the same softmax entry against `confidence`;
     drafts past an EOS or the stop are dropped, their cache entries cropped by the next `advance`
     like any rejected draft's."""
-    try:
+    with draft.feeding_device_tokens(ids):
         return _device_chain(draft, ids, gamma, eos_ids, confidence)
-    except BaseException:
-        draft.commit(ids)  # no token whose id was never read stays in the session (a cancel, out of memory)
-        raise
 
 
 def _device_chain(draft: ModelSession, ids: list[int], gamma: int, eos_ids: frozenset[int],

@@ -137,6 +137,11 @@ def forward_ms(session: ModelSession, context: int, width: int, repeats: int, ro
             session.forward_tree(ids, star)
             session.commit_path(star, [])
 
+    return _median_ms(run, session, repeats, quick)
+
+
+def _median_ms(run, session: ModelSession, repeats: int, quick: bool) -> float:
+    """`run`'s median ms on the session's device; `quick` as in `forward_ms`."""
     if quick:
         return median_ms(run, session.device, repeats, warm_up=False, budget_ms=POINT_BUDGET_MS)
     return median_ms(run, session.device, repeats)
@@ -160,8 +165,4 @@ def chain_token_ms(session: ModelSession, context: int, repeats: int, quick: boo
         greedy_chain_on_device(session, ids, CHAIN_TOKENS, frozenset())
         session.commit(ids[:-1])
 
-    if quick:
-        ms = median_ms(run, session.device, repeats, warm_up=False, budget_ms=POINT_BUDGET_MS)
-    else:
-        ms = median_ms(run, session.device, repeats)
-    return ms / CHAIN_TOKENS
+    return _median_ms(run, session, repeats, quick) / CHAIN_TOKENS

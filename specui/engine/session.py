@@ -7,7 +7,8 @@ returns the logits asked for, `commit` crops back to the longest prefix that is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedModel
@@ -187,6 +188,17 @@ class ModelSession:
         logits = self._forward(token.reshape(1, 1).to(torch.long), keep=1)
         self.cached_ids.append(PENDING)
         return logits[-1:, : self.vocab_size]
+
+    @contextmanager
+    def feeding_device_tokens(self, ids: Sequence[int]) -> Iterator[None]:
+        """Around a chain that feeds tokens as device tensors after the committed `ids`: a failure
+        inside (a cancel, out of memory) crops the cache back to `ids`, so no token whose id was
+        never read stays in the session."""
+        try:
+            yield
+        except BaseException:
+            self.commit(ids)
+            raise
 
     def settle_tokens(self, ids: Sequence[int]) -> None:
         """The ids of the tokens fed by `advance_token` since the last settle, in order: the last

@@ -78,11 +78,8 @@ def draft_adaptive(
     cfg: SamplingConfig, generator: torch.Generator, eos_ids: frozenset[int],
 ) -> DraftedChain:
     if cfg.greedy and gamma_max > 1 and draft.feeds_device_tokens and draft.hidden_without_hooks:
-        try:
+        with draft.feeding_device_tokens(ids):
             return draft_adaptive_on_device(draft, head, ids, threshold, gamma_max, eos_ids)
-        except BaseException:
-            draft.commit(ids)  # no token whose id was never read stays in the session
-            raise
     chain = DraftedChain()
     if gamma_max <= 0:
         chain.stop_reason = "no room"
