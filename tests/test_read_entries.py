@@ -90,8 +90,10 @@ def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, m
     for a, b in zip(gpu.steps, cpu.steps):
         assert [(n.token_id, n.status) for n in a.nodes] == [(n.token_id, n.status) for n in b.nodes]
         assert_same_node_probabilities(a.nodes, b.nodes)
-    if method == "autoregressive":
-        assert reads == []  # its token's p is the top logit's: read with the argmax, no second read
+    if method in ("autoregressive", "speculative"):
+        # autoregressive: its token's p is the top logit's, read with the argmax; a chain: every entry
+        # its trace shows came with its one read (methods/device_verify.py)
+        assert not any(reads)
     else:
         assert reads, "the trace's entries went through one read a table"
 
@@ -160,6 +162,9 @@ def test_device_chains_over_captured_graphs_equal_autoregressive(monkeypatch):
         for params in ({"gamma": 2}, {"gamma": 4}, {"gamma": 5, "confidence": 0.5}):
             assert on.generate(GenerationRequest(list(prompt), 30), make_method("speculative", **params)).run(
             ).output_ids == want
+        # a static tree queued whole, its layers' tokens fed unread into the graphs (tree_device.py)
+        assert on.generate(GenerationRequest(list(prompt), 30), make_method("tree", preset="binary-14")).run(
+        ).output_ids == want
     assert on.draft.runner.replays > 0 and on.draft.feeds_device_tokens and fed  # drafts fed back unread
 
 
@@ -190,3 +195,146 @@ def test_a_device_chain_that_fails_leaves_no_unread_id(monkeypatch):
     assert -1 not in session.cached_ids and session.cached_ids == context[: len(session.cached_ids)]
     monkeypatch.setattr(ModelSession, "advance_token", feed)
     assert speculative.draft_chain(session, context, 4, SamplingConfig(), None, frozenset())[0] == want[0]
+
+
+@pytest.mark.parametrize("gamma,confidence", [(1, None), (3, None), (6, None), (5, 0.5)])
+def test_a_greedy_chain_step_on_a_device_reads_once_and_equals_the_token_path(monkeypatch, gamma, confidence):
+    """Where reads wait, a fixed greedy chain's tokens go into the target's verification unread
+    and the step reads the device once (ChainStats); a chain that stops on the draft's confidence
+    reads its tokens as it drafts, then once after verification. Either way the same replies, step
+    for step the same nodes and trace probabilities as the one-token path, the same caches, no
+    PENDING id left; with an EOS among the drafts (a second EOS id the draft proposes), the chain
+    ends there as the one-token chain does."""
+    from conftest import EOS, TinyTokenizer, assert_same_node_probabilities, tiny_llama
+
+    from specui.engine import Engine, GenerationRequest, make_method
+    from specui.engine.methods import device_verify, speculative
+
+    target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
+    prompt = [1, 5, 9, 13]
+    first = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]).generate(
+        GenerationRequest(prompt, 12, SamplingConfig()), make_method("speculative", gamma=4)).run()
+    eos_too = first.steps[0].nodes[1].token_id  # the draft's second token of the first step
+    for eos_ids in ([EOS], [EOS, eos_too]):
+        runs = {}
+        for waits in (False, True):
+            engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=eos_ids)
+            stats = []
+            if waits:
+                monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+                monkeypatch.setattr(sampling, "row_stats", lambda rows, lse: None)
+                monkeypatch.setattr(sampling, "_gather",
+                                    lambda table, rows, cols: rows and pytest.fail("an entry read on its own") or [])
+                # a step with no room for drafts (the reply's last token) reads its one row as autoregressive
+                monkeypatch.setattr(sampling, "device_row_stats", counted(sampling.device_row_stats, stats))
+                one_read = counted(device_verify.ChainStats, stats)
+                for module in (device_verify, speculative):  # the fixed chain's, and verified_once's
+                    monkeypatch.setattr(module, "ChainStats", one_read)
+            gen = engine.generate(GenerationRequest(prompt, 24, SamplingConfig()),
+                                  make_method("speculative", gamma=gamma, confidence=confidence))
+            gen.run()
+            runs[waits] = (gen, engine)
+            if waits:
+                assert len(stats) == len(gen.steps)  # one read a step
+                monkeypatch.undo()
+        (cpu, cpu_engine), (gpu, gpu_engine) = runs[False], runs[True]
+        assert gpu.output_ids == cpu.output_ids
+        assert len(gpu.steps) == len(cpu.steps)
+        for a, b in zip(gpu.steps, cpu.steps):
+            assert [(n.token_id, n.status) for n in a.nodes] == [(n.token_id, n.status) for n in b.nodes]
+            assert_same_node_probabilities(a.nodes, b.nodes)
+        for session in (gpu_engine.target, gpu_engine.draft):
+            assert -1 not in session.cached_ids
+        assert gpu_engine.target.cached_ids == cpu_engine.target.cached_ids
+        if len(eos_ids) > 1 and gamma > 2:
+            assert gpu.output_ids[-1] == eos_too  # stopped on the drafted EOS
+
+
+def counted(cls, calls: list):
+    """`cls`, each construction noted in `calls`."""
+    def make(*args):
+        calls.append(1)
+        return cls(*args)
+    return make
+
+
+def test_a_failed_verification_of_unread_drafts_leaves_no_unread_id(monkeypatch):
+    """A failure in the target's forward over drafts still on the device (a cancel, out of
+    memory): both sessions are cropped back to the committed ids, and the next step decodes."""
+    from conftest import EOS, TinyTokenizer, tiny_llama
+
+    from specui.engine import Engine, GenerationRequest, make_method
+    from specui.engine.session import ModelSession
+
+    target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
+    prompt = [1, 5, 9, 13]
+    want = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]).generate(
+        GenerationRequest(prompt, 16, SamplingConfig()), make_method("speculative", gamma=3)).run().output_ids
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    advance, calls = ModelSession.advance, []
+
+    def failing(self, ids, need=1, pending=None):
+        if pending is not None:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # stands for a cancel mid-verification
+        return advance(self, ids, need, pending)
+
+    monkeypatch.setattr(ModelSession, "advance", failing)
+    gen = engine.generate(GenerationRequest(prompt, 16, SamplingConfig()), make_method("speculative", gamma=3))
+    with pytest.raises(KeyboardInterrupt):
+        gen.run()
+    for session in (engine.target, engine.draft):
+        assert -1 not in session.cached_ids
+    monkeypatch.setattr(ModelSession, "advance", advance)
+    assert engine.generate(GenerationRequest(prompt, 16, SamplingConfig()),
+                           make_method("speculative", gamma=3)).run().output_ids == want
+
+
+@pytest.mark.parametrize("preset", ["binary-14", "eagle-25", "mcsd-42211"])
+def test_a_static_tree_step_on_a_device_reads_once_and_equals_the_host_path(monkeypatch, preset):
+    """Where reads wait, a greedy static tree is drafted layer by layer with each layer's tokens
+    picked on the device and fed unread, the target scores the whole tree unread, and the step
+    reads the device once (TreeStats): the same replies, trees, verdicts, trace probabilities and
+    target cache as drafting it on the host, and no PENDING id left after a step."""
+    from conftest import EOS, TinyTokenizer, assert_same_node_probabilities, tiny_llama
+
+    from specui.engine import Engine, GenerationRequest, make_method
+    from specui.engine.methods import tree as tree_module
+
+    target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
+    runs = {}
+    for waits in (False, True):
+        engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+        reads = []
+        if waits:
+            monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+            monkeypatch.setattr(sampling, "row_stats", lambda rows, lse: None)  # a GPU has no CPU kernel
+            monkeypatch.setattr(tree_module, "top_tokens", lambda *a: pytest.fail("children read on their own"))
+            monkeypatch.setattr(sampling, "_gather",
+                                lambda table, rows, cols: rows and pytest.fail("an entry read on its own") or [])
+            monkeypatch.setattr(tree_module, "TreeStats", counted(tree_module.TreeStats, reads))
+            # a step with no room left for a tree (the reply's last token) reads its one row
+            monkeypatch.setattr(sampling, "device_row_stats", counted(sampling.device_row_stats, reads))
+        gen = engine.generate(GenerationRequest([1, 5, 9, 13], 20), make_method("tree", preset=preset))
+        steps = []
+        for step in gen:
+            steps.append(step)
+            for session in (engine.target, engine.draft):
+                assert -1 not in session.cached_ids
+        runs[waits] = (gen, engine)
+        if waits:
+            assert len(reads) == len(steps)  # one read a step
+            monkeypatch.undo()
+    (cpu, cpu_engine), (gpu, gpu_engine) = runs[False], runs[True]
+    assert gpu.output_ids == cpu.output_ids
+    assert len(gpu.steps) == len(cpu.steps)
+    for a, b in zip(gpu.steps, cpu.steps):
+        shape = [(n.token_id, n.parent, n.status) for n in a.nodes]
+        assert shape == [(n.token_id, n.parent, n.status) for n in b.nodes]
+        assert_same_node_probabilities(a.nodes, b.nodes)
+        assert [n.p_hat for n in a.nodes] == pytest.approx([n.p_hat for n in b.nodes])
+        assert a.expected_accept == pytest.approx(b.expected_accept)
+    assert gpu_engine.target.cached_ids == cpu_engine.target.cached_ids
+    assert gpu_engine.draft.cached_ids == cpu_engine.draft.cached_ids

@@ -49,10 +49,11 @@ from specui.service.pair import ModelPair, default_draft_source, load_pair
 from specui.weights.loading import BUNDLED, ModelSpec, load_tokenizer
 
 LOSSLESS = ("autoregressive", "speculative:3", "auto", "opt-tree:25", "tree", "mcsd", "specdec++", "lookup")
-METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "mcsd", "specdec++")
+METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "tree", "mcsd", "specdec++")
 # specdec++ too since its draft's hidden-state forwards are captured like the rest (engine/hidden.py):
-# it was the fastest method at the 1.7b stand-in on a CPU (Zen 4, 2026-12-04)
-STAND_IN_METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "specdec++")
+# it was the fastest method at the 1.7b stand-in on a CPU (Zen 4, 2026-12-04); the static tree
+# (eagle-25) since a greedy step of it reads the GPU once (methods/tree_device.py)
+STAND_IN_METHODS = ("auto", "speculative:2", "speculative:4", "opt-tree:25", "tree", "specdec++")
 CHILD_GRACE_S = 180  # a section may run past the budget it started under (its minimum is a guess)
 
 

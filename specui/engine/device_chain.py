@@ -42,9 +42,7 @@ def _device_chain(draft: ModelSession, ids: list[int], gamma: int, eos_ids: froz
     while len(drafted) < gamma:
         picks, sure = [], []
         for _ in range(min(chunk, gamma - len(drafted) - len(picks))):
-            row = (draft.advance(ids, need=1) if pick is None else draft.advance_token(pick))[-1]
-            f = row.float()
-            pick = f.argmax()
+            row, f, pick = _next_draft(draft, ids, pick)
             rows.append(row)
             picks.append(pick)
             if confidence is not None:
@@ -60,3 +58,25 @@ def _device_chain(draft: ModelSession, ids: list[int], gamma: int, eos_ids: froz
                 return tokens, logits.float(), logits
     logits = torch.stack(rows)
     return tokens, logits.float(), logits
+
+
+def _next_draft(draft: ModelSession, ids: list[int], pick: torch.Tensor | None):
+    """The next draft forward of a chain after the committed `ids` (the first) or after `pick`, the
+    previous argmax, fed unread: (its logit row (V,), the row in float32, its argmax on the device)."""
+    row = (draft.advance(ids, need=1) if pick is None else draft.advance_token(pick))[-1]
+    f = row.float()
+    return row, f, f.argmax()
+
+
+def queue_greedy_chain(draft: ModelSession, ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n greedy draft forwards after the committed `ids`, each argmax fed straight back and none
+    read: (the drafted tokens (n,), their logit rows (n, V)), on the device, so the host can queue
+    the target's verification behind them (methods/device_verify.py). The first n - 1 are PENDING
+    in the draft until its caller reads them and calls `settle_tokens`, inside
+    `draft.feeding_device_tokens(ids)`."""
+    rows, picks, pick = [], [], None
+    for _ in range(n):
+        row, _, pick = _next_draft(draft, ids, pick)
+        rows.append(row)
+        picks.append(pick)
+    return torch.stack(picks), torch.stack(rows)

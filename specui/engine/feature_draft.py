@@ -62,9 +62,9 @@ class FeatureDraftSession(ModelSession):
         self._sequence = list(ids)
         return super().advance(ids, need)
 
-    def _tree_forward(self, fresh: list[int], tree, start: int, ancestors=None) -> torch.Tensor:
+    def _tree_forward(self, fresh: list[int], tree, start: int, ancestors=None, pending=None) -> torch.Tensor:
         self._sequence = self.cached_ids + fresh  # the tree's nodes themselves get zeros
-        return super()._tree_forward(fresh, tree, start, ancestors)
+        return super()._tree_forward(fresh, tree, start, ancestors, pending)
 
     def _forward(self, input_ids: torch.Tensor, **kwargs):
         start, n = self.length, input_ids.shape[1]

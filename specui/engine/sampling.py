@@ -136,27 +136,32 @@ class SoftmaxEntries:
     row): exp(rows[t, x] - lse_t) from each row's log-sum-exp, with no (rows, V) probabilities built;
     `best`: each row's argmax, found in the same pass (`greedy_tokens`); `top`: each row's
     largest logit where it was read with them (a GPU's rows: an entry at a row's argmax, the
-    entry greedy decoding reads most, then needs no read of the device)."""
+    entry greedy decoding reads most, then needs no read of the device); `known`: other logits
+    read with them, by (row, column) (a chain's drafted tokens: methods/device_verify.py)."""
 
-    def __init__(self, rows: torch.Tensor, lse: list[float], best: list[int], top: list[float] | None = None) -> None:
+    def __init__(self, rows: torch.Tensor, lse: list[float], best: list[int], top: list[float] | None = None,
+                 known: dict[tuple[int, int], float] | None = None) -> None:
         self.rows, self.lse, self.best, self.top = rows, lse, best, top
+        self.known = known or {}
 
     def __getitem__(self, index) -> float:
         row, col = (0, index) if self.rows.dim() == 1 else index
-        if self._at_top(row, col):
-            return math.exp(self.top[row] - self.lse[row])
-        return math.exp(float(self.rows[index]) - self.lse[row])
+        logit = self._logit(row, col)
+        return math.exp((float(self.rows[index]) if logit is None else logit) - self.lse[row])
 
     def read(self, rows: list[int], cols: list[int]) -> list[float]:
-        """[self[r, c] for each pair], the entries not at a known argmax read in one go."""
-        at_top = [self._at_top(r, c) for r, c in zip(rows, cols)]
-        read = iter(_gather(self.rows, [r for r, t in zip(rows, at_top) if not t],
-                            [c for c, t in zip(cols, at_top) if not t]))
-        return [math.exp((self.top[r] if t else next(read)) - self.lse[r]) for r, t in zip(rows, at_top)]
+        """[self[r, c] for each pair], the entries whose logit is not known read in one go."""
+        logits = [self._logit(r, c) for r, c in zip(rows, cols)]
+        read = iter(_gather(self.rows, [r for r, x in zip(rows, logits) if x is None],
+                            [c for c, x in zip(cols, logits) if x is None]))
+        return [math.exp((next(read) if x is None else x) - self.lse[r]) for r, x in zip(rows, logits)]
 
-    def _at_top(self, row: int, col: int) -> bool:
-        """Whether (row, col) is the row's argmax and its logit was read with it (no read needed)."""
-        return self.top is not None and col == self.best[row]
+    def _logit(self, row: int, col: int) -> float | None:
+        """The logit at (row, col) where it was read with the row's statistics (its argmax's, or a
+        known one), else None (to be read)."""
+        if self.top is not None and col == self.best[row]:
+            return self.top[row]
+        return self.known.get((row, col))
 
 
 def reads_wait(device: torch.device) -> bool:

@@ -17,24 +17,11 @@ from specui.engine import sampling
 from specui.engine.capture import StaticForward, capture_mode, round_up
 from specui.engine.hidden import capture_features, feature_sources, output_layer_inputs
 from specui.engine.kvcache import GrowingCache, GrowingLayer
-from specui.engine.static_cache import StaticKVCache
+from specui.engine.static_cache import StaticKVCache, activation_dtype
 from specui.engine.timing import ForwardClock
 from specui.engine.tree import TokenTree
 
 PENDING = -1  # in cached_ids: a token fed as a device tensor whose id is not read yet (advance_token)
-
-
-def activation_dtype(model: PreTrainedModel) -> torch.dtype:
-    """The dtype the model's hidden states (and so its keys and values) are computed in: its
-    input embeddings' (a draft's cast embeddings say theirs), else its own floating dtype."""
-    embeddings = model.get_input_embeddings()
-    weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-        return weight.dtype
-    cast = getattr(embeddings, "dtype", None)
-    if isinstance(cast, torch.dtype):
-        return cast
-    return model.dtype if model.dtype.is_floating_point else torch.float32
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -161,14 +148,20 @@ class ModelSession:
 
     # -- forwards ----------------------------------------------------------------------
     @torch.inference_mode()
-    def advance(self, ids: Sequence[int], need: int = 1) -> torch.Tensor:
+    def advance(self, ids: Sequence[int], need: int = 1, pending: torch.Tensor | None = None) -> torch.Tensor:
         """Make the cache hold all of `ids`; return the logits (need, V) at its last `need`
-        positions (logits at position i predict token i + 1). The prefix is never recomputed."""
-        need = max(1, min(need, len(ids)))
-        keep = self._sync(ids, need)
-        new = torch.tensor([list(ids[keep:])], dtype=torch.long, device=self.device)
+        positions (logits at position i predict token i + 1). The prefix is never recomputed.
+        `pending` (n,): tokens still on the device (drafted, unread) fed after `ids` in the same
+        forward (`need` counts them), PENDING in `cached_ids` until `settle_tokens`. The ids go up
+        without waiting for the device (a GPU's queued draft forwards)."""
+        n = 0 if pending is None else pending.numel()
+        need = max(1, min(need, len(ids) + n))
+        keep = self._sync(ids, max(1, need - n))
+        new = torch.tensor([list(ids[keep:])], dtype=torch.long).to(self.device, non_blocking=True)
+        if n:
+            new = torch.cat([new, pending.reshape(1, n).to(torch.long)], 1)
         logits = self._forward(new, keep=need)
-        self.cached_ids.extend(ids[keep:])
+        self.cached_ids.extend(list(ids[keep:]) + [PENDING] * n)
         if logits.shape[0] == need and logits.shape[1] == self.vocab_size:
             return logits
         return logits[-need:, : self.vocab_size]
@@ -182,18 +175,16 @@ class ModelSession:
 
     @torch.inference_mode()
     def advance_token(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed one token that is still a device tensor (a drafted argmax, not read back) after
-        the cached ones; returns its logits (1, V). Its id is PENDING in `cached_ids` until
-        `settle_tokens` gives it, so nothing matches it as a prefix before then."""
+        """Feed one token still on the device (a drafted argmax, unread) after the cached ones: its
+        logits (1, V); PENDING in `cached_ids` (matching no prefix) until `settle_tokens`."""
         logits = self._forward(token.reshape(1, 1).to(torch.long), keep=1)
         self.cached_ids.append(PENDING)
         return logits[-1:, : self.vocab_size]
 
     @contextmanager
     def feeding_device_tokens(self, ids: Sequence[int]) -> Iterator[None]:
-        """Around a chain that feeds tokens as device tensors after the committed `ids`: a failure
-        inside (a cancel, out of memory) crops the cache back to `ids`, so no token whose id was
-        never read stays in the session."""
+        """Around forwards that feed device tokens after the committed `ids`: a failure inside (a
+        cancel, out of memory) crops the cache back to `ids`, leaving no unread id in the session."""
         try:
             yield
         except BaseException:
@@ -201,8 +192,7 @@ class ModelSession:
             raise
 
     def settle_tokens(self, ids: Sequence[int]) -> None:
-        """The ids of the tokens fed by `advance_token` since the last settle, in order: the last
-        len(ids) cached ones (nothing else feeds the cache between)."""
+        """The ids of the tokens fed unread (`advance_token`, `pending`) since the last settle, in order."""
         n, cached = len(ids), self.cached_ids
         if not n:
             return
@@ -249,29 +239,32 @@ class ModelSession:
 
     # -- trees -------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_tree(self, ids: Sequence[int], tree: TokenTree, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_tree(self, ids: Sequence[int], tree: TokenTree, ancestors: torch.Tensor | None = None,
+                     pending: torch.Tensor | None = None) -> torch.Tensor:
         """Start a tree after the committed `ids` and score all its nodes in one forward,
         each attending to the committed prefix and its own ancestors, at position
         (prefix length - 1 + depth). Feeds the not-yet-cached committed tokens (normally
         just the last) too. Returns logits (1 + n, V): row 0 predicts the roots, row 1 + i
         the children of node i. The tree's entries stay in the cache until `commit_path`.
         `ancestors`: the tree's ancestor mask when the caller keeps one (MCSD's sliced fork
-        mask); None builds it from the parent array."""
+        mask); None builds it from the parent array. `pending`: the nodes' tokens still on the
+        device (unread; PENDING in `cached_ids` until `commit_path` keeps the accepted ones)."""
         keep = self._sync(ids, 1)
         fresh = list(ids[keep:])
         self._tree_base = keep + len(fresh)
-        return self._tree_forward(fresh, tree, 0, ancestors)
+        return self._tree_forward(fresh, tree, 0, ancestors, pending)
 
     @torch.inference_mode()
-    def extend_tree(self, tree: TokenTree, start: int, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    def extend_tree(self, tree: TokenTree, start: int, ancestors: torch.Tensor | None = None,
+                    pending: torch.Tensor | None = None) -> torch.Tensor:
         """Continue the pending tree (drafting layer by layer): the cache holds nodes
         [0, start); feed nodes [start, n) only. Returns their logits (n - start, V)."""
         if not self._tree_pending or self.length - self._tree_base != start:
             raise RuntimeError("extend_tree needs the tree started by forward_tree with nodes [0, start) cached")
-        return self._tree_forward([], tree, start, ancestors)
+        return self._tree_forward([], tree, start, ancestors, pending)
 
-    def _tree_forward(self, fresh: list[int], tree: TokenTree, start: int,
-                      ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    def _tree_forward(self, fresh: list[int], tree: TokenTree, start: int, ancestors: torch.Tensor | None = None,
+                      pending: torch.Tensor | None = None) -> torch.Tensor:
         base, m, n = self._tree_base, len(fresh), len(tree)
         new = tree.tokens[start:]
         attend = torch.zeros((m + len(new), base + n), dtype=torch.bool)
@@ -280,7 +273,11 @@ class ModelSession:
         attend[m:, base - m:base] = True
         attend[m:, base:] = (tree.ancestor_mask() if ancestors is None else ancestors)[start:n, :n]
         positions = list(range(base - m, base)) + [base - 1 + d for d in tree.depths[start:]]
-        logits = self._forward(torch.tensor([fresh + new], device=self.device), positions=positions, attend=attend)
+        fed = torch.tensor([fresh + (new if pending is None else [])], dtype=torch.long)
+        fed = fed.to(self.device, non_blocking=True)
+        if pending is not None:
+            fed, new = torch.cat([fed, pending.reshape(1, -1).to(torch.long)], 1), [PENDING] * len(new)
+        logits = self._forward(fed, positions=positions, attend=attend)
         self.cached_ids.extend(fresh + new)  # tree entries: provisional until commit_path
         self._tree_pending = True
         return logits[max(m - 1, 0):, : self.vocab_size]

@@ -21,12 +21,25 @@ same committed length, and `keep_rows` moves, copies and drops rows after a beam
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from specui.engine.attention import cache_dtype
 from specui.engine.kvcache import GrowingLayer
 from specui.errors import SpecUIError
+
+
+def activation_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype the model's hidden states (and so its keys and values) are computed in: its
+    input embeddings' (a draft's cast embeddings say theirs), else its own floating dtype."""
+    embeddings = model.get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    cast = getattr(embeddings, "dtype", None)
+    if isinstance(cast, torch.dtype):
+        return cast
+    return model.dtype if model.dtype.is_floating_point else torch.float32
 
 
 class SlotLayer(GrowingLayer):

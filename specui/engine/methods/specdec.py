@@ -28,7 +28,9 @@ from collections.abc import Callable
 
 import torch
 
+from specui.engine import sampling
 from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.methods.device_verify import verified_once
 from specui.engine.methods.speculative import Speculative, chain_nodes, verify_chain
 from specui.engine.sampling import SamplingConfig, drawn, greedy_tokens, scored, shown_probs
 from specui.engine.session import ModelSession
@@ -244,10 +246,15 @@ class SpecDecPP(Method):
         drafts = chain.tokens
         q = torch.stack(chain.q_rows) if drafts else None
         with ctx.timer.phase("verify"):
-            p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
-            p, p_shown = scored(p_logits, cfg)
-            verdict = verify_chain(drafts, q, p, cfg, ctx.generator, greedy_tokens(p, p_shown) if cfg.greedy else None)
-        q_shown = shown_probs(torch.stack(chain.logit_rows), q, cfg) if drafts else p_shown
+            if drafts and cfg.greedy and sampling.reads_wait(ctx.target.device):  # one read after the forward (a GPU)
+                p_shown, q_shown = verified_once(ctx, drafts, torch.stack(chain.logit_rows)).shown(len(drafts))
+                verdict = verify_chain(drafts, None, None, cfg, None, p_shown.best)
+            else:
+                p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
+                p, p_shown = scored(p_logits, cfg)
+                best = greedy_tokens(p, p_shown) if cfg.greedy else None
+                verdict = verify_chain(drafts, q, p, cfg, ctx.generator, best)
+                q_shown = shown_probs(torch.stack(chain.logit_rows), q, cfg) if drafts else p_shown
         nodes = chain_nodes(drafts, verdict, q_shown, p_shown)
         for node, a, risk in zip(nodes, chain.accept, chain.risk):
             node.accept_pred, node.reject_pred = a, risk

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specui.engine.device_chain import greedy_chain_on_device
+from specui.engine.device_chain import greedy_chain_on_device, queue_greedy_chain
 from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.methods.device_verify import ChainStats, through_eos, verified_once
 from specui.engine.sampling import (
     SamplingConfig,
     argmax_tokens,
@@ -126,6 +127,8 @@ class Speculative(Method):
         assert ctx.draft is not None
         cfg = ctx.sampling
         gamma = max(0, min(self.gamma, ctx.remaining - 1))  # room for the bonus token
+        if gamma and cfg.greedy and ctx.draft.feeds_device_tokens and ctx.target.feeds_device_tokens:
+            return self.step_on_device(ctx, gamma)  # one read a step (a GPU)
         # 1. draft
         with ctx.timer.phase("draft"):
             if gamma:
@@ -139,6 +142,30 @@ class Speculative(Method):
             return chain_step(drafts, q, q_logits, p_logits, cfg, ctx.generator, gamma)
 
 
+    def step_on_device(self, ctx: DecodeContext, gamma: int) -> StepResult:
+        """Greedy, where reads wait (a GPU: methods/device_verify.py): a fixed chain's tokens stay on
+        the device, go into the target's verification unread, and the step reads the device once; a
+        chain that stops on the draft's confidence reads its tokens as it drafts, then once more."""
+        draft, target, ids = ctx.draft, ctx.target, ctx.ids
+        if self.confidence is not None:
+            with ctx.timer.phase("draft"):
+                drafts, _, q_logits = draft_chain(draft, ids, gamma, ctx.sampling, ctx.generator, ctx.eos_ids,
+                                                  self.confidence)
+            with ctx.timer.phase("verify"):
+                stats = verified_once(ctx, drafts, q_logits)
+        else:
+            with ctx.timer.phase("draft"), draft.feeding_device_tokens(ids):
+                picks, q_logits = queue_greedy_chain(draft, ids, gamma)  # unread
+            with ctx.timer.phase("verify"), draft.feeding_device_tokens(ids), target.feeding_device_tokens(ids):
+                stats = ChainStats(picks, q_logits, target.advance(ids, need=gamma + 1, pending=picks))
+                draft.settle_tokens(stats.tokens[:-1])  # the last drafted token was not fed to the draft
+                target.settle_tokens(stats.tokens)
+            drafts = through_eos(stats.tokens, ctx.eos_ids)
+        p_shown, q_shown = stats.shown(len(drafts))
+        verdict = verify_chain(drafts, None, None, ctx.sampling, None, p_shown.best)
+        return chain_result(drafts, verdict, q_shown, p_shown, gamma)
+
+
 def chain_step(drafts: list[int], q: torch.Tensor | None, q_logits: torch.Tensor | None, p_logits: torch.Tensor,
                cfg: SamplingConfig, generator: torch.Generator, gamma: int) -> StepResult:
     """Verify a drafted chain against the target's logits (len(drafts) + 1, V) and build the
@@ -146,6 +173,12 @@ def chain_step(drafts: list[int], q: torch.Tensor | None, q_logits: torch.Tensor
     p, p_shown = scored(p_logits, cfg)
     verdict = verify_chain(drafts, q, p, cfg, generator, greedy_tokens(p, p_shown) if cfg.greedy else None)
     q_shown = shown_probs(q_logits, q, cfg) if drafts else p_shown
+    return chain_result(drafts, verdict, q_shown, p_shown, gamma)
+
+
+def chain_result(drafts: list[int], verdict: ChainVerdict, q_shown, p_shown, gamma: int) -> StepResult:
+    """A verified chain's step: accepted drafts, then the correction or bonus token, with the trace's
+    nodes read from the probabilities shown (tensors or sampling.SoftmaxEntries)."""
     return StepResult(
         tokens=drafts[: verdict.accepted] + [verdict.next_token],
         from_draft=[True] * verdict.accepted + [False],

@@ -16,6 +16,7 @@ import torch
 
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.tree_budget import NodeBudget
+from specui.engine.methods.tree_device import TreeStats, draft_static_tree_on_device, plan_static_tree
 from specui.engine.sampling import SamplingConfig, greedy_tokens, read_entries, scored, warp
 from specui.engine.session import ModelSession
 from specui.engine.trace import ACCEPTED, BONUS, REJECTED, RESAMPLED, UNVERIFIED, NodeTrace
@@ -111,7 +112,11 @@ class TreeMethod(Method):
             p, p_shown = scored(logits, cfg)
             verdict = verify_tree(tree, p, cfg, ctx.generator, self.verify_rows(),
                                   greedy_tokens(p, p_shown) if cfg.greedy else None)
-        # 4. commit the accepted path (the loop appends the tokens)
+        return self.committed(ctx, tree, drafted, verdict, p_shown, notes)
+
+    def committed(self, ctx: DecodeContext, tree: TokenTree, drafted: DraftedTree | None, verdict: TreeVerdict,
+                  p_shown, notes: list[str]) -> StepResult:
+        """4. Commit the accepted path in both caches (the loop appends the tokens): the step's result."""
         ctx.target.commit_path(tree, verdict.path)
         if drafted:
             ctx.draft.commit_path(drafted.drafted, drafted.drafted_path(verdict.path))
@@ -169,6 +174,24 @@ class StaticTree(TreeMethod):
             raise SpecUIError(f"unknown tree preset '{preset}'; choose one of: {', '.join(STATIC_TREES)}")
         self.preset = preset
         self.shape = TokenTree.from_paths(STATIC_TREES[preset])
+
+    def step(self, ctx: DecodeContext) -> StepResult:
+        """Greedy, where reads wait (a GPU): the whole step queued, then one read (tree_device.py)."""
+        assert ctx.draft is not None
+        if not (ctx.sampling.greedy and ctx.draft.feeds_device_tokens and ctx.target.feeds_device_tokens):
+            return super().step(ctx)
+        skeleton, ranks, starts = plan_static_tree(self.shape, max(0, ctx.remaining - 1))
+        if not len(skeleton) or len(skeleton) > ctx.room:
+            return super().step(ctx)
+        with ctx.timer.phase("draft"):
+            tokens, q = draft_static_tree_on_device(ctx, skeleton, ranks, starts)
+        with ctx.timer.phase("verify"):
+            stats = TreeStats(skeleton, tokens, q, ctx.target.forward_tree(ctx.ids, skeleton, pending=tokens))
+            tree = stats.tree
+            verdict = verify_tree(tree, stats.p_shown.rows, ctx.sampling, None, None, stats.best)
+        everything = list(range(len(tree)))
+        drafted = DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
+        return self.committed(ctx, tree, drafted, verdict, stats.p_shown, [])
 
     def draft_tree(self, ctx: DecodeContext, max_depth: int) -> DraftedTree:
         shape, draft, cfg = self.shape, ctx.draft, ctx.sampling
