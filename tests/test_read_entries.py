@@ -207,8 +207,7 @@ def test_a_greedy_chain_step_on_a_device_reads_once_and_equals_the_token_path(mo
     ends there as the one-token chain does."""
     from conftest import EOS, TinyTokenizer, assert_same_node_probabilities, tiny_llama
 
-    from specui.engine import Engine, GenerationRequest, make_method
-    from specui.engine.methods import device_verify, speculative
+    from specui.engine import Engine, GenerationRequest, device_chain, make_method
 
     target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
     prompt = [1, 5, 9, 13]
@@ -219,24 +218,24 @@ def test_a_greedy_chain_step_on_a_device_reads_once_and_equals_the_token_path(mo
         runs = {}
         for waits in (False, True):
             engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=eos_ids)
-            stats = []
+            reads = []
             if waits:
                 monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
                 monkeypatch.setattr(sampling, "row_stats", lambda rows, lse: None)
                 monkeypatch.setattr(sampling, "_gather",
                                     lambda table, rows, cols: rows and pytest.fail("an entry read on its own") or [])
-                # a step with no room for drafts (the reply's last token) reads its one row as autoregressive
-                monkeypatch.setattr(sampling, "device_row_stats", counted(sampling.device_row_stats, stats))
-                one_read = counted(device_verify.ChainStats, stats)
-                for module in (device_verify, speculative):  # the fixed chain's, and verified_once's
-                    monkeypatch.setattr(module, "ChainStats", one_read)
+                count_reads(monkeypatch, reads)
             gen = engine.generate(GenerationRequest(prompt, 24, SamplingConfig()),
                                   make_method("speculative", gamma=gamma, confidence=confidence))
+            reads.clear()  # what the reply's steps read of the device, from here
             gen.run()
             runs[waits] = (gen, engine)
             if waits:
-                assert len(stats) == len(gen.steps)  # one read a step
                 monkeypatch.undo()
+                if confidence is None:
+                    assert len(reads) == len(gen.steps)  # one read a step
+                else:  # the chain's tokens two at a time as it drafts, then one read
+                    assert len(reads) <= len(gen.steps) * (-(-gamma // device_chain.CONFIDENCE_CHUNK) + 1)
         (cpu, cpu_engine), (gpu, gpu_engine) = runs[False], runs[True]
         assert gpu.output_ids == cpu.output_ids
         assert len(gpu.steps) == len(cpu.steps)
@@ -245,25 +244,50 @@ def test_a_greedy_chain_step_on_a_device_reads_once_and_equals_the_token_path(mo
             assert_same_node_probabilities(a.nodes, b.nodes)
         for session in (gpu_engine.target, gpu_engine.draft):
             assert -1 not in session.cached_ids
-        assert gpu_engine.target.cached_ids == cpu_engine.target.cached_ids
+        for a_session, b_session in ((gpu_engine.target, cpu_engine.target), (gpu_engine.draft, cpu_engine.draft)):
+            assert a_session.cached_ids == b_session.cached_ids
+            for (k1, v1), (k2, v2) in zip(a_session.kv(), b_session.kv()):
+                n = len(b_session.cached_ids)
+                assert torch.allclose(k1[..., :n, :], k2[..., :n, :], atol=1e-5)
+                assert torch.allclose(v1[..., :n, :], v2[..., :n, :], atol=1e-5)
         if len(eos_ids) > 1 and gamma > 2:
             assert gpu.output_ids[-1] == eos_too  # stopped on the drafted EOS
 
 
-def counted(cls, calls: list):
-    """`cls`, each construction noted in `calls`."""
-    def make(*args):
-        calls.append(1)
-        return cls(*args)
-    return make
+def count_reads(monkeypatch, reads: list) -> None:
+    """Note in `reads` every read of a tensor's values into Python (each a wait for a GPU)."""
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__", "__index__"):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args, _method=method, **kwargs):
+            reads.append(1)
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
 
 
-def test_a_failed_verification_of_unread_drafts_leaves_no_unread_id(monkeypatch):
-    """A failure in the target's forward over drafts still on the device (a cancel, out of
-    memory): both sessions are cropped back to the committed ids, and the next step decodes."""
+def assert_cancelled_cleanly(engine, method, prompt: list[int]) -> None:
+    """A reply stopped by a KeyboardInterrupt (a cancel) mid-step leaves both sessions holding a
+    prefix of the committed ids, none of them unread."""
+    from specui.engine import GenerationRequest
+
+    gen = engine.generate(GenerationRequest(prompt, 16), method)
+    with pytest.raises(KeyboardInterrupt):
+        gen.run()
+    for session in (engine.target, engine.draft):
+        assert -1 not in session.cached_ids
+        assert session.cached_ids == gen.ctx.ids[: len(session.cached_ids)]
+
+
+@pytest.mark.parametrize("fails_in", ["target", "read"])
+def test_a_failed_verification_of_unread_drafts_leaves_no_unread_id(monkeypatch, fails_in):
+    """A failure in the target's forward over drafts still on the device, or after it in the step's
+    one read (a cancel, out of memory): both sessions are cropped back to the committed ids, and the
+    next reply decodes as before."""
     from conftest import EOS, TinyTokenizer, tiny_llama
 
     from specui.engine import Engine, GenerationRequest, make_method
+    from specui.engine.methods import speculative
     from specui.engine.session import ModelSession
 
     target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
@@ -272,24 +296,56 @@ def test_a_failed_verification_of_unread_drafts_leaves_no_unread_id(monkeypatch)
         GenerationRequest(prompt, 16, SamplingConfig()), make_method("speculative", gamma=3)).run().output_ids
     monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
     engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
-    advance, calls = ModelSession.advance, []
+    advance, stats, calls = ModelSession.advance, speculative.ChainStats, []
 
-    def failing(self, ids, need=1, pending=None):
-        if pending is not None:
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt  # stands for a cancel mid-verification
-        return advance(self, ids, need, pending)
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            if fails_in == "read":  # the drafts went to both models unread
+                assert -1 in engine.target.cached_ids and -1 in engine.draft.cached_ids
+            raise KeyboardInterrupt  # stands for a cancel mid-verification
+        return stats(*args) if fails_in == "read" else advance(*args)
 
-    monkeypatch.setattr(ModelSession, "advance", failing)
-    gen = engine.generate(GenerationRequest(prompt, 16, SamplingConfig()), make_method("speculative", gamma=3))
-    with pytest.raises(KeyboardInterrupt):
-        gen.run()
-    for session in (engine.target, engine.draft):
-        assert -1 not in session.cached_ids
+    if fails_in == "read":
+        monkeypatch.setattr(speculative, "ChainStats", failing)  # after the target's forward: both hold PENDING ids
+    else:
+        monkeypatch.setattr(ModelSession, "advance", lambda self, ids, need=1, pending=None: failing(
+            self, ids, need, pending) if pending is not None else advance(self, ids, need, pending))
+    assert_cancelled_cleanly(engine, make_method("speculative", gamma=3), prompt)
     monkeypatch.setattr(ModelSession, "advance", advance)
+    monkeypatch.setattr(speculative, "ChainStats", stats)
     assert engine.generate(GenerationRequest(prompt, 16, SamplingConfig()),
                            make_method("speculative", gamma=3)).run().output_ids == want
+
+
+def test_a_failed_static_tree_step_on_a_device_leaves_no_unread_id(monkeypatch):
+    """A failure in a static tree's one read, after the draft and the target were fed the tree's
+    tokens unread: both sessions are cropped back to the committed ids; the next reply decodes."""
+    from conftest import EOS, TinyTokenizer, tiny_llama
+
+    from specui.engine import Engine, GenerationRequest, make_method
+    from specui.engine.methods import tree as tree_module
+
+    target, draft = tiny_llama(3, layers=2, dtype=torch.float32), tiny_llama(4, layers=1, dtype=torch.float32)
+    prompt = [1, 5, 9, 13]
+    want = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS]).generate(
+        GenerationRequest(prompt, 16), make_method("tree", preset="binary-14")).run().output_ids
+    monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
+    engine = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    stats, calls = tree_module.TreeStats, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            assert -1 in engine.target.cached_ids and -1 in engine.draft.cached_ids  # fed unread, both
+            raise KeyboardInterrupt
+        return stats(*args)
+
+    monkeypatch.setattr(tree_module, "TreeStats", failing)
+    assert_cancelled_cleanly(engine, make_method("tree", preset="binary-14"), prompt)
+    monkeypatch.setattr(tree_module, "TreeStats", stats)
+    assert engine.generate(GenerationRequest(prompt, 16), make_method("tree", preset="binary-14")).run(
+    ).output_ids == want
 
 
 @pytest.mark.parametrize("preset", ["binary-14", "eagle-25", "mcsd-42211"])
@@ -314,10 +370,9 @@ def test_a_static_tree_step_on_a_device_reads_once_and_equals_the_host_path(monk
             monkeypatch.setattr(tree_module, "top_tokens", lambda *a: pytest.fail("children read on their own"))
             monkeypatch.setattr(sampling, "_gather",
                                 lambda table, rows, cols: rows and pytest.fail("an entry read on its own") or [])
-            monkeypatch.setattr(tree_module, "TreeStats", counted(tree_module.TreeStats, reads))
-            # a step with no room left for a tree (the reply's last token) reads its one row
-            monkeypatch.setattr(sampling, "device_row_stats", counted(sampling.device_row_stats, reads))
+            count_reads(monkeypatch, reads)
         gen = engine.generate(GenerationRequest([1, 5, 9, 13], 20), make_method("tree", preset=preset))
+        reads.clear()  # what the reply's steps read of the device, from here
         steps = []
         for step in gen:
             steps.append(step)
@@ -325,8 +380,8 @@ def test_a_static_tree_step_on_a_device_reads_once_and_equals_the_host_path(monk
                 assert -1 not in session.cached_ids
         runs[waits] = (gen, engine)
         if waits:
-            assert len(reads) == len(steps)  # one read a step
             monkeypatch.undo()
+            assert len(reads) == len(steps)  # one read a step (the last step, with no room for a tree, as AR)
     (cpu, cpu_engine), (gpu, gpu_engine) = runs[False], runs[True]
     assert gpu.output_ids == cpu.output_ids
     assert len(gpu.steps) == len(cpu.steps)

@@ -311,8 +311,8 @@ class ModelSession:
         if attend is not None:
             dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
             mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
-            extra = dict(extra, attention_mask=mask[None, None].to(self.device),
-                         position_ids=torch.tensor([positions], device=self.device))
+            extra = dict(extra, attention_mask=mask[None, None].to(self.device, non_blocking=True),  # no wait
+                         position_ids=torch.tensor([positions]).to(self.device, non_blocking=True))
         out = self.clock.run(self.model, input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                              logits_to_keep=keep, **extra)
         return out.logits[0]

@@ -153,11 +153,12 @@ class Speculative(Method):
                                                   self.confidence)
             with ctx.timer.phase("verify"):
                 stats = verified_once(ctx, drafts, q_logits)
-        else:
-            with ctx.timer.phase("draft"), draft.feeding_device_tokens(ids):
-                picks, q_logits = queue_greedy_chain(draft, ids, gamma)  # unread
-            with ctx.timer.phase("verify"), draft.feeding_device_tokens(ids), target.feeding_device_tokens(ids):
-                stats = ChainStats(picks, q_logits, target.advance(ids, need=gamma + 1, pending=picks))
+        else:  # no sync between the phases (StepTimer): the target's forward queues behind the draft's
+            with draft.feeding_device_tokens(ids), target.feeding_device_tokens(ids):
+                with ctx.timer.phase("draft", sync=False):
+                    picks, q_logits = queue_greedy_chain(draft, ids, gamma)  # unread
+                with ctx.timer.phase("verify", sync=False):
+                    stats = ChainStats(picks, q_logits, target.advance(ids, need=gamma + 1, pending=picks))
                 draft.settle_tokens(stats.tokens[:-1])  # the last drafted token was not fed to the draft
                 target.settle_tokens(stats.tokens)
             drafts = through_eos(stats.tokens, ctx.eos_ids)

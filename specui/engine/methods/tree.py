@@ -183,12 +183,13 @@ class StaticTree(TreeMethod):
         skeleton, ranks, starts = plan_static_tree(self.shape, max(0, ctx.remaining - 1))
         if not len(skeleton) or len(skeleton) > ctx.room:
             return super().step(ctx)
-        with ctx.timer.phase("draft"):
-            tokens, q = draft_static_tree_on_device(ctx, skeleton, ranks, starts)
-        with ctx.timer.phase("verify"):
-            stats = TreeStats(skeleton, tokens, q, ctx.target.forward_tree(ctx.ids, skeleton, pending=tokens))
-            tree = stats.tree
-            verdict = verify_tree(tree, stats.p_shown.rows, ctx.sampling, None, None, stats.best)
+        with ctx.draft.feeding_device_tokens(ctx.ids), ctx.target.feeding_device_tokens(ctx.ids):
+            with ctx.timer.phase("draft", sync=False):  # no sync between the phases: one read, in TreeStats
+                tokens, q = draft_static_tree_on_device(ctx, skeleton, ranks, starts)
+            with ctx.timer.phase("verify", sync=False):
+                stats = TreeStats(skeleton, tokens, q, ctx.target.forward_tree(ctx.ids, skeleton, pending=tokens))
+        tree = stats.tree
+        verdict = verify_tree(tree, stats.p_shown.rows, ctx.sampling, None, None, stats.best)
         everything = list(range(len(tree)))
         drafted = DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
         return self.committed(ctx, tree, drafted, verdict, stats.p_shown, [])

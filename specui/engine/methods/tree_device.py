@@ -10,7 +10,11 @@ parents' rows on the device and fed straight into the next draft forward and, at
 target's forward over the whole tree (`forward_tree` / `extend_tree` with `pending=`); then one read
 brings every token, its draft probability, and the target's argmax, log-sum-exp and top logit per
 row and its logit at each node (the trace's p). The same tree, verdict, trace and caches as the
-host's way of drafting it (tests/test_read_entries.py)."""
+host's way of drafting it (tests/test_read_entries.py), except where the draft's float32 softmax
+underflows to 0 at a child (the host drops such a child and its subtree; here it stays, a node the
+target never accepts) or where tied probabilities leave one top-k a layer in another order than
+one top-k a node: the tree then differs in those nodes; the reply does not (greedy verification
+follows the target's argmax, whatever the tree holds)."""
 
 from __future__ import annotations
 
