@@ -182,6 +182,17 @@ def _gather(table: torch.Tensor, rows: list[int], cols: list[int]) -> list[float
     return table[index[0], index[1]].tolist()
 
 
+def read_together(parts: list[torch.Tensor]) -> list[list[float]]:
+    """Each tensor of `parts` (flattened) as a list of floats, all of them in one read of the device
+    (a GPU waits once, not once a part); in float64, exact for float32 values and for indices."""
+    flat = torch.cat([t.to(torch.float64).reshape(-1) for t in parts]).tolist()
+    out, at = [], 0
+    for t in parts:
+        out.append(flat[at: at + t.numel()])
+        at += t.numel()
+    return out
+
+
 def read_entries(shown, rows: list[int], cols: list[int]) -> list[float]:
     """`float(shown[r, c])` for each (r, c) of a 2-D `shown` (a tensor, or SoftmaxEntries), the
     same values, read from the device in one go rather than one wait per entry."""
@@ -196,9 +207,7 @@ def device_row_stats(rows: torch.Tensor) -> tuple[list[int], list[float], list[f
     (its argmax and the trace's p at it), where a softmax and two reads were two."""
     flat = rows.reshape(-1, rows.shape[-1])
     best = flat.argmax(-1)
-    top = flat.gather(1, best[:, None])[:, 0]
-    exact = flat.dtype if flat.shape[-1] <= 1 << 24 else torch.float64  # an index as a float: exact below 2^24
-    stats = torch.stack([best.to(exact), torch.logsumexp(flat, -1).to(exact), top.to(exact)]).tolist()
+    stats = read_together([best, torch.logsumexp(flat, -1), flat.gather(1, best[:, None])[:, 0]])
     return [int(b) for b in stats[0]], stats[1], stats[2]
 
 

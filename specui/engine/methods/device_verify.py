@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specui.engine.method import DecodeContext
-from specui.engine.sampling import SoftmaxEntries
+from specui.engine.sampling import SoftmaxEntries, read_together
 
 
 def verified_once(ctx: DecodeContext, drafts: list[int], q_logits: torch.Tensor) -> ChainStats:
@@ -47,13 +47,8 @@ class ChainStats:
         n = picks.numel()
         best = p.argmax(-1)
         cols = picks.reshape(n, 1).to(torch.long)
-        parts = (picks.reshape(n), best, p.gather(1, best[:, None])[:, 0], torch.logsumexp(p, -1),
-                 q.gather(1, cols)[:, 0], torch.logsumexp(q, -1), p[:n].gather(1, cols)[:, 0])
-        read = torch.cat([t.to(torch.float64) for t in parts]).tolist()  # the one read
-        out, at = [], 0
-        for size in (n, n + 1, n + 1, n + 1, n, n, n):
-            out.append(read[at: at + size])
-            at += size
+        out = read_together([picks, best, p.gather(1, best[:, None])[:, 0], torch.logsumexp(p, -1),
+                             q.gather(1, cols)[:, 0], torch.logsumexp(q, -1), p[:n].gather(1, cols)[:, 0]])
         self.tokens = [int(t) for t in out[0]]
         self.best = [int(t) for t in out[1]]
         self.p_top, self.p_lse, self.q_top, self.q_lse, self.p_at = out[2:]

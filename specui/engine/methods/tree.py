@@ -83,6 +83,12 @@ class DraftedTree:
     def drafted_path(self, path: list[int]) -> list[int]:
         return [self.index[i] for i in path]
 
+    @classmethod
+    def whole(cls, tree: TokenTree) -> DraftedTree:
+        """Every node drafted is verified (a static tree)."""
+        everything = list(range(len(tree)))
+        return cls(tree, tree, everything, expected_accept(tree.p_hat, everything))
+
 
 class TreeMethod(Method):
     """Shared step: subclasses decide how to draft the tree (`draft_tree`)."""
@@ -188,11 +194,8 @@ class StaticTree(TreeMethod):
                 tokens, q = draft_static_tree_on_device(ctx, skeleton, ranks, starts)
             with ctx.timer.phase("verify", sync=False):
                 stats = TreeStats(skeleton, tokens, q, ctx.target.forward_tree(ctx.ids, skeleton, pending=tokens))
-        tree = stats.tree
-        verdict = verify_tree(tree, stats.p_shown.rows, ctx.sampling, None, None, stats.best)
-        everything = list(range(len(tree)))
-        drafted = DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
-        return self.committed(ctx, tree, drafted, verdict, stats.p_shown, [])
+        verdict = verify_tree(stats.tree, stats.p_shown.rows, ctx.sampling, None, None, stats.best)
+        return self.committed(ctx, stats.tree, DraftedTree.whole(stats.tree), verdict, stats.p_shown, [])
 
     def draft_tree(self, ctx: DecodeContext, max_depth: int) -> DraftedTree:
         shape, draft, cfg = self.shape, ctx.draft, ctx.sampling
@@ -213,8 +216,7 @@ class StaticTree(TreeMethod):
             new_rows = draft_probs(draft.extend_tree(tree, start), cfg)  # the layer's rows at once
             for k, i in enumerate(range(start, len(tree))):
                 rows[i] = new_rows[k]
-        everything = list(range(len(tree)))
-        return DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
+        return DraftedTree.whole(tree)
 
 
 class OptTree(TreeMethod):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from specui.engine.method import DecodeContext
-from specui.engine.sampling import SoftmaxEntries
+from specui.engine.sampling import SoftmaxEntries, read_together
 from specui.engine.tree import TokenTree
 
 
@@ -72,16 +72,11 @@ class TreeStats:
 
     def __init__(self, skeleton: TokenTree, tokens: torch.Tensor, q: torch.Tensor, p_logits: torch.Tensor) -> None:
         p = p_logits.float()
-        n = tokens.numel()
         best = p.argmax(-1)
         rows = torch.tensor([parent + 1 for parent in skeleton.parents], dtype=torch.long).to(p.device,
                                                                                                non_blocking=True)
-        parts = (tokens, q, best, p.gather(1, best[:, None])[:, 0], torch.logsumexp(p, -1), p[rows, tokens])
-        read = torch.cat([t.to(torch.float64).reshape(-1) for t in parts]).tolist()  # the one read
-        out, at = [], 0
-        for size in (n, n, n + 1, n + 1, n + 1, n):
-            out.append(read[at: at + size])
-            at += size
+        out = read_together([tokens, q, best, p.gather(1, best[:, None])[:, 0], torch.logsumexp(p, -1),
+                             p[rows, tokens]])
         self.tree = TokenTree()
         for token, parent, prob in zip(out[0], skeleton.parents, out[1]):
             self.tree.add(int(token), parent, prob)
