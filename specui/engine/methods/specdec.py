@@ -244,12 +244,12 @@ class SpecDecPP(Method):
             chain = draft_adaptive(ctx.draft, head, ctx.ids, threshold, gamma_max, cfg, ctx.generator,
                                    ctx.eos_ids)
         drafts = chain.tokens
-        q = torch.stack(chain.q_rows) if drafts else None
         with ctx.timer.phase("verify"):
             if drafts and cfg.greedy and sampling.reads_wait(ctx.target.device):  # one read after the forward (a GPU)
                 p_shown, q_shown = verified_once(ctx, drafts, torch.stack(chain.logit_rows)).shown(len(drafts))
                 verdict = verify_chain(drafts, None, None, cfg, None, p_shown.best)
             else:
+                q = torch.stack(chain.q_rows) if drafts else None
                 p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
                 p, p_shown = scored(p_logits, cfg)
                 best = greedy_tokens(p, p_shown) if cfg.greedy else None

@@ -180,13 +180,17 @@ class StaticTree(TreeMethod):
             raise SpecUIError(f"unknown tree preset '{preset}'; choose one of: {', '.join(STATIC_TREES)}")
         self.preset = preset
         self.shape = TokenTree.from_paths(STATIC_TREES[preset])
+        self.plans: dict[int, tuple] = {}  # depth -> the device step's layout (plan_static_tree), made once
 
     def step(self, ctx: DecodeContext) -> StepResult:
         """Greedy, where reads wait (a GPU): the whole step queued, then one read (tree_device.py)."""
         assert ctx.draft is not None
         if not (ctx.sampling.greedy and ctx.draft.feeds_device_tokens and ctx.target.feeds_device_tokens):
             return super().step(ctx)
-        skeleton, ranks, starts = plan_static_tree(self.shape, max(0, ctx.remaining - 1))
+        depth = min(max(0, ctx.remaining - 1), max(self.shape.depths, default=0))
+        if depth not in self.plans:
+            self.plans[depth] = plan_static_tree(self.shape, depth)
+        skeleton, ranks, starts = self.plans[depth]
         if not len(skeleton) or len(skeleton) > ctx.room:
             return super().step(ctx)
         with ctx.draft.feeding_device_tokens(ctx.ids), ctx.target.feeding_device_tokens(ctx.ids):
