@@ -30,7 +30,7 @@ def _inputs(dtype, heads=6, kv_heads=2, dim=64, length=40, queries=9, batch=1, s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("dim", [64, 8, 24])
+@pytest.mark.parametrize("dim", [64, 8, 24, 16, 32, 128])  # 16-128: value sums of several rows at once
 def test_every_row_has_the_bits_it_has_alone(dtype, dim):
     query, key, value = _inputs(dtype, dim=dim, queries=19)  # 3 x 19 rows: lanes in blocks of 16 and a tail
     q, length = query.shape[2], key.shape[2]

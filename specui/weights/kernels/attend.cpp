@@ -98,7 +98,7 @@ void scores_portable(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_
 using specui_vec::exp16;
 
 void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int64_t k_stride, float scale,
-                   const float* bias, float* s, float* sum) {
+                   const float* bias, float* s, float* sum, const float* value, int64_t v_stride) {
   const __m512 hidden = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 top = hidden;
@@ -106,6 +106,11 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   for (; j + kKeys <= L; j += kKeys) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const float *k0 = key + j * k_stride, *k1 = k0 + k_stride, *k2 = k1 + k_stride, *k3 = k2 + k_stride;
+    // the values these keys weigh, on their way while the scores compute (the next pass reads them)
+    for (int64_t u = 0; u < kKeys; ++u)
+      for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(value + (j + u) * v_stride + b), _MM_HINT_T1);
+    for (int64_t u = 0; u < kKeys; ++u)
+      for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + u) * k_stride + b), _MM_HINT_T0);
     for (int64_t d = 0; d < D; ++d) {
       const __m512 qd = _mm512_load_ps(qt + d * kLanes);
       a0 = _mm512_fmadd_ps(_mm512_set1_ps(k0[d]), qd, a0);
@@ -137,12 +142,73 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   }
   _mm512_storeu_ps(sum, total);
 }
+
+// The value sums of up to R rows at once (R x C accumulators, C = D / 16): each key's value chunks
+// are read once for all of them; each element's fma chain is the one-row loop's.
+template <int C, int R>
+inline void weigh_rows(const float* s, const float* sum, float* const* out_rows, int64_t r0, const float* value,
+                       int64_t L, int64_t v_stride) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int u = 0; u < R; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = value + j * v_stride;
+    __m512 v[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
+#pragma GCC unroll 8
+    for (int u = 0; u < R; ++u) {
+      const __m512 e = _mm512_set1_ps(s[j * kLanes + r0 + u]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(e, v[c], acc[u][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < R; ++u) {
+    float* o = out_rows[r0 + u];
+    const float total = sum[r0 + u];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(o + 16 * c, total > 0.0f ? _mm512_div_ps(acc[u][c], _mm512_set1_ps(total)) : acc[u][c]);
+  }
+}
+
+template <int C, int R>
+void weigh_grouped(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value, int64_t L,
+                   int64_t v_stride) {
+  int64_t r0 = 0;
+  for (; r0 + R <= w; r0 += R) weigh_rows<C, R>(s, sum, out_rows, r0, value, L, v_stride);
+  switch (w - r0) {  // the rest, fewer than R rows
+    case 1: weigh_rows<C, 1>(s, sum, out_rows, r0, value, L, v_stride); break;
+    case 2: if constexpr (R > 2) weigh_rows<C, 2>(s, sum, out_rows, r0, value, L, v_stride); break;
+    case 3: if constexpr (R > 3) weigh_rows<C, 3>(s, sum, out_rows, r0, value, L, v_stride); break;
+    case 4: if constexpr (R > 4) weigh_rows<C, 4>(s, sum, out_rows, r0, value, L, v_stride); break;
+    case 5: if constexpr (R > 5) weigh_rows<C, 5>(s, sum, out_rows, r0, value, L, v_stride); break;
+    case 6: if constexpr (R > 6) weigh_rows<C, 6>(s, sum, out_rows, r0, value, L, v_stride); break;
+    case 7: if constexpr (R > 7) weigh_rows<C, 7>(s, sum, out_rows, r0, value, L, v_stride); break;
+    default: break;
+  }
+}
+
+// Whether the grouped value sums serve D (16, 32, 64 or 128 dimensions); they do it as the one-row loop does.
+inline bool weigh_fast(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value,
+                       int64_t L, int64_t D, int64_t v_stride) {
+  switch (D) {
+    case 16: weigh_grouped<1, 8>(s, sum, out_rows, w, value, L, v_stride); return true;
+    case 32: weigh_grouped<2, 8>(s, sum, out_rows, w, value, L, v_stride); return true;
+    case 64: weigh_grouped<4, 6>(s, sum, out_rows, w, value, L, v_stride); return true;
+    case 128: weigh_grouped<8, 3>(s, sum, out_rows, w, value, L, v_stride); return true;
+    default: return false;
+  }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: the 16 lanes as two vectors of 8, the same operations lane by lane as the AVX-512 path.
 using specui_vec::exp8;
 
 void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int64_t k_stride, float scale,
-                   const float* bias, float* s, float* sum) {
+                   const float* bias, float* s, float* sum, const float* value, int64_t v_stride) {
   const __m256 hidden = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 vscale = _mm256_set1_ps(scale);
   __m256 top0 = hidden, top1 = hidden;
@@ -151,6 +217,11 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
     __m256 a[kKeys][2];
     for (int64_t u = 0; u < kKeys; ++u) a[u][0] = a[u][1] = _mm256_setzero_ps();
     const float* k0 = key + j * k_stride;
+    for (int64_t u = 0; u < kKeys; ++u)  // as the AVX-512 loop: the values on their way, the keys ahead
+      for (int64_t b = 0; b < D; b += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(value + (j + u) * v_stride + b), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + u) * k_stride + b), _MM_HINT_T0);
+      }
     for (int64_t d = 0; d < D; ++d) {
       const __m256 q0 = _mm256_load_ps(qt + d * kLanes), q1 = _mm256_load_ps(qt + d * kLanes + 8);
 #pragma GCC unroll 4
@@ -199,13 +270,76 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   _mm256_storeu_ps(sum, total0);
   _mm256_storeu_ps(sum + 8, total1);
 }
+
+// The value sums of up to R rows at once over C chunks of 8 dimensions from d0 (16 registers: R x C
+// accumulators, the chunks and a weight); each element's fma chain is the one-row loop's.
+template <int C, int R>
+inline void weigh_rows(const float* s, const float* sum, float* const* out_rows, int64_t r0, const float* value,
+                       int64_t L, int64_t v_stride, int64_t d0) {
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int u = 0; u < R; ++u)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = value + j * v_stride + d0;
+    __m256 v[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(vj + 8 * c);
+#pragma GCC unroll 8
+    for (int u = 0; u < R; ++u) {
+      const __m256 e = _mm256_set1_ps(s[j * kLanes + r0 + u]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[u][c] = _mm256_fmadd_ps(e, v[c], acc[u][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < R; ++u) {
+    float* o = out_rows[r0 + u] + d0;
+    const float total = sum[r0 + u];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(o + 8 * c, total > 0.0f ? _mm256_div_ps(acc[u][c], _mm256_set1_ps(total)) : acc[u][c]);
+  }
+}
+
+template <int C, int R>
+void weigh_grouped(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value, int64_t L,
+                   int64_t D, int64_t v_stride) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
+    int64_t r0 = 0;
+    for (; r0 + R <= w; r0 += R) weigh_rows<C, R>(s, sum, out_rows, r0, value, L, v_stride, d0);
+    switch (w - r0) {  // the rest, fewer than R rows
+      case 1: weigh_rows<C, 1>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      case 2: if constexpr (R > 2) weigh_rows<C, 2>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      case 3: if constexpr (R > 3) weigh_rows<C, 3>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      case 4: if constexpr (R > 4) weigh_rows<C, 4>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      default: break;
+    }
+  }
+}
+
+// Whether the grouped value sums serve D (16, or a multiple of 32 up to 128); as the one-row loop does.
+inline bool weigh_fast(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value,
+                       int64_t L, int64_t D, int64_t v_stride) {
+  if (D == 16) {
+    weigh_grouped<2, 5>(s, sum, out_rows, w, value, L, D, v_stride);
+    return true;
+  }
+  if (D % 32 == 0 && D <= 128) {
+    weigh_grouped<4, 3>(s, sum, out_rows, w, value, L, D, v_stride);
+    return true;
+  }
+  return false;
+}
 #endif
 
 template <typename T>
-void scores(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_stride, T scale, const T* bias, T* s, T* sum) {
+void scores(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_stride, T scale, const T* bias, T* s, T* sum,
+            const T* value, int64_t v_stride) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if constexpr (std::is_same_v<T, float>) {
-    scores_vector(qt, key, L, D, k_stride, scale, bias, s, sum);
+    scores_vector(qt, key, L, D, k_stride, scale, bias, s, sum, value, v_stride);
     return;
   }
 #endif
@@ -218,6 +352,7 @@ void weigh_values(const T* s, const T* sum, T* const* out_rows, int64_t w, const
                   int64_t v_stride) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
+    if (weigh_fast(s, sum, out_rows, w, value, L, D, v_stride)) return;
     if (D % 16 == 0 && D <= 256) {  // the same fma chain per element, 16 elements a vector
       const int64_t chunks = D / 16;
       for (int64_t r = 0; r < w; ++r) {
@@ -238,6 +373,7 @@ void weigh_values(const T* s, const T* sum, T* const* out_rows, int64_t w, const
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) {
+    if (weigh_fast(s, sum, out_rows, w, value, L, D, v_stride)) return;
     if (D % 8 == 0 && D <= 128) {  // the same fma chain per element, 8 elements a vector
       const int64_t chunks = D / 8;
       for (int64_t r = 0; r < w; ++r) {
@@ -311,7 +447,8 @@ void attend_all(const torch::Tensor& query, const torch::Tensor& key, const torc
       }
       const T* kg = kp + b * key.stride(0) + g * key.stride(1);
       const T* vg = vp + b * value.stride(0) + g * value.stride(1);
-      scores<T>(qa, kg, L, D, key.stride(2), static_cast<T>(scale), biases[b * blocks + c].data(), sa, sum);
+      scores<T>(qa, kg, L, D, key.stride(2), static_cast<T>(scale), biases[b * blocks + c].data(), sa, sum, vg,
+                value.stride(2));
       weigh_values<T>(sa, sum, out_rows, w, vg, L, D, value.stride(2));
     }
   });
