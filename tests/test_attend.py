@@ -62,6 +62,32 @@ def test_tree_masks_batches_and_rows_that_see_nothing():
             assert torch.equal(alone[0, 0], out[b, i])  # masked keys add exact zeros
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_keys_no_row_of_a_block_sees_are_left_out_without_changing_a_bit(dtype):
+    """The kernel reads only the keys some row of a block of 16 sees (a causal prefill's first rows, a
+    window): the rows get the bits of the full computation, which is each row alone over its own keys."""
+    query, key, value = _inputs(dtype, heads=3, kv_heads=1, queries=40, length=70)
+    q, length = query.shape[2], key.shape[2]
+    allowed = torch.zeros(1, q, length, dtype=torch.bool)
+    for i in range(q):  # windows that start and end at different keys: blocks see different key ranges
+        lo = min(i, length - 1) if i < 20 else 0
+        allowed[0, i, lo:min(length, lo + 5 + i)] = True
+    allowed[0, 7] = False  # a row that sees nothing, in a block whose others see a window
+    out = attend(query, key, value, allowed, 0.125)
+    assert torch.equal(out[0, 7], torch.zeros_like(out[0, 7]))
+    for i in range(q):
+        seen = allowed[0, i]
+        if not seen.any():
+            continue
+        alone = attend(query[:, :, i:i + 1].contiguous(), key[:, :, seen], value[:, :, seen], NONE, 0.125)
+        assert torch.equal(alone[0, 0], out[0, i])
+    causal = attend(query, key, value, NONE, 0.125)  # a prefill's causal rows: row i sees keys up to 30 + i
+    for i in (0, 15, 16, 39):
+        alone = attend(query[:, :, i:i + 1].contiguous(), key[:, :, :length - q + i + 1],
+                       value[:, :, :length - q + i + 1], NONE, 0.125)
+        assert torch.equal(alone[0, 0], causal[0, i])
+
 def test_the_attention_interface_takes_transformers_masks_and_hands_the_rest_to_sdpa():
     query, key, value = _inputs(torch.float32, queries=3)
     allowed = torch.ones(3, key.shape[2], dtype=torch.bool).tril(key.shape[2] - 3)

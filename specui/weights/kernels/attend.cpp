@@ -52,19 +52,47 @@ inline float exp_lane(float x) {
 
 inline double exp_lane(double x) { return std::exp(x); }  // float64: the library's, one value at a time
 
-// The additive mask of one block of lanes: bias[j][lane] = 0 where the lane's query sees key j,
-// else -inf (lanes past the block's rows see nothing).
+// The additive mask of one block of lanes over the keys [lo, hi) that some lane of it sees (the
+// others add exact zeros to every sum, so they are left out: a causal prefill's first rows read only
+// the keys before them): bias[(j - lo) * kLanes + lane] = 0 where the lane's query sees key j, else -inf
+// (lanes past the block's rows see nothing). Empty (lo = hi) where no lane sees any key.
 template <typename T>
-std::vector<T> lane_bias(const bool* mask, bool causal, const int64_t* query_of, int64_t w, int64_t Q, int64_t L) {
+struct LaneMask {
+  int64_t lo = 0, hi = 0;
+  std::vector<T> bias;
+};
+
+template <typename T>
+LaneMask<T> lane_mask(const bool* mask, bool causal, const int64_t* query_of, int64_t w, int64_t Q, int64_t L) {
+  LaneMask<T> m;
+  m.lo = L;
+  for (int64_t r = 0; r < w; ++r) {
+    const int64_t i = query_of[r];
+    if (causal) {
+      m.lo = 0;
+      m.hi = std::max(m.hi, std::min(L, L - Q + i + 1));
+      continue;
+    }
+    const bool* row = mask + i * L;
+    for (int64_t j = 0; j < L; ++j)
+      if (row[j]) {
+        m.lo = std::min(m.lo, j);
+        m.hi = std::max(m.hi, j + 1);
+      }
+  }
+  if (m.hi <= m.lo) {
+    m.lo = m.hi = 0;
+    return m;
+  }
   const T hidden = -std::numeric_limits<T>::infinity();
-  std::vector<T> bias(static_cast<size_t>(L * kLanes), hidden);
+  m.bias.assign(static_cast<size_t>((m.hi - m.lo) * kLanes), hidden);
   for (int64_t r = 0; r < w; ++r) {
     const int64_t i = query_of[r];
     const bool* row = causal ? nullptr : mask + i * L;
-    for (int64_t j = 0; j < L; ++j)
-      if (causal ? j <= L - Q + i : row[j]) bias[j * kLanes + r] = T(0);
+    for (int64_t j = m.lo; j < m.hi; ++j)
+      if (causal ? j <= L - Q + i : row[j]) m.bias[(j - m.lo) * kLanes + r] = T(0);
   }
-  return bias;
+  return m;
 }
 
 // Scores of every key for the lanes: s[j][lane], masked and exponentiated in place; returns
@@ -421,12 +449,12 @@ void attend_all(const torch::Tensor& query, const torch::Tensor& key, const torc
   const int64_t rows = rep * Q;  // rows of one head group: (head, query) pairs, head-major
   const int64_t blocks = (rows + kLanes - 1) / kLanes;
   // the lanes' masks, the same for every head group of a batch row: built once
-  std::vector<std::vector<T>> biases(static_cast<size_t>(B * blocks));
+  std::vector<LaneMask<T>> masks(static_cast<size_t>(B * blocks));
   for (int64_t c = 0; c < B * blocks; ++c) {
     const int64_t b = c / blocks, r0 = (c % blocks) * kLanes, w = std::min(kLanes, rows - r0);
     int64_t query_of[kLanes];
     for (int64_t r = 0; r < w; ++r) query_of[r] = (r0 + r) % Q;
-    biases[c] = lane_bias<T>(causal ? nullptr : mp + b * mask_batch, causal, query_of, w, Q, L);
+    masks[c] = lane_mask<T>(causal ? nullptr : mp + b * mask_batch, causal, query_of, w, Q, L);
   }
   at::parallel_for(0, B * Hk * blocks, 1, [&](int64_t p0, int64_t p1) {
     std::vector<T> s(static_cast<size_t>(L * kLanes) + 16);
@@ -436,7 +464,10 @@ void attend_all(const torch::Tensor& query, const torch::Tensor& key, const torc
     T* out_rows[kLanes];
     T sum[kLanes];
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t c = p % blocks, bg = p / blocks, b = bg / Hk, g = bg % Hk;
+      // a head group's blocks taken first, last, second, second to last, ...: a causal prefill's short
+      // and long blocks alternate, so the threads' contiguous shares cost about the same
+      const int64_t k = p % blocks, bg = p / blocks, b = bg / Hk, g = bg % Hk;
+      const int64_t c = k % 2 == 0 ? k / 2 : blocks - 1 - k / 2;
       const int64_t r0 = c * kLanes, w = std::min(kLanes, rows - r0);
       std::fill(qa, qa + D * kLanes, T(0));
       for (int64_t r = 0; r < w; ++r) {
@@ -445,11 +476,12 @@ void attend_all(const torch::Tensor& query, const torch::Tensor& key, const torc
         for (int64_t d = 0; d < D; ++d) qa[d * kLanes + r] = qr[d];
         out_rows[r] = op + ((b * Q + i) * H + h) * D;
       }
-      const T* kg = kp + b * key.stride(0) + g * key.stride(1);
-      const T* vg = vp + b * value.stride(0) + g * value.stride(1);
-      scores<T>(qa, kg, L, D, key.stride(2), static_cast<T>(scale), biases[b * blocks + c].data(), sa, sum, vg,
+      const LaneMask<T>& m = masks[b * blocks + c];
+      const T* kg = kp + b * key.stride(0) + g * key.stride(1) + m.lo * key.stride(2);
+      const T* vg = vp + b * value.stride(0) + g * value.stride(1) + m.lo * value.stride(2);
+      scores<T>(qa, kg, m.hi - m.lo, D, key.stride(2), static_cast<T>(scale), m.bias.data(), sa, sum, vg,
                 value.stride(2));
-      weigh_values<T>(sa, sum, out_rows, w, vg, L, D, value.stride(2));
+      weigh_values<T>(sa, sum, out_rows, w, vg, m.hi - m.lo, D, value.stride(2));
     }
   });
 }
