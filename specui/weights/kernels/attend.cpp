@@ -11,7 +11,9 @@
 //   m = max s; e_j = exp(s_j - m) (exp below, exactly 0 for -inf); sum = e_0 + e_1 + ... in order;
 //   out = (fma(e_{L-1}, v_{L-1}, ... fma(e_0, v_0, 0))) / sum, element by element.
 // A masked key adds exact zeros, so a row that sees keys 0 .. n - 1 of a longer cache gets the bits
-// it gets over a cache of n keys. Rows of a head group share each key read (lanes of a vector).
+// it gets over a cache of n keys, and a block of rows reads only the keys from the first any of them
+// sees to the last. Rows of a head group share each key read (lanes of a vector) and, up to 6 at a
+// time, each value read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
