@@ -173,66 +173,15 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   _mm512_storeu_ps(sum, total);
 }
 
-// The value sums of up to R rows at once (R x C accumulators, C = D / 16): each key's value chunks
-// are read once for all of them; each element's fma chain is the one-row loop's.
-template <int C, int R>
-inline void weigh_rows(const float* s, const float* sum, float* const* out_rows, int64_t r0, const float* value,
-                       int64_t L, int64_t v_stride) {
-  __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (int u = 0; u < R; ++u)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[u][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    const float* vj = value + j * v_stride;
-    __m512 v[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
-#pragma GCC unroll 8
-    for (int u = 0; u < R; ++u) {
-      const __m512 e = _mm512_set1_ps(s[j * kLanes + r0 + u]);
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[u][c] = _mm512_fmadd_ps(e, v[c], acc[u][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int u = 0; u < R; ++u) {
-    float* o = out_rows[r0 + u];
-    const float total = sum[r0 + u];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(o + 16 * c, total > 0.0f ? _mm512_div_ps(acc[u][c], _mm512_set1_ps(total)) : acc[u][c]);
-  }
-}
-
-template <int C, int R>
-void weigh_grouped(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value, int64_t L,
-                   int64_t v_stride) {
-  int64_t r0 = 0;
-  for (; r0 + R <= w; r0 += R) weigh_rows<C, R>(s, sum, out_rows, r0, value, L, v_stride);
-  switch (w - r0) {  // the rest, fewer than R rows
-    case 1: weigh_rows<C, 1>(s, sum, out_rows, r0, value, L, v_stride); break;
-    case 2: if constexpr (R > 2) weigh_rows<C, 2>(s, sum, out_rows, r0, value, L, v_stride); break;
-    case 3: if constexpr (R > 3) weigh_rows<C, 3>(s, sum, out_rows, r0, value, L, v_stride); break;
-    case 4: if constexpr (R > 4) weigh_rows<C, 4>(s, sum, out_rows, r0, value, L, v_stride); break;
-    case 5: if constexpr (R > 5) weigh_rows<C, 5>(s, sum, out_rows, r0, value, L, v_stride); break;
-    case 6: if constexpr (R > 6) weigh_rows<C, 6>(s, sum, out_rows, r0, value, L, v_stride); break;
-    case 7: if constexpr (R > 7) weigh_rows<C, 7>(s, sum, out_rows, r0, value, L, v_stride); break;
-    default: break;
-  }
-}
-
-// Whether the grouped value sums serve D (16, 32, 64 or 128 dimensions); they do it as the one-row loop does.
-inline bool weigh_fast(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value,
-                       int64_t L, int64_t D, int64_t v_stride) {
-  switch (D) {
-    case 16: weigh_grouped<1, 8>(s, sum, out_rows, w, value, L, v_stride); return true;
-    case 32: weigh_grouped<2, 8>(s, sum, out_rows, w, value, L, v_stride); return true;
-    case 64: weigh_grouped<4, 6>(s, sum, out_rows, w, value, L, v_stride); return true;
-    case 128: weigh_grouped<8, 3>(s, sum, out_rows, w, value, L, v_stride); return true;
-    default: return false;
-  }
-}
+// The vector operations the value sums below are written in (16 float32 lanes here).
+using VecF = __m512;
+constexpr int64_t kWidth = 16;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vset1(float x) { return _mm512_set1_ps(x); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
+inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: the 16 lanes as two vectors of 8, the same operations lane by lane as the AVX-512 path.
 using specui_vec::exp8;
@@ -301,26 +250,40 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   _mm256_storeu_ps(sum + 8, total1);
 }
 
-// The value sums of up to R rows at once over C chunks of 8 dimensions from d0 (16 registers: R x C
-// accumulators, the chunks and a weight); each element's fma chain is the one-row loop's.
+
+// The vector operations the value sums below are written in (8 float32 lanes here).
+using VecF = __m256;
+constexpr int64_t kWidth = 8;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vset1(float x) { return _mm256_set1_ps(x); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
+inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The value sums of up to R rows at once over C vectors of dimensions from d0 (R x C accumulators;
+// 24 of AVX-512's 32 registers, 12 of AVX2's 16): each key's values are read once for all R rows,
+// and each element's fma chain is the one-row loop's, so the same bits.
 template <int C, int R>
 inline void weigh_rows(const float* s, const float* sum, float* const* out_rows, int64_t r0, const float* value,
                        int64_t L, int64_t v_stride, int64_t d0) {
-  __m256 acc[R][C];
+  VecF acc[R][C];
 #pragma GCC unroll 8
   for (int u = 0; u < R; ++u)
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[u][c] = vzero();
   for (int64_t j = 0; j < L; ++j) {
     const float* vj = value + j * v_stride + d0;
-    __m256 v[C];
+    VecF v[C];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(vj + 8 * c);
+    for (int c = 0; c < C; ++c) v[c] = vload(vj + kWidth * c);
 #pragma GCC unroll 8
     for (int u = 0; u < R; ++u) {
-      const __m256 e = _mm256_set1_ps(s[j * kLanes + r0 + u]);
+      const VecF e = vset1(s[j * kLanes + r0 + u]);
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[u][c] = _mm256_fmadd_ps(e, v[c], acc[u][c]);
+      for (int c = 0; c < C; ++c) acc[u][c] = vfma(e, v[c], acc[u][c]);
     }
   }
 #pragma GCC unroll 8
@@ -328,15 +291,15 @@ inline void weigh_rows(const float* s, const float* sum, float* const* out_rows,
     float* o = out_rows[r0 + u] + d0;
     const float total = sum[r0 + u];
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      _mm256_storeu_ps(o + 8 * c, total > 0.0f ? _mm256_div_ps(acc[u][c], _mm256_set1_ps(total)) : acc[u][c]);
+    for (int c = 0; c < C; ++c) vstore(o + kWidth * c, total > 0.0f ? vdiv(acc[u][c], vset1(total)) : acc[u][c]);
   }
 }
 
+// All w rows, R at a time, over D in slices of C vectors.
 template <int C, int R>
 void weigh_grouped(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value, int64_t L,
                    int64_t D, int64_t v_stride) {
-  for (int64_t d0 = 0; d0 < D; d0 += 8 * C) {
+  for (int64_t d0 = 0; d0 < D; d0 += kWidth * C) {
     int64_t r0 = 0;
     for (; r0 + R <= w; r0 += R) weigh_rows<C, R>(s, sum, out_rows, r0, value, L, v_stride, d0);
     switch (w - r0) {  // the rest, fewer than R rows
@@ -344,23 +307,37 @@ void weigh_grouped(const float* s, const float* sum, float* const* out_rows, int
       case 2: if constexpr (R > 2) weigh_rows<C, 2>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
       case 3: if constexpr (R > 3) weigh_rows<C, 3>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
       case 4: if constexpr (R > 4) weigh_rows<C, 4>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      case 5: if constexpr (R > 5) weigh_rows<C, 5>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      case 6: if constexpr (R > 6) weigh_rows<C, 6>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
+      case 7: if constexpr (R > 7) weigh_rows<C, 7>(s, sum, out_rows, r0, value, L, v_stride, d0); break;
       default: break;
     }
   }
 }
 
-// Whether the grouped value sums serve D (16, or a multiple of 32 up to 128); as the one-row loop does.
+// Whether the grouped value sums serve D, and then computed them: AVX-512 head sizes 16 / 32 / 64 / 128
+// in one slice, AVX2 16, or multiples of 32 up to 128 in slices of 32 dimensions.
 inline bool weigh_fast(const float* s, const float* sum, float* const* out_rows, int64_t w, const float* value,
                        int64_t L, int64_t D, int64_t v_stride) {
-  if (D == 16) {
-    weigh_grouped<2, 5>(s, sum, out_rows, w, value, L, D, v_stride);
-    return true;
+  if constexpr (kWidth == 16) {
+    switch (D) {
+      case 16: weigh_grouped<1, 8>(s, sum, out_rows, w, value, L, D, v_stride); return true;
+      case 32: weigh_grouped<2, 8>(s, sum, out_rows, w, value, L, D, v_stride); return true;
+      case 64: weigh_grouped<4, 6>(s, sum, out_rows, w, value, L, D, v_stride); return true;
+      case 128: weigh_grouped<8, 3>(s, sum, out_rows, w, value, L, D, v_stride); return true;
+      default: return false;
+    }
+  } else {
+    if (D == 16) {
+      weigh_grouped<2, 5>(s, sum, out_rows, w, value, L, D, v_stride);
+      return true;
+    }
+    if (D % 32 == 0 && D <= 128) {
+      weigh_grouped<4, 3>(s, sum, out_rows, w, value, L, D, v_stride);
+      return true;
+    }
+    return false;
   }
-  if (D % 32 == 0 && D <= 128) {
-    weigh_grouped<4, 3>(s, sum, out_rows, w, value, L, D, v_stride);
-    return true;
-  }
-  return false;
 }
 #endif
 
