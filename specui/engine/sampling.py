@@ -201,13 +201,19 @@ def read_entries(shown, rows: list[int], cols: list[int]) -> list[float]:
     return _gather(shown, list(rows), list(cols))
 
 
+def row_stat_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's argmax (its first maximum), largest entry and log-sum-exp of float rows (n, V), on
+    the device, unread: what a greedy step reads of the target's rows (here, ChainStats, TreeStats)."""
+    best = rows.argmax(-1)
+    return best, rows.gather(1, best[:, None])[:, 0], torch.logsumexp(rows, -1)
+
+
 def device_row_stats(rows: torch.Tensor) -> tuple[list[int], list[float], list[float]]:
     """(each row's argmax (its first maximum), log-sum-exp, largest entry) of float rows (..., V)
     with torch's ops, read back in one go: on a GPU, the greedy step's one wait for the device
     (its argmax and the trace's p at it), where a softmax and two reads were two."""
-    flat = rows.reshape(-1, rows.shape[-1])
-    best = flat.argmax(-1)
-    stats = read_together([best, torch.logsumexp(flat, -1), flat.gather(1, best[:, None])[:, 0]])
+    best, top, lse = row_stat_tensors(rows.reshape(-1, rows.shape[-1]))
+    stats = read_together([best, lse, top])
     return [int(b) for b in stats[0]], stats[1], stats[2]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from specui.engine.method import DecodeContext
-from specui.engine.sampling import SoftmaxEntries, read_together
+from specui.engine.sampling import SoftmaxEntries, read_together, row_stat_tensors
 
 
 def verified_once(ctx: DecodeContext, drafts: list[int], q_logits: torch.Tensor) -> ChainStats:
@@ -45,10 +45,10 @@ class ChainStats:
     def __init__(self, picks: torch.Tensor, q_logits: torch.Tensor, p_logits: torch.Tensor) -> None:
         q, p = q_logits.float(), p_logits.float()
         n = picks.numel()
-        best = p.argmax(-1)
+        best, p_top, p_lse = row_stat_tensors(p)
         cols = picks.reshape(n, 1).to(torch.long)
-        out = read_together([picks, best, p.gather(1, best[:, None])[:, 0], torch.logsumexp(p, -1),
-                             q.gather(1, cols)[:, 0], torch.logsumexp(q, -1), p[:n].gather(1, cols)[:, 0]])
+        out = read_together([picks, best, p_top, p_lse, q.gather(1, cols)[:, 0], torch.logsumexp(q, -1),
+                             p[:n].gather(1, cols)[:, 0]])
         self.tokens = [int(t) for t in out[0]]
         self.best = [int(t) for t in out[1]]
         self.p_top, self.p_lse, self.q_top, self.q_lse, self.p_at = out[2:]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from specui.engine.method import DecodeContext
-from specui.engine.sampling import SoftmaxEntries, read_together
+from specui.engine.sampling import SoftmaxEntries, read_together, row_stat_tensors
 from specui.engine.tree import TokenTree
 
 
@@ -72,11 +72,10 @@ class TreeStats:
 
     def __init__(self, skeleton: TokenTree, tokens: torch.Tensor, q: torch.Tensor, p_logits: torch.Tensor) -> None:
         p = p_logits.float()
-        best = p.argmax(-1)
+        best, top, lse = row_stat_tensors(p)
         rows = torch.tensor([parent + 1 for parent in skeleton.parents], dtype=torch.long).to(p.device,
                                                                                                non_blocking=True)
-        out = read_together([tokens, q, best, p.gather(1, best[:, None])[:, 0], torch.logsumexp(p, -1),
-                             p[rows, tokens]])
+        out = read_together([tokens, q, best, top, lse, p[rows, tokens]])
         self.tree = TokenTree()
         for token, parent, prob in zip(out[0], skeleton.parents, out[1]):
             self.tree.add(int(token), parent, prob)

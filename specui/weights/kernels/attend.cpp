@@ -72,7 +72,7 @@ LaneMask<T> lane_mask(const bool* mask, bool causal, const int64_t* query_of, in
     const int64_t i = query_of[r];
     if (causal) {
       m.lo = 0;
-      m.hi = std::max(m.hi, std::min(L, L - Q + i + 1));
+      m.hi = std::max(m.hi, L - Q + i + 1);  // i < Q: at most L
       continue;
     }
     const bool* row = mask + i * L;
@@ -124,6 +124,17 @@ void scores_portable(const T* qt, const T* key, int64_t L, int64_t D, int64_t k_
     }
 }
 
+// Ahead of a group of kKeys keys from key j: the values they weigh, on their way while the scores
+// compute (the next pass reads them), and the keys 32 further on. Both vector paths call it.
+inline void prefetch_ahead(const float* key, const float* value, int64_t j, int64_t D, int64_t k_stride,
+                           int64_t v_stride) {
+  for (int64_t u = 0; u < kKeys; ++u)
+    for (int64_t b = 0; b < D; b += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(value + (j + u) * v_stride + b), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(key + (j + 32 + u) * k_stride + b), _MM_HINT_T0);
+    }
+}
+
 #if defined(__AVX512F__)
 using specui_vec::exp16;
 
@@ -136,11 +147,7 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   for (; j + kKeys <= L; j += kKeys) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     const float *k0 = key + j * k_stride, *k1 = k0 + k_stride, *k2 = k1 + k_stride, *k3 = k2 + k_stride;
-    // the values these keys weigh, on their way while the scores compute (the next pass reads them)
-    for (int64_t u = 0; u < kKeys; ++u)
-      for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(value + (j + u) * v_stride + b), _MM_HINT_T1);
-    for (int64_t u = 0; u < kKeys; ++u)
-      for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + u) * k_stride + b), _MM_HINT_T0);
+    prefetch_ahead(key, value, j, D, k_stride, v_stride);
     for (int64_t d = 0; d < D; ++d) {
       const __m512 qd = _mm512_load_ps(qt + d * kLanes);
       a0 = _mm512_fmadd_ps(_mm512_set1_ps(k0[d]), qd, a0);
@@ -196,11 +203,7 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
     __m256 a[kKeys][2];
     for (int64_t u = 0; u < kKeys; ++u) a[u][0] = a[u][1] = _mm256_setzero_ps();
     const float* k0 = key + j * k_stride;
-    for (int64_t u = 0; u < kKeys; ++u)  // as the AVX-512 loop: the values on their way, the keys ahead
-      for (int64_t b = 0; b < D; b += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(value + (j + u) * v_stride + b), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + u) * k_stride + b), _MM_HINT_T0);
-      }
+    prefetch_ahead(key, value, j, D, k_stride, v_stride);
     for (int64_t d = 0; d < D; ++d) {
       const __m256 q0 = _mm256_load_ps(qt + d * kLanes), q1 = _mm256_load_ps(qt + d * kLanes + 8);
 #pragma GCC unroll 4
