@@ -24,8 +24,11 @@ from specui.train.distill import (
     quantization_aware,
 )
 from specui.train.trainer import TrainConfig, train
+from specui.weights import draft as draft_module
 from specui.weights.draft import Int4Linear, Int8Linear, load_draft, save_draft
 from specui.weights.loading import ModelSpec, load_model
+from specui.weights.w4a8 import W4A8Linear
+from specui.weights.w8a8 import W8A8Linear, full_range_exact
 
 
 def write_prompts(path, n, prefix, offset=0):
@@ -210,17 +213,24 @@ def test_int8_linear_matches_the_dequantized_product(rows):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bfloat16 activations
 
 
+@pytest.mark.parametrize("specui_kernels", [True, False])
 @pytest.mark.parametrize("layer_bits", [4, 8])
-def test_cpu_float32_draft_computes_with_the_stored_bytes(setup, tmp_path, layer_bits):
+def test_cpu_float32_draft_computes_with_the_stored_bytes(setup, tmp_path, layer_bits, specui_kernels, monkeypatch):
     _, _, target, data, _, _ = setup
+    if not specui_kernels:  # a CPU where SpecUI's kernels have no vector path: torch's int4 / int8 kernels
+        monkeypatch.setattr(draft_module, "w4a8_vector", lambda: False)
+        monkeypatch.setattr(draft_module, "has_w8a8_kernel", lambda: False)
     draft = build_draft(target.model, [0, 1], choose_head_tokens(data, 32, always=[2]))
     save_draft(draft, tmp_path / "q", target.tokenizer, layer_bits=layer_bits)
     fast = load_draft(tmp_path / "q", target.model, target.tokenizer)
     plain = load_draft(tmp_path / "q", target.model, target.tokenizer, kernels=False)
-    layer_kind = Int4Linear if layer_bits == 4 else Int8Linear
+    # what this CPU serves (a test must hold on any): SpecUI's kernels where they run a vector path, else torch's
+    groups_kind = W4A8Linear if draft_module.w4a8_vector() else Int4Linear
+    rows_kind = W8A8Linear if draft_module.has_w8a8_kernel() and full_range_exact() else Int8Linear
+    layer_kind = groups_kind if layer_bits == 4 else rows_kind
     layers = [n for n, m in fast.named_modules() if isinstance(m, layer_kind) and n.startswith("model.layers.")]
-    assert len(layers) == 2 * 7 and isinstance(fast.lm_head, Int8Linear)  # every matrix of both layers; the head
-    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.modules())
+    assert len(layers) == 2 * 7 and isinstance(fast.lm_head, rows_kind)  # every matrix of both layers; the head
+    assert not any(isinstance(m, (Int4Linear, Int8Linear, W4A8Linear, W8A8Linear)) for m in plain.modules())
     ids = torch.tensor([[1, 7, 8, 9, 10, 11]])
     a, b, full = fast(input_ids=ids).logits, plain(input_ids=ids).logits, draft(input_ids=ids).logits
     finite = torch.isfinite(b)

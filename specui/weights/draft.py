@@ -32,6 +32,8 @@ from specui.weights.quantize import (
     use_long_path,
 )
 from specui.weights.stand_in import draft_embeddings
+from specui.weights.w4a8 import W4A8Linear, w4a8_vector
+from specui.weights.w8a8 import W8A8Linear, full_range_exact, has_w8a8_kernel
 
 EMBED_KEY = "model.embed_tokens.weight"
 SCALE = ".int8_scale"
@@ -106,17 +108,30 @@ class SpecUIDraftForCausalLM(LlamaForCausalLM):
 
 def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, int]:
     """Swap every Linear whose weight was stored quantized for a module over those bytes
-    (float32 CPU drafts): Int4Linear for 4-bit groups, Int8Linear for int8 rows. One the
-    kernel refuses stays dequantized. Returns how many of each were swapped."""
-    swapped = {"int4": 0, "int8": 0}
+    (float32 CPU drafts): 4-bit groups on SpecUI's w4a8 kernel where it runs a vector path
+    here (else torch's int4 kernel), int8 rows on w8a8's oneDNN product where it takes 8-bit
+    activations exactly (else torch's int8 kernel): the draft's one-token forward is mostly
+    these products' fixed costs, which SpecUI's kernels pay less of (README, "The draft on the
+    target's kernels"). One no kernel takes stays dequantized. Returns how many of each kind
+    were swapped ("w4a8", "int4", "w8a8", "int8")."""
+    groups_here, rows_here = w4a8_vector(), has_w8a8_kernel() and full_range_exact()
+    swapped = {"w4a8": 0, "int4": 0, "w8a8": 0, "int8": 0}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or module.bias is not None:
             continue
-        key, device, fast = name + ".weight", module.weight.device, None
+        key, device, fast, kind = name + ".weight", module.weight.device, None, ""
         if key + Q4 in state:
-            fast, kind = Int4Linear.from_groups(*_groups(state, key), device), "int4"
+            groups = _groups(state, key)
+            if groups_here and device.type == "cpu":
+                fast, kind = W4A8Linear.from_groups(*groups), "w4a8"
+            if fast is None:
+                fast, kind = Int4Linear.from_groups(*groups, device), "int4"
         elif key + SCALE in state and state[key].dtype == torch.int8:
-            fast, kind = Int8Linear.from_stored(state[key], state[key + SCALE], device), "int8"
+            rows, scale = state[key], state[key + SCALE].float().reshape(-1)
+            if rows_here and device.type == "cpu":
+                fast, kind = W8A8Linear.from_rows(rows, scale), "w8a8"
+            if fast is None:
+                fast, kind = Int8Linear.from_stored(rows, scale, device), "int8"
         if fast is None:
             continue
         replace_module(model, name, fast)

@@ -140,7 +140,15 @@ class W8A8Linear(torch.nn.Module):
         whose rows depend on each other (see batch_invariant)."""
         if weight.device.type != "cpu" or not has_w8a8_kernel():
             return None
-        rows, scale = quantize_rows(weight)
+        return cls.from_rows(*quantize_rows(weight), bias, levels)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  levels: int | None = None) -> W8A8Linear | None:
+        """The module over int8 rows as they are (w = rows * scale, one scale a row: a draft's
+        stored head), checked as from_weight checks; None where the kernel cannot serve them."""
+        if rows.device.type != "cpu" or not has_w8a8_kernel():
+            return None
         try:
             module = cls(rows, scale, bias, levels_here() if levels is None else levels)
         except (RuntimeError, NotImplementedError):  # the packer refuses this build or shape
