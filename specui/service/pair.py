@@ -235,7 +235,7 @@ def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "d
 def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     """A draft trained by `python -m specui.train`: it shares the target's embeddings and
     tokenizer and follows the target's device. Its dtype: as given; with `auto` on a CPU,
-    float32 (int4 / int8 kernels) or bfloat16, whichever one draft token measures faster; else the
+    float32 (on the 4-bit / int8 kernels) or bfloat16, whichever one draft token measures faster; else the
     target's."""
     notes: tuple[str, ...] = ()
     if measures_dtype(spec, target.device):
@@ -254,6 +254,6 @@ def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
         model = load_draft(spec.source, target.model, target.tokenizer, dtype=dtype)
     if spec.quantization not in ("none", "auto"):  # said, not silently dropped
         notes += (f"draft quantization {spec.quantization} not applied: a SpecUI draft computes on the matrices it "
-                  "was saved with (4-bit groups and int8 rows, on the int4 / int8 kernels in float32)",)
+                  "was saved with (4-bit groups and int8 rows, on their kernels in float32)",)
     return LoadedModel(spec=spec, model=model, tokenizer=target.tokenizer, device=target.device,
                        label=Path(spec.source).name, notes=notes)

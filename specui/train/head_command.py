@@ -222,7 +222,7 @@ def readme(rows: list[dict], best: dict, points: list[dict], costs_desc: str, co
 
 def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet) -> dict:
     t0 = time.time()
-    draft = load_draft(args.draft, target.model, target.tokenizer)  # as the app runs it (float32, int4 / int8 kernels)
+    draft = load_draft(args.draft, target.model, target.tokenizer)  # as the app runs it (float32, on its kernels)
     fit, dev = dev_answers_for(args, target, train_set)
     costs = app_costs(args, draft, dev.prompt_ids[:3])
     print(f"time model: {costs[2]}", file=sys.stderr)

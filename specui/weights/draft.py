@@ -249,8 +249,8 @@ def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
     """Load a SpecUI draft and share the target's input embeddings with it. With the
     target's tokenizer given, check the draft was made for this vocabulary. The draft runs
     in `dtype` (default: the target's). A float32 draft on CPU computes its quantized
-    matrices with torch's int4 / int8 kernels (use_kernels) unless `kernels` is False (then
-    they are dequantized to float32)."""
+    matrices on kernels (use_kernels: SpecUI's w4a8 / w8a8 where they run here, else torch's
+    int4 / int8) unless `kernels` is False (then they are dequantized to float32)."""
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     made_for = config.specui_draft.get("vocab_fingerprint")
