@@ -114,7 +114,9 @@ def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[
     these products' fixed costs, which SpecUI's kernels pay less of (README, "The draft on the
     target's kernels"). One no kernel takes stays dequantized. Returns how many of each kind
     were swapped ("w4a8", "int4", "w8a8", "int8")."""
-    groups_here, rows_here = w4a8_vector(), has_w8a8_kernel() and full_range_exact()
+    cpu = next(model.parameters()).device.type == "cpu"  # asked only there: asking builds SpecUI's kernels
+    groups_here = cpu and w4a8_vector()
+    rows_here = cpu and has_w8a8_kernel() and full_range_exact()
     swapped = {"w4a8": 0, "int4": 0, "w8a8": 0, "int8": 0}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear) or module.bias is not None:
@@ -122,13 +124,13 @@ def use_kernels(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[
         key, device, fast, kind = name + ".weight", module.weight.device, None, ""
         if key + Q4 in state:
             groups = _groups(state, key)
-            if groups_here and device.type == "cpu":
+            if groups_here:
                 fast, kind = W4A8Linear.from_groups(*groups), "w4a8"
             if fast is None:
                 fast, kind = Int4Linear.from_groups(*groups, device), "int4"
         elif key + SCALE in state and state[key].dtype == torch.int8:
             rows, scale = state[key], state[key + SCALE].float().reshape(-1)
-            if rows_here and device.type == "cpu":
+            if rows_here:
                 fast, kind = W8A8Linear.from_rows(rows, scale), "w8a8"
             if fast is None:
                 fast, kind = Int8Linear.from_stored(rows, scale, device), "int8"

@@ -253,7 +253,6 @@ void scores_vector(const float* qt, const float* key, int64_t L, int64_t D, int6
   _mm256_storeu_ps(sum + 8, total1);
 }
 
-
 // The vector operations the value sums below are written in (8 float32 lanes here).
 using VecF = __m256;
 constexpr int64_t kWidth = 8;
