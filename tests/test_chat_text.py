@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -165,3 +166,37 @@ def test_growing_text_decodes_about_once_a_step_and_a_few_tokens_each():
         seen.pop()  # the check's own decode
     assert len(seen) <= 1.15 * len(ids)
     assert max(seen[1:]) <= GrowingText.SPAN + 1
+
+
+def test_reply_decoder_is_the_tokenizers_decode_where_that_is_what_transformers_calls(bundled_pair):
+    """Engine.decode calls the tokenizers library's decode directly where transformers' decode is
+    exactly that (the bundled BPE tokenizer): the same text for any ids, special ones included;
+    a tokenizer whose decode is its own, or one without the library's, keeps its decode."""
+    import random
+
+    from specui.engine.detok import reply_decoder
+
+    tok = bundled_pair.target.tokenizer
+    decode = reply_decoder(tok)
+    assert decode.__name__ == "fast"  # the direct path was taken for the bundled tokenizer
+    rng = random.Random(1)
+    specials = sorted(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))] + rng.sample(specials, 1)
+        rng.shuffle(ids)
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
+        assert decode(tuple(ids)) == tok.decode(ids, skip_special_tokens=True)
+
+    class Shouting(type(tok)):  # a subclass that decodes its own way
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    loud = copy.copy(tok)
+    loud.__class__ = Shouting
+    assert reply_decoder(loud)([19556]) == tok.decode([19556]).upper()
+
+    class Words:  # no tokenizers library behind it
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(f"w{i}" for i in ids)
+
+    assert reply_decoder(Words())([3, 4]) == "w3 w4"

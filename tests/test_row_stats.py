@@ -33,7 +33,11 @@ def rows_to_check(seed: int) -> list[torch.Tensor]:
     nan[1, 8500] = float("nan")
     inf = torch.randn(1, 9000, generator=g)
     inf[0, 6000] = float("inf")
-    return out + [tied, masked, nan, inf, torch.full((2, 9000), float("-inf"))]
+    tail = torch.zeros(3, 4099)  # the maximum in the last few columns, which no 8-wide load covers
+    tail[0, 4098] = 2.0
+    tail[1, [5, 4098]] = 2.0  # tied with an earlier, vector-read column: the earlier one
+    tail[2, [14, 6, 4097]] = 3.0  # tied in two lanes of the vector part: the lower index
+    return out + [tied, masked, nan, inf, tail, torch.full((2, 9000), float("-inf"))]
 
 
 def expected(x: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -46,11 +50,17 @@ def test_argmax_and_log_sum_exp_match_numpy_and_torch(threads):
     torch.set_num_threads(threads)
     try:
         for x in rows_to_check(threads):
-            best, lse = torch.ops.specui_native.row_stats(x, True)
+            stats = torch.ops.specui_native.row_stats(x, True)
+            assert stats.dtype == torch.float64 and stats.shape == (x.shape[0], 3)
+            best, lse, top = (stats[:, k].tolist() for k in range(3))
             want_best, want_lse = expected(x)
-            assert best.tolist() == want_best, x.shape
-            assert torch.ops.specui_native.row_stats(x, False)[0].tolist() == want_best
-            for got, want in zip(lse.tolist(), want_lse):
+            assert [int(b) for b in best] == want_best, x.shape
+            for row, b, t in zip(x, want_best, top):  # the largest logit: the entry at the argmax
+                assert t == float(row[b]) or (math.isnan(t) and math.isnan(float(row[b])))
+            without = torch.ops.specui_native.row_stats(x, False)
+            assert [int(b) for b in without[:, 0].tolist()] == want_best
+            assert all(math.isnan(v) for v in without[:, 1].tolist())
+            for got, want in zip(lse, want_lse):
                 if math.isnan(want):
                     assert math.isnan(got)
                 elif math.isinf(want):

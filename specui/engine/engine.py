@@ -15,6 +15,7 @@ from specui.engine import calibration
 from specui.engine.calibration import Calibration, measuring
 from specui.engine.capture_choice import cached
 from specui.engine.costs import EngineCosts
+from specui.engine.detok import reply_decoder
 from specui.engine.feature_draft import FeatureDraftSession
 from specui.engine.loop import Generation, GenerationRequest
 from specui.engine.method import Method
@@ -58,6 +59,7 @@ class Engine:
         self._profiling = False  # ensure_profile is timing forwards (the background measurement waits)
         self.target, self.draft = self._sessions(target, draft)
         self.tokenizer = tokenizer
+        self._decode = reply_decoder(tokenizer)
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         # a smaller window (--context) bounds the cache and truncates long chats earlier; never a larger one
         own = _context_len(target)
@@ -256,7 +258,7 @@ class Engine:
         return report
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._decode(ids)
 
     def check(self, request: GenerationRequest, method: Method) -> GenerationRequest:
         """Validate a request; returns it with max_new_tokens clamped to the context left."""

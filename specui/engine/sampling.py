@@ -112,12 +112,13 @@ def scored(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, tor
 ROW_STATS_ENV = "SPECUI_ROW_STATS"  # "0": greedy rows read without SpecUI's kernel (to compare)
 
 
-def row_stats(rows: torch.Tensor, lse: bool) -> tuple[list[int], list[float]] | None:
-    """(each row's argmax, each row's log-sum-exp where `lse`) of float32 rows (..., V) on a CPU,
-    from SpecUI's native kernel (specui/weights/kernels/logits.cpp) where this process has loaded
-    it (load_concrete loads it with every CPU model); None otherwise. The kernel reads each row on every
-    thread, each the columns the output head's same thread wrote: read on one thread, the first
-    pass over a 49k-entry row just written took 102 us against 14 warm (2-core Zen 3).
+def row_stats(rows: torch.Tensor, lse: bool) -> tuple[list[int], list[float], list[float]] | None:
+    """(each row's argmax, each row's log-sum-exp where `lse` (else NaN), each row's largest logit)
+    of float32 rows (..., V) on a CPU, from SpecUI's native kernel (specui/weights/kernels/logits.cpp)
+    where this process has loaded it (load_concrete loads it with every CPU model); None otherwise.
+    The kernel reads each row on every thread, each the columns the output head's same thread
+    wrote: read on one thread, the first pass over a 49k-entry row just written took 102 us against
+    14 warm (2-core Zen 3). It returns the three as one float64 tensor, read with one `tolist()`.
     SPECUI_ROW_STATS=0 keeps numpy's argmax and torch's softmax (`python -m specui.bench.rowstats`
     times both side by side)."""
     if rows.device.type != "cpu" or rows.dtype != torch.float32 or rows.shape[-1] == 0:
@@ -127,8 +128,10 @@ def row_stats(rows: torch.Tensor, lse: bool) -> tuple[list[int], list[float]] | 
     op = getattr(torch.ops.specui_native, "row_stats", None)
     if op is None:
         return None
-    best, sums = op(rows.reshape(-1, rows.shape[-1]).contiguous(), lse)
-    return best.tolist(), sums.tolist()
+    if rows.dim() != 2 or not rows.is_contiguous():
+        rows = rows.reshape(-1, rows.shape[-1]).contiguous()
+    stats = op(rows, lse).tolist()
+    return [int(s[0]) for s in stats], [s[1] for s in stats], [s[2] for s in stats]
 
 
 class SoftmaxEntries:
@@ -224,7 +227,8 @@ def softmax_entries(rows: torch.Tensor):
     if rows.dim() <= 2 and rows.shape[-1] > 0:
         stats = row_stats(rows, lse=True)
         if stats is not None:
-            return SoftmaxEntries(rows, stats[1], stats[0])
+            best, lse, top = stats
+            return SoftmaxEntries(rows, lse, best, top)
         if reads_wait(rows.device) and rows.dtype in (torch.float32, torch.float64):
             best, lse, top = device_row_stats(rows)
             return SoftmaxEntries(rows, lse, best, top)

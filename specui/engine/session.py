@@ -26,7 +26,10 @@ PENDING = -1  # in cached_ids: a token fed as a device tensor whose id is not re
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):  # the usual case (decoding appends), compared in C
+    if isinstance(a, list) and isinstance(b, list):  # the usual case (decoding appends), compared in C
+        if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):  # a copy of the longer one's start only
+            return n
+    elif list(a[:n]) == list(b[:n]):
         return n
     i = 0
     while i < n and a[i] == b[i]:
@@ -157,7 +160,9 @@ class ModelSession:
         n = 0 if pending is None else pending.numel()
         need = max(1, min(need, len(ids) + n))
         keep = self._sync(ids, max(1, need - n))
-        new = torch.tensor([list(ids[keep:])], dtype=torch.long).to(self.device, non_blocking=True)
+        new = torch.tensor([list(ids[keep:])], dtype=torch.long)
+        if self.device.type != "cpu":
+            new = new.to(self.device, non_blocking=True)
         if n:
             new = torch.cat([new, pending.reshape(1, n).to(torch.long)], 1)
         logits = self._forward(new, keep=need)

@@ -97,6 +97,8 @@ class StaticKVCache(DynamicCache):
         with torch.inference_mode(False):  # index tensors of one kind, whenever made (compiled guards read it)
             self.start = torch.zeros(1, dtype=torch.long, device=self.device)
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
+        # on a CPU `prepare` writes the start through numpy (a fifth of a torch fill_'s cost)
+        self._start_view = self.start.numpy() if self.device.type == "cpu" else None
         self._sizers: dict[int, torch.Tensor] = {}  # window: its sizer (prepare)
         self.columns = _sizer(0, self.device)  # attention reads this many slots: its only content is its length
         self.generation = 0  # bumped whenever the store is reallocated
@@ -173,7 +175,10 @@ class StaticKVCache(DynamicCache):
         """Before a forward: its entries go to slots from `start`; attention reads `window` slots."""
         if self.store is None:
             self.allocate()
-        self.start.fill_(start)
+        if self._start_view is not None:
+            self._start_view[0] = start
+        else:
+            self.start.fill_(start)
         sizer = self._sizers.get(window)
         if sizer is None:  # a few windows (multiples of WINDOW): one each, not one a forward
             sizer = self._sizers[window] = _sizer(window, self.device)

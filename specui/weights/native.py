@@ -73,7 +73,7 @@ def _register_fakes() -> None:
         return query.new_empty((b, q, h, d))
 
     def stats(rows, lse):
-        return rows.new_empty((rows.shape[0],), dtype=torch.long), rows.new_empty((rows.shape[0],), dtype=torch.float64)
+        return rows.new_empty((rows.shape[0], 3), dtype=torch.float64)
 
     for name, fake in (("q4a8_mm", product), ("q8a8_mm", product), ("stream_mm", stream), ("attend", attention),
                        ("row_stats", stats)):

@@ -12,9 +12,14 @@ class Autoregressive(Method):
 
     def step(self, ctx: DecodeContext) -> StepResult:
         with ctx.timer.phase("verify"):
-            logits = ctx.target.advance(ctx.ids, need=1)[-1]
-            rows, shown = scored(logits, ctx.sampling)
-            token = greedy_tokens(rows, shown)[0] if ctx.sampling.greedy else sample(rows, ctx.generator)
-            p = float(shown[token])
+            logits = ctx.target.advance(ctx.ids, need=1)  # (1, V)
+            if ctx.sampling.greedy:  # the row as it is (a view of one row and its copy cost more than the read)
+                rows, shown = scored(logits, ctx.sampling)
+                token = greedy_tokens(rows, shown)[0]
+                p = float(shown[0, token])
+            else:
+                rows, shown = scored(logits[-1], ctx.sampling)
+                token = sample(rows, ctx.generator)
+                p = float(shown[token])
         node = NodeTrace(token_id=token, text="", parent=-1, depth=1, status=TARGET, p=p)
         return StepResult(tokens=[token], nodes=[node])

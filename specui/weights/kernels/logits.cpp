@@ -1,14 +1,16 @@
 // What a greedy step reads of the target's logits, in one pass over them on every thread:
-//   row_stats(rows (M, V) float32, lse) -> (best (M,) int64, lse (M,) float64)
-//   best[m] = the first index of row m's maximum (the first NaN where the row has one: numpy's and
-//             torch's argmax), lse[m] = log(sum_v exp(rows[m, v])) as torch.logsumexp gives it (NaN
-//             where the row has a NaN, +inf where it has a +inf, -inf where every entry is -inf),
-//             computed only with `lse` (else NaN).
+//   row_stats(rows (M, V) float32, lse) -> (M, 3) float64, row m: [best, lse, top]
+//   best = the first index of row m's maximum (the first NaN where the row has one: numpy's and
+//          torch's argmax), lse = log(sum_v exp(rows[m, v])) as torch.logsumexp gives it (NaN where
+//          the row has a NaN, +inf where it has a +inf, -inf where every entry is -inf), computed only
+//          with `lse` (else NaN), top = rows[m, best] (the logit a greedy step's probability reads).
+//   One float64 tensor, so the caller reads everything with one `tolist()` (indices are exact there).
 // Why a kernel: the logits were just written by the output head's threads, each its own half of the
 // columns (q8a8.cpp, torch's products alike), so a single thread reading a row pays for every line
 // held by the other core: the first argmax over a 49k-entry row after a compiled w4a8 forward took
 // 102 us against 14 us warm, a softmax 109 against 80 (2-core Zen 3). Here each thread scans the
-// same half of the columns of every row, as the head split them, and the halves are combined.
+// same half of the columns of every row, as the head split them, and the halves are combined. The
+// maximum comes from one pass, the exponentials and the maximum's first index from a second.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -75,52 +77,71 @@ void scan(const float* x, int64_t b, int64_t e, bool with_sum, Part& part) {
     return;
   }
   part.top = top;
+  int64_t best = -1;
   i = b;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 vt = _mm256_set1_ps(top);
+#endif
+  if (!with_sum || std::isinf(top)) {  // all -inf: no terms; +inf: the row's lse is +inf
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= e; i += 8) {
+      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_EQ_OQ));
+      if (mask) {
+        i += __builtin_ctz(mask);
+        break;
+      }
+    }
+#endif
+    while (x[i] != top) ++i;  // present: top is one of the part's entries
+    part.best = i;
+    return;
+  }
+  // the exponentials, the first index of the maximum found on the way (no pass of its own)
+  double sum = 0.0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= e; i += 8) {
-    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_EQ_OQ));
+    __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(v, vt)));
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, vt, _CMP_EQ_OQ));
     if (mask) {
-      i += __builtin_ctz(mask);
+      best = i + __builtin_ctz(mask);
+      i += 8;
       break;
     }
   }
-#endif
-  while (x[i] != top) ++i;  // present: top is one of the part's entries
-  part.best = i;
-  if (!with_sum || std::isinf(top)) return;  // all -inf: no terms; +inf: the row's lse is +inf
-  double sum = 0.0;
-  i = b;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= e; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vt)));
   sum = hsum(acc);
 #endif
-  for (; i < e; ++i) sum += std::exp(static_cast<double>(x[i]) - top);
+  for (; i < e; ++i) {
+    if (best < 0 && x[i] == top) best = i;
+    sum += std::exp(static_cast<double>(x[i]) - top);
+  }
+  part.best = best;  // present: top is one of the part's entries
   part.sum = sum;
 }
 
-// the parts of one row, in column order -> (best, lse)
-std::pair<int64_t, double> combine(const Part* parts, int64_t n, bool with_sum) {
+// the parts of one row, in column order -> (best, lse, top)
+std::tuple<int64_t, double, double> combine(const Part* parts, int64_t n, bool with_sum) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (int64_t t = 0; t < n; ++t)
-    if (parts[t].nan >= 0) return {parts[t].nan, nan};
+    if (parts[t].nan >= 0) return {parts[t].nan, nan, nan};
   int64_t best = -1;
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t)
     if (parts[t].best >= 0 && (best < 0 || parts[t].top > top)) best = parts[t].best, top = parts[t].top;
-  if (!with_sum) return {best, nan};
-  if (std::isinf(top)) return {best, static_cast<double>(top)};  // torch's logsumexp: +inf, or -inf (all masked)
+  if (!with_sum) return {best, nan, top};
+  if (std::isinf(top)) return {best, static_cast<double>(top), top};  // torch's logsumexp: +inf, or -inf (all masked)
   double sum = 0.0;
   for (int64_t t = 0; t < n; ++t)
     if (parts[t].best >= 0 && !std::isinf(parts[t].top))
       sum += parts[t].sum * std::exp(static_cast<double>(parts[t].top) - top);
-  return {best, top + std::log(sum)};
+  return {best, top + std::log(sum), top};
 }
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> row_stats(torch::Tensor rows, bool lse) {
+torch::Tensor row_stats(torch::Tensor rows, bool lse) {
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.size(1) > 0,
               "contiguous float32 rows (M, V), V > 0");
   const int64_t M = rows.size(0), V = rows.size(1);
@@ -139,14 +160,13 @@ std::tuple<torch::Tensor, torch::Tensor> row_stats(torch::Tensor rows, bool lse)
   for (int64_t t = 0; t < T; ++t)
     if (starts[t] >= 0) order.push_back(t);
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return starts[a] < starts[b]; });
-  auto best = torch::empty({M}, rows.options().dtype(torch::kInt64));
-  auto sums = torch::empty({M}, rows.options().dtype(torch::kFloat64));
+  auto out = torch::empty({M, 3}, rows.options().dtype(torch::kFloat64));
+  double* o = out.data_ptr<double>();
   std::vector<Part> row(order.size());
   for (int64_t m = 0; m < M; ++m) {
     for (size_t k = 0; k < order.size(); ++k) row[k] = parts[m * T + order[k]];
-    auto [b, s] = combine(row.data(), static_cast<int64_t>(row.size()), lse);
-    best.data_ptr<int64_t>()[m] = b;
-    sums.data_ptr<double>()[m] = s;
+    auto [b, s, t] = combine(row.data(), static_cast<int64_t>(row.size()), lse);
+    o[3 * m] = static_cast<double>(b), o[3 * m + 1] = s, o[3 * m + 2] = t;
   }
-  return {best, sums};
+  return out;
 }

@@ -17,7 +17,7 @@ torch::Tensor q8a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Ten
 bool q8a8_vector();                                                                                 // q8a8.cpp
 torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor allowed,
                      double scale);                                                                 // attend.cpp
-std::tuple<torch::Tensor, torch::Tensor> row_stats(torch::Tensor rows, bool lse);                   // logits.cpp
+torch::Tensor row_stats(torch::Tensor rows, bool lse);                                              // logits.cpp
 
 // The products and the attention as torch operators too (torch.ops.specui_native.*): what compiled
 // forwards call. A Python custom op costs ~35 us a call on a 2-core Zen 3 where the dispatcher's path to
@@ -27,7 +27,7 @@ TORCH_LIBRARY(specui_native, m) {
   m.def("q8a8_mm(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor");
   m.def("stream_mm(Tensor x, Tensor w) -> Tensor");
   m.def("attend(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale) -> Tensor");
-  m.def("row_stats(Tensor rows, bool lse) -> (Tensor, Tensor)");
+  m.def("row_stats(Tensor rows, bool lse) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specui_native, CPU, m) {
