@@ -19,6 +19,7 @@ class StaticMasks:
     def __init__(self, cache: StaticKVCache, mask_dtype: torch.dtype, widest: int) -> None:
         self.cache, self.mask_dtype, self.widest = cache, mask_dtype, widest
         self._causal: torch.Tensor | None = None  # every causal mask is a slice of this (see causal)
+        self._causal_view = None  # its numpy view, on a CPU
         self._rows: dict[int, tuple] = {}  # window: (one token's mask, its numpy view on a CPU or None, its start)
 
     def build(self, start: int, m: int, width: int, window: int, attend: torch.Tensor | None) -> torch.Tensor:
@@ -48,9 +49,14 @@ class StaticMasks:
             c = torch.arange(2 * capacity, device=self.cache.device)[None, :]
             template = torch.zeros((rows, 2 * capacity), dtype=self.mask_dtype, device=self.cache.device)
             self._causal = template.masked_fill_(c > i + capacity, torch.finfo(self.mask_dtype).min)
+            self._causal_view = template.numpy() if template.device.type == "cpu" and \
+                self.mask_dtype in NUMPY_DTYPES else None  # copied through numpy on a CPU (a third of torch's cost)
         # always a copy: a one-row slice counts as contiguous, and `.contiguous()` would hand
         # SDPA a view 4 bytes into the template (CUDA's kernels fault on a misaligned mask)
         out = torch.empty((width, window), dtype=self.mask_dtype, device=self.cache.device)
+        if self._causal_view is not None:
+            out.numpy()[...] = self._causal_view[:width, capacity - start: capacity - start + window]
+            return out
         return out.copy_(template[:width, capacity - start: capacity - start + window])
 
     def one_row(self, start: int, window: int) -> torch.Tensor:

@@ -61,7 +61,10 @@ def draft_chain(
             own = q if cfg.greedy else logits.float()
             if float(own.softmax(-1)[token]) < confidence:
                 break
-    return tokens, torch.stack(q_rows), torch.stack(logit_rows)
+    q = torch.stack(q_rows)
+    if all(a is b for a, b in zip(q_rows, logit_rows)):  # greedy's q~ rows are the float32 logits: one copy
+        return tokens, q, q
+    return tokens, q, torch.stack(logit_rows)
 
 
 def accept_chain(drafts: list[int], q, p, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
