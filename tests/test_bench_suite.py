@@ -233,13 +233,26 @@ def test_run_bench_puts_another_draft_beside_the_first(tiny_dirs, tmp_path, caps
     from specui.bench import run
 
     target, draft, _ = tiny_dirs
-    out = tmp_path / "rows.json"
+    out = tmp_path / "new" / "folder" / "rows.json"  # made before the run, not found missing after it
     assert run.main(["--target", str(target), "--draft", str(draft), "--other-draft", str(target),
                      "--dtype", "float32", "--limit", "2", "--max-new-tokens", "6", "--repeats", "1",
                      "--methods", "autoregressive,speculative:2", "--no-peers", "--json", str(out)]) == 0
     names = [r["method"] for r in json.loads(out.read_text())]
     assert names == ["autoregressive", "speculative gamma=2", "speculative gamma=2 [other draft]"]
     assert "other draft:" in capsys.readouterr().out
+
+
+def test_run_bench_refuses_a_json_file_it_cannot_write_before_loading_anything(tmp_path, capsys, monkeypatch):
+    from specui.bench import run
+
+    monkeypatch.setattr(run, "load_bench", lambda args: pytest.fail("loaded before the --json check"))
+    (tmp_path / "a-folder").mkdir()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    for bad in (tmp_path / "a-folder", blocked / "rows.json"):  # a folder; a path under a file
+        with pytest.raises(SystemExit):
+            run.main(["--json", str(bad), "--no-peers"])
+        assert "cannot write to" in capsys.readouterr().err
 
 
 def test_every_rows_engine_settles_before_any_row_is_timed():

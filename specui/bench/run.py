@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict
@@ -208,6 +209,15 @@ def captures(value: str) -> str:
     return value
 
 
+def json_file(ap: argparse.ArgumentParser, path: Path) -> Path:
+    """`--json`'s file: its folder made, and the file (or, where it is new, its folder) writable;
+    else the parser's error."""
+    out_folder(ap, path.parent)
+    if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+        ap.error(f"cannot write to {path}")
+    return path
+
+
 def out_folder(ap: argparse.ArgumentParser, out: Path) -> Path:
     """The bench's output folder, made (or the parser's error when it cannot be)."""
     try:
@@ -315,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.max_new_tokens < 1:
         ap.error("--repeats and --max-new-tokens must be >= 1")
+    if args.json:  # its folder made and the file writable before minutes of measuring, not after
+        json_file(ap, Path(args.json))
 
     pair, prompts = load_bench(args)
     rows = []
