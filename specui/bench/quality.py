@@ -29,6 +29,7 @@ from specui.bench.run import (
     compare_quantizations_here,
     measure_capture_here,
     ours,
+    out_folder,
     settle_all,
     warm_up,
 )
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the rows' forwards: auto (compiled where this machine measured it faster, in the "
                          "background before the first timed reply), on (compiled), off (eager)")
     args = ap.parse_args(argv)
+    out = out_folder(ap, Path(args.out))  # made before minutes of measuring, not found unwritable after
 
     target = ModelSpec(args.target, args.dtype, args.device, args.quantization, stand_in=args.stand_in)
     draft_src = default_draft_source() if args.draft == "default" else args.draft
@@ -192,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     for p in points:
         print(f"{p.name:52} {p.tokens_per_s:7.2f} ({p.tokens_per_s_min:.2f}-{p.tokens_per_s_max:.2f})"
               f"{'':>5} {p.loglik_per_token:14.3f} {p.perplexity:11.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"header": header, "points": [p.__dict__ for p in points]}, indent=1))
     title = "DSBD: throughput vs quality" + (f"<br><sup>A STAND-IN: {pair.target.label}</sup>" if args.stand_in else "")
     written = save_figure(figure(points, title), out, "quality")
