@@ -210,8 +210,7 @@ def captures(value: str) -> str:
 
 
 def json_file(ap: argparse.ArgumentParser, path: Path) -> Path:
-    """`--json`'s file: its folder made, and the file (or, where it is new, its folder) writable;
-    else the parser's error."""
+    """`--json`'s file: its folder made, it (or, where it is new, its folder) writable; else the parser's error."""
     out_folder(ap, path.parent)
     if path.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
         ap.error(f"cannot write to {path}")
