@@ -186,6 +186,12 @@ def test_reply_decoder_is_the_tokenizers_decode_where_that_is_what_transformers_
         rng.shuffle(ids)
         assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
         assert decode(tuple(ids)) == tok.decode(ids, skip_special_tokens=True)
+    import numpy as np
+    import torch
+
+    ids = [19556, 314, 2]
+    for other in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids]):  # converted as transformers does
+        assert decode(other) == tok.decode(ids, skip_special_tokens=True)
 
     class Shouting(type(tok)):  # a subclass that decodes its own way
         def _decode(self, token_ids, skip_special_tokens=False, **kwargs):

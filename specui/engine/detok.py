@@ -65,7 +65,10 @@ def reply_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
         return slow
 
     def fast(ids: Sequence[int]) -> str:
-        return backend.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=True)
+        try:
+            return backend.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=True)
+        except TypeError:  # ids the library will not take as they are (numpy's, a tensor's): transformers converts
+            return slow(ids)
 
     try:
         size = len(tokenizer)
