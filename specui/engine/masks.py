@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specui.engine.static_cache import StaticKVCache
-
-NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)  # mask dtypes numpy can view
+from specui.engine.static_cache import StaticKVCache, cpu_view
 
 
 class StaticMasks:
@@ -49,8 +47,7 @@ class StaticMasks:
             c = torch.arange(2 * capacity, device=self.cache.device)[None, :]
             template = torch.zeros((rows, 2 * capacity), dtype=self.mask_dtype, device=self.cache.device)
             self._causal = template.masked_fill_(c > i + capacity, torch.finfo(self.mask_dtype).min)
-            self._causal_view = template.numpy() if template.device.type == "cpu" and \
-                self.mask_dtype in NUMPY_DTYPES else None  # copied through numpy on a CPU (a third of torch's cost)
+            self._causal_view = cpu_view(template)  # on a CPU masks are copied from it through numpy
         # always a copy: a one-row slice counts as contiguous, and `.contiguous()` would hand
         # SDPA a view 4 bytes into the template (CUDA's kernels fault on a misaligned mask)
         out = torch.empty((width, window), dtype=self.mask_dtype, device=self.cache.device)
@@ -68,17 +65,19 @@ class StaticMasks:
         if row is None:
             row = torch.full((1, window), torch.finfo(self.mask_dtype).min, dtype=self.mask_dtype,
                              device=self.cache.device)
-            # on a CPU the slots change through numpy (a slice assigned: a few times cheaper than a torch op)
-            view = row.numpy()[0] if row.device.type == "cpu" and self.mask_dtype in NUMPY_DTYPES else None
+            view = cpu_view(row)  # on a CPU its slots change through numpy
         if start > seen:  # (start < window: the window holds the new token)
-            if view is not None:
-                view[seen + 1: start + 1] = 0
-            else:
-                row.narrow(1, seen + 1, start - seen).zero_()
+            _fill(row, view, seen + 1, start + 1, 0.0)
         elif start < seen:
-            if view is not None:
-                view[start + 1: seen + 1] = torch.finfo(self.mask_dtype).min
-            else:
-                row.narrow(1, start + 1, seen - start).fill_(torch.finfo(self.mask_dtype).min)
+            _fill(row, view, start + 1, seen + 1, torch.finfo(self.mask_dtype).min)
         self._rows[window] = (row, view, start)
         return row
+
+
+def _fill(row: torch.Tensor, view, lo: int, hi: int, value: float) -> None:
+    """Slots [lo, hi) of a one-row mask (1, window) set to `value`: through its numpy view `view`
+    where it has one, else with a torch op."""
+    if view is not None:
+        view[0, lo:hi] = value
+    else:
+        row.narrow(1, lo, hi - lo).fill_(value)

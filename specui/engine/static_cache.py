@@ -28,6 +28,14 @@ from specui.engine.attention import cache_dtype
 from specui.engine.kvcache import GrowingLayer
 from specui.errors import SpecUIError
 
+NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.long)  # dtypes numpy can view
+
+
+def cpu_view(tensor: torch.Tensor):
+    """The tensor's numpy view (sharing its memory) on a CPU where numpy holds its dtype, else None:
+    writing a few entries through it costs a fifth to a third of a small torch op there."""
+    return tensor.numpy() if tensor.device.type == "cpu" and tensor.dtype in NUMPY_DTYPES else None
+
 
 def activation_dtype(model: PreTrainedModel) -> torch.dtype:
     """The dtype the model's hidden states (and so its keys and values) are computed in: its
@@ -97,8 +105,7 @@ class StaticKVCache(DynamicCache):
         with torch.inference_mode(False):  # index tensors of one kind, whenever made (compiled guards read it)
             self.start = torch.zeros(1, dtype=torch.long, device=self.device)
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
-        # on a CPU `prepare` writes the start through numpy (a fifth of a torch fill_'s cost)
-        self._start_view = self.start.numpy() if self.device.type == "cpu" else None
+        self._start_view = cpu_view(self.start)  # on a CPU `prepare` writes the start through numpy
         self._sizers: dict[int, torch.Tensor] = {}  # window: its sizer (prepare)
         self.columns = _sizer(0, self.device)  # attention reads this many slots: its only content is its length
         self.generation = 0  # bumped whenever the store is reallocated
