@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft; 'none')")
     m.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
     m.add_argument("--capture", default="auto", choices=CAPTURES,
-                   help="static caches and captured forwards: auto (CUDA graphs on a GPU; eager on a CPU, where "
-                        "nothing captured measures faster yet), on (a CPU runs the static padded shapes), off "
+                   help="static caches and captured forwards: auto (CUDA graphs on a GPU; on a CPU, compiled "
+                        "forwards where this machine measured them faster for that model, else eager; a model with "
+                        "no record is measured in the background), on (compiled static padded shapes), off "
                         "(the growing cache, eager)")
     m.add_argument("--context", type=int, default=0, metavar="TOKENS",
                    help="cap the context window at this many tokens (0: the target's own): a smaller window holds "

@@ -62,6 +62,7 @@ void block_portable(const uint8_t* wb, const at::Half* sb, const int8_t* a, cons
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kVector = true;
 constexpr int64_t kAhead = 16;  // groups prefetched ahead (5 KB)
+constexpr int64_t kFar = 48;    // groups prefetched ahead into L2 for 2 rows or more (12 KB)
 constexpr int64_t kTile = 12;   // rows of activations a pass over the weights: 2 x 12 + 6 of the 32 vector registers
 
 // An accumulator's 16 float32 sums into the output (float32, or widened exactly to float64).
@@ -87,14 +88,26 @@ inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < NG; ++g) {
     const uint8_t* wg = wb + g * kBytes;
-    // the group kAhead on (prefetching never faults past the end): this loop computes too long per byte for
-    // the hardware's prefetchers to keep memory busy; with it, 48 matrices of 8192x2112 out of cache cost
-    // 0.47 / 0.65 ms a matrix for 1 / 9 rows against 0.67 / 1.12 without (2-core Xeon, README)
+    // the group kAhead on into L1 (prefetching never faults past the end): this loop computes too long per
+    // byte for the hardware's prefetchers to keep memory busy; with it, 48 matrices of 8192x2112 out of
+    // cache cost 0.47 / 0.65 ms a matrix for 1 / 9 rows against 0.67 / 1.12 without (2-core Xeon, README).
+    // With 2 rows or more the loop is slower per byte still, and the group kFar on goes to L2 as well:
+    // a 1.7b stand-in's forward of 3 / 4 tokens 43 / 49 -> 38.5 / 44 ms on a 2-core Zen 4 (with the split
+    // sums below); for one row the second stream cost 10% there, so one row keeps the one prefetch.
     for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead * kBytes + 64 * c), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sb + (g + kAhead) * 32), _MM_HINT_T0);
-    __m512i s[T];
+    if constexpr (T >= 2) {
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kFar * kBytes + 64 * c), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(sb + (g + kFar) * 32), _MM_HINT_T1);
+    }
+    // Few rows leave registers to spare: the low and high nibbles' products go into two int32 sums added
+    // at the group's end (exact: integer adds), which halves the chain of dependent dot products.
+    constexpr int kSplit = T <= 6 ? T : 1;
+    __m512i s[T], s2[kSplit];
 #pragma GCC unroll 16
     for (int u = 0; u < T; ++u) s[u] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int u = 0; u < kSplit; ++u) s2[u] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(wg + 64 * j);
@@ -102,8 +115,17 @@ inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);      // inputs 16 + 4j ..
 #pragma GCC unroll 16
       for (int u = 0; u < T; ++u) s[u] = _mm512_dpbusd_epi32(s[u], lo, _mm512_set1_epi32(at[u][g * 8 + j]));
+      if constexpr (T <= 6) {
 #pragma GCC unroll 16
-      for (int u = 0; u < T; ++u) s[u] = _mm512_dpbusd_epi32(s[u], hi, _mm512_set1_epi32(at[u][g * 8 + 4 + j]));
+        for (int u = 0; u < T; ++u) s2[u] = _mm512_dpbusd_epi32(s2[u], hi, _mm512_set1_epi32(at[u][g * 8 + 4 + j]));
+      } else {
+#pragma GCC unroll 16
+        for (int u = 0; u < T; ++u) s[u] = _mm512_dpbusd_epi32(s[u], hi, _mm512_set1_epi32(at[u][g * 8 + 4 + j]));
+      }
+    }
+    if constexpr (T <= 6) {
+#pragma GCC unroll 16
+      for (int u = 0; u < T; ++u) s[u] = _mm512_add_epi32(s[u], s2[u]);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 32)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 32 + 16)));
