@@ -92,8 +92,9 @@ inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
     // byte for the hardware's prefetchers to keep memory busy; with it, 48 matrices of 8192x2112 out of
     // cache cost 0.47 / 0.65 ms a matrix for 1 / 9 rows against 0.67 / 1.12 without (2-core Xeon, README).
     // With 2 rows or more the loop is slower per byte still, and the group kFar on goes to L2 as well:
-    // a 1.7b stand-in's forward of 3 / 4 tokens 43 / 49 -> 38.5 / 44 ms on a 2-core Zen 4 (with the split
-    // sums below); for one row the second stream cost 10% there, so one row keeps the one prefetch.
+    // a 1.7b stand-in's forward of 3 / 4 tokens 43 / 49 -> 38.5 / 44 ms on a 2-core Zen 4, 26.3 / 27.2 ->
+    // 24.8 / 24.9 on a Zen 5 (with the split sums below); for one row the second stream cost 10% on the
+    // Zen 4, so one row keeps the one prefetch.
     for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead * kBytes + 64 * c), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sb + (g + kAhead) * 32), _MM_HINT_T0);
     if constexpr (T >= 2) {
