@@ -18,7 +18,7 @@ from test_sampling_distribution import (
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.costs import AcceptanceEstimate, EngineCosts
 from specui.engine.methods.auto import Auto
-from specui.engine.methods.chain_rate import chain_tokens
+from specui.engine.methods.chain_rate import chain_tokens, stop_floor
 from specui.engine.trace import StepTrace
 
 
@@ -374,3 +374,37 @@ def test_the_first_timed_step_moves_the_ratio_halfway_not_outright():
     assert ratio.value == pytest.approx((136.0 / 84.0) ** 0.5)
     ratio.observe(84.0, 84.0)
     assert 1.0 < ratio.value < (136.0 / 84.0) ** 0.5
+
+
+def test_an_unsure_draft_ends_a_chain_only_where_stopping_pays():
+    """stop_floor: with verification flat and drafts cheap (the 1.7b stand-in's shape) an unsure
+    draft ends the chain late or not before the chosen length; with a draft that costs half a target forward
+    the first unsure draft does; in between, a stop comes later the more an unsure draft is
+    accepted (drafting on from it is worth more)."""
+    flat_ms = lambda k: 21.0 + 0.3 * (k - 1)  # noqa: E731
+    rate = chain_tokens(0.6, 4) / (4 * 1.1 + flat_ms(5))
+    assert stop_floor(0.6, 0.6, 1.1, flat_ms, 4, rate) == 4  # an unsure draft accepted as often as any
+    assert stop_floor(0.6, 0.3, 1.1, flat_ms, 4, rate) == 2  # ... at half that: drafting on pays once
+    costly = lambda k: 10.0 + 0.5 * (k - 1)  # noqa: E731
+    rate = chain_tokens(0.6, 4) / (4 * 5.0 + costly(5))
+    assert stop_floor(0.6, 0.3, 5.0, costly, 4, rate) == 1
+    mid = lambda k: 10.0 + 2.0 * (k - 1)  # noqa: E731
+    rate = chain_tokens(0.7, 6) / (6 * 1.0 + mid(7))
+    floors = [stop_floor(0.7, u, 1.0, mid, 6, rate) for u in (0.05, 0.3, 0.6)]
+    assert floors == sorted(floors) and floors[0] < floors[-1]
+    assert stop_floor(0.6, 0.3, 1.1, flat_ms, 1, 1.0) == 1  # a one-draft chain: its only draft
+
+
+def test_auto_chains_draft_their_floor_before_an_unsure_draft_ends_them(tiny_target):
+    """On a flat profile with cheap drafts, auto's chains run past the first draft even where the
+    draft is unsure of every token (confidence 0.999999: every draft unsure) as long as unsure drafts
+    are accepted (a draft equal to the target: costs.unsure learns that from the chains that
+    stopped); replies stay the target's greedy ones."""
+    engine = engine_with(tiny_target, copy.deepcopy(tiny_target), flat(), alpha=0.6)
+    gen = run(engine, PROMPTS[0], 30, "auto", calibrate=False, confidence=0.999999, trees=False)
+    drafted = [s.drafted for c, s in zip(choices(gen), gen.steps) if c.startswith("speculative")]
+    assert len(drafted) > 2 and min(drafted[:-1]) >= 2 and max(drafted) >= 3  # with the stop from the first: all 1
+    unsure = engine.costs.unsure
+    assert unsure.accepted + unsure.rejected > 2.0 and unsure.alpha > 0.5  # observed past the 0.3 prior
+    plain = run(Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS]), PROMPTS[0], 30, "autoregressive")
+    assert gen.output_ids == plain.output_ids

@@ -112,15 +112,18 @@ def test_a_greedy_chain_on_a_device_feeds_its_drafts_back_unread(monkeypatch):
     draft = tiny_llama(4, layers=1, dtype=torch.float32)
     context = [1, 5, 9, 13, 7, 22]
     stops = 0
-    for gamma, confidence in ((2, None), (5, None), (5, 0.3), (6, 0.6), (7, 0.9), (8, 0.0)):
+    for gamma, confidence, floor in ((2, None, 0), (5, None, 0), (5, 0.3, 0), (6, 0.6, 0), (7, 0.9, 0), (8, 0.0, 0),
+                                     (6, 0.999999, 3)):  # every draft unsure: the third ends the chain
         one = ModelSession(draft)
-        want = speculative.draft_chain(one, context, gamma, SamplingConfig(), None, frozenset(), confidence)
+        want = speculative.draft_chain(one, context, gamma, SamplingConfig(), None, frozenset(), confidence, floor)
+        assert len(want[0]) == 3 if floor else True
         stops += len(want[0]) < gamma
         monkeypatch.setattr(sampling, "reads_wait", lambda device: True)
         monkeypatch.setattr(speculative, "drawn", lambda *a: pytest.fail("a drafted token was read on its own"))
         chained = ModelSession(draft)
         assert chained.feeds_device_tokens
-        got = speculative.draft_chain(chained, context, gamma, SamplingConfig(), None, frozenset(), confidence)
+        got = speculative.draft_chain(chained, context, gamma, SamplingConfig(), None, frozenset(), confidence,
+                                      floor)
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         # past a confidence stop up to CONFIDENCE_CHUNK - 1 more drafts were fed, with their true ids
         assert chained.cached_ids[: len(one.cached_ids)] == one.cached_ids == context + want[0][:-1]
@@ -132,7 +135,7 @@ def test_a_greedy_chain_on_a_device_feeds_its_drafts_back_unread(monkeypatch):
         eos = frozenset({want[0][1]}) if len(want[0]) > 1 else frozenset()  # the second draft an EOS: it ends there
         if eos:
             stopped = speculative.draft_chain(ModelSession(draft), context, gamma, SamplingConfig(), None, eos,
-                                              confidence)
+                                              confidence, floor)
             assert stopped[0] == want[0][: want[0].index(want[0][1]) + 1]
             assert stopped[1].shape[0] == len(stopped[0])
         monkeypatch.undo()

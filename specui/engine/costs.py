@@ -126,6 +126,9 @@ class EngineCosts:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     # auto's drafts past the length it chose, drafted because the draft was sure of every one before
     sure: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # auto's chains that ended on a draft the draft was unsure of: was that last draft accepted (prior 0.3)
+    unsure: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(0.6, 1.4, long_accepted=0.6,
+                                                                                  long_rejected=1.4))
     ratios: dict[str, TimeRatio] = field(default_factory=dict)  # by kind: "autoregressive", "speculative"
     trees: TreeVerdict = field(default_factory=TreeVerdict)  # auto's OPT-Tree probes
     chains: ChainProbes = field(default_factory=ChainProbes)  # auto's chain probes where chains do not pay

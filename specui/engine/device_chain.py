@@ -16,7 +16,8 @@ CONFIDENCE_CHUNK = 2  # a device chain that stops on the draft's confidence read
 
 
 def greedy_chain_on_device(draft: ModelSession, ids: list[int], gamma: int, eos_ids: frozenset[int],
-                           confidence: float | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+                           confidence: float | None = None,
+                           floor: int = 0) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """`draft_chain`, greedy, where every read of the device's memory waits for it (a GPU): each
     drafted argmax stays on the device and is fed straight back (`advance_token`), and the tokens
     are read in one go at the end, so the host queues the chain's forwards without waiting for
@@ -24,16 +25,17 @@ def greedy_chain_on_device(draft: ModelSession, ids: list[int], gamma: int, eos_
     token cost 0.56-0.6 ms against a target forward of 1.9 ms, most of it the host's). With
     `confidence` (`auto`'s chains) each token's draft probability is computed on the device with
     it and the tokens are read CONFIDENCE_CHUNK at a time, so at most that many less one drafts
-    past the stop are computed for nothing. The same tokens as drafting one at a time: the argmax
+    past the stop are computed for nothing (the stop comes at the `floor`-th draft at the earliest,
+    as in draft_chain). The same tokens as drafting one at a time: the argmax
     of the same float32 rows (first of equal ones), the same softmax entry against `confidence`;
     drafts past an EOS or the stop are dropped, their cache entries cropped by the next `advance`
     like any rejected draft's."""
     with draft.feeding_device_tokens(ids):
-        return _device_chain(draft, ids, gamma, eos_ids, confidence)
+        return _device_chain(draft, ids, gamma, eos_ids, confidence, floor)
 
 
 def _device_chain(draft: ModelSession, ids: list[int], gamma: int, eos_ids: frozenset[int],
-                  confidence: float | None) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+                  confidence: float | None, floor: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     chunk = gamma if confidence is None else CONFIDENCE_CHUNK
     rows: list[torch.Tensor] = []
     drafted: list[int] = []  # every token drafted (fed or not), read
@@ -53,7 +55,8 @@ def _device_chain(draft: ModelSession, ids: list[int], gamma: int, eos_ids: froz
         draft.settle_tokens(drafted[max(0, before - 1): -1])  # every drafted token but the last was fed
         for i, token in enumerate(drafted[before:]):
             tokens.append(token)
-            if token in eos_ids or (confidence is not None and read[len(picks) + i] < confidence):
+            unsure = confidence is not None and len(tokens) >= floor and read[len(picks) + i] < confidence
+            if token in eos_ids or unsure:
                 logits = torch.stack(rows[: len(tokens)])
                 return tokens, logits.float(), logits
     logits = torch.stack(rows)

@@ -12,7 +12,9 @@ the next reply.
 
 With `confidence` set (default 0.4), a chain the profile chose may run past its length g and
 ends after the first token the draft itself gave less than that probability (as transformers'
-assisted generation does): long where the draft is sure, short where it is not. How far past g
+assisted generation does): long where the draft is sure, short where it is not, but not shorter
+than the drafts that pay even after an unsure one (chain_rate.stop_floor: all g where verifying
+is flat and a draft cheap). How far past g
 is the profile's choice too (`extended`): the length that maximises the expected rate when the
 drafts past g are accepted at the rate measured for such drafts (EngineCosts.sure, never taken
 below alpha). Where verification is flat that is up to G; where it grows steeply (a CPU whose
@@ -42,7 +44,7 @@ import time
 from specui.engine.costs import ChainProbes, EngineCosts, TreeVerdict, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.autoregressive import Autoregressive
-from specui.engine.methods.chain_rate import HORIZON, catch_up_per_token, chain_tokens
+from specui.engine.methods.chain_rate import HORIZON, catch_up_per_token, chain_tokens, stop_floor
 from specui.engine.methods.speculative import Speculative
 from specui.engine.methods.tree import OptTree
 from specui.engine.methods.tree_budget import step_ms
@@ -155,6 +157,13 @@ class Auto(Method):
             if g >= gamma and rate > best_rate:
                 best, best_rate = g, rate
         return best
+
+    def floor(self, costs: EngineCosts, context: int, chosen: int) -> int:
+        """Drafts a chain the profile chose at `chosen` makes before an unsure one may end it."""
+        profile, alpha = costs.profile, min(costs.acceptance.alpha, 0.999)
+        t_draft = profile.draft(1, context) or 0.0
+        rate = chain_tokens(alpha, chosen) / (chosen * t_draft + profile.target(chosen + 1, context))
+        return stop_floor(alpha, costs.unsure.alpha, t_draft, lambda k: profile.target(k, context), chosen, rate)
 
     def predicted_ms(self, costs: EngineCosts, gamma: int, context: int) -> float:
         profile = costs.profile
@@ -294,6 +303,7 @@ class Auto(Method):
                                       min(self.max_gamma, max(0, ctx.remaining - 1), max(0, ctx.room)))
                 why += f"; up to {gamma} drafts while the draft is sure" if gamma > chosen else ""
             chain = self.chains.setdefault(gamma, Speculative(gamma, confidence=self.confidence))
+            chain.floor = self.floor(ctx.costs, context, chosen) if why.startswith("alpha") else 0
             result = chain.step(ctx)
             choice, kind = f"speculative:{gamma}", "speculative"
             self.probes.since = 0
@@ -302,6 +312,8 @@ class Auto(Method):
                 ctx.costs.acceptance.observe(result.drafted, result.accepted)
                 if result.drafted > chosen and result.accepted >= chosen:  # drafts past the chosen length verified
                     ctx.costs.sure.observe(result.drafted - chosen, result.accepted - chosen)
+                if max(chain.floor, 1) <= result.drafted < gamma and not ctx.eos_ids.intersection(result.tokens):
+                    ctx.costs.unsure.observe(1, int(result.accepted >= result.drafted))  # ended on an unsure draft
         ms = (time.perf_counter() - t0) * 1000.0
         costs = ctx.costs
         calibrated = costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft)

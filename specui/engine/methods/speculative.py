@@ -38,15 +38,15 @@ class ChainVerdict:
 
 def draft_chain(
     draft: ModelSession, ids: list[int], gamma: int, cfg: SamplingConfig,
-    generator: torch.Generator, eos_ids: frozenset[int], confidence: float | None = None,
+    generator: torch.Generator, eos_ids: frozenset[int], confidence: float | None = None, floor: int = 0,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Draw up to gamma tokens from the draft's warped q~, stopping after an EOS or after a
-    token the draft itself gave less than `confidence` (its softmax probability; the stop
-    depends on the draft alone, so verification stays lossless).
+    token the draft itself gave less than `confidence` (its softmax probability), the `floor`-th
+    draft or a later one (the stop depends on the draft alone, so verification stays lossless).
     Returns (tokens, q~ rows (n, V), raw draft logits (n, V)); greedy: the logits (float32)
     stand in for q~'s one-hot rows (sampling.drawn)."""
     if cfg.greedy and gamma > 1 and draft.feeds_device_tokens:
-        return greedy_chain_on_device(draft, ids, gamma, eos_ids, confidence)
+        return greedy_chain_on_device(draft, ids, gamma, eos_ids, confidence, floor)
     tokens: list[int] = []
     q_rows, logit_rows = [], []
     for _ in range(gamma):
@@ -57,7 +57,7 @@ def draft_chain(
         logit_rows.append(logits)
         if token in eos_ids:
             break
-        if confidence is not None:  # the draft's own softmax; greedy's q is its float32 logits already
+        if confidence is not None and len(tokens) >= floor:  # the draft's own softmax (greedy: q is its logits)
             own = q if cfg.greedy else logits.float()
             if float(own.softmax(-1)[token]) < confidence:
                 break
@@ -125,6 +125,7 @@ class Speculative(Method):
             raise SpecUIError(f"confidence must be in [0, 1), got {confidence}")
         self.gamma = gamma
         self.confidence = confidence  # stop drafting after a token the draft gave less (None: never)
+        self.floor = 0  # ... from the floor-th draft on (`auto` sets it per step: chain_rate.stop_floor)
 
     def step(self, ctx: DecodeContext) -> StepResult:
         assert ctx.draft is not None
@@ -136,7 +137,7 @@ class Speculative(Method):
         with ctx.timer.phase("draft"):
             if gamma:
                 drafts, q, q_logits = draft_chain(ctx.draft, ctx.ids, gamma, cfg, ctx.generator, ctx.eos_ids,
-                                                  self.confidence)
+                                                  self.confidence, self.floor)
             else:
                 drafts, q, q_logits = [], None, None
         # 2. score all candidates in one target forward, 3. accept
@@ -153,7 +154,7 @@ class Speculative(Method):
         if self.confidence is not None:
             with ctx.timer.phase("draft"):
                 drafts, _, q_logits = draft_chain(draft, ids, gamma, ctx.sampling, ctx.generator, ctx.eos_ids,
-                                                  self.confidence)
+                                                  self.confidence, self.floor)
             with ctx.timer.phase("verify"):
                 stats = verified_once(ctx, drafts, q_logits)
         else:  # no sync between the phases (StepTimer): the target's forward queues behind the draft's
