@@ -13,8 +13,8 @@ the next reply.
 With `confidence` set (default 0.4), a chain the profile chose may run past its length g and
 ends after the first token the draft itself gave less than that probability (as transformers'
 assisted generation does): long where the draft is sure, short where it is not, but not shorter
-than the drafts that pay even after an unsure one (chain_rate.stop_floor: all g where verifying
-is flat and a draft cheap). How far past g
+than the drafts that pay even after an unsure one (chain_rate.stop_floor: late in the chain, or
+all g, where verifying is flat and a draft cheap). How far past g
 is the profile's choice too (`extended`): the length that maximises the expected rate when the
 drafts past g are accepted at the rate measured for such drafts (EngineCosts.sure, never taken
 below alpha). Where verification is flat that is up to G; where it grows steeply (a CPU whose
@@ -159,7 +159,7 @@ class Auto(Method):
         return best
 
     def floor(self, costs: EngineCosts, context: int, chosen: int) -> int:
-        """Drafts a chain the profile chose at `chosen` makes before an unsure one may end it."""
+        """The first draft of a chain the profile chose at `chosen` that may end it where the draft is unsure."""
         profile, alpha = costs.profile, min(costs.acceptance.alpha, 0.999)
         t_draft = profile.draft(1, context) or 0.0
         rate = chain_tokens(alpha, chosen) / (chosen * t_draft + profile.target(chosen + 1, context))
