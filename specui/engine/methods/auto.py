@@ -161,9 +161,9 @@ class Auto(Method):
     def floor(self, costs: EngineCosts, context: int, chosen: int) -> int:
         """The first draft of a chain the profile chose at `chosen` that may end it where the draft is unsure."""
         profile, alpha = costs.profile, min(costs.acceptance.alpha, 0.999)
-        t_draft = profile.draft(1, context) or 0.0
-        rate = chain_tokens(alpha, chosen) / (chosen * t_draft + profile.target(chosen + 1, context))
-        return stop_floor(alpha, costs.unsure.alpha, t_draft, lambda k: profile.target(k, context), chosen, rate)
+        rate = chain_tokens(alpha, chosen) / self.predicted_ms(costs, chosen, context)
+        return stop_floor(alpha, costs.unsure.alpha, profile.draft(1, context) or 0.0,
+                          lambda k: profile.target(k, context), chosen, rate)
 
     def predicted_ms(self, costs: EngineCosts, gamma: int, context: int) -> float:
         profile = costs.profile
