@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -40,10 +41,38 @@ Q_STATS = 9  # entropy + top-8 probabilities of the q~ a candidate was drawn fro
 def q_stats(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) raw draft logits -> (..., Q_STATS): the entropy and the 8 largest
     probabilities of softmax(logits) (the same in training and at inference)."""
-    logp = logits.float().log_softmax(-1)
-    prob = logp.exp()
-    entropy = -(prob * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
+    native = native_softmax_stats(logits)
+    if native is not None:
+        return native[..., 1:].to(torch.float32)
+    return prob_stats(logits.float().softmax(-1))
+
+
+def prob_stats(prob: torch.Tensor) -> torch.Tensor:
+    """q_stats of (..., V) probabilities already computed: the entropy as entr (0 log 0 = 0, so a
+    reduced head's -inf columns add nothing) and a top-8, with no pass over exponentials of -inf
+    or of underflowing log-probabilities (each a slow lane in torch's exp)."""
+    entropy = torch.special.entr(prob).sum(-1, keepdim=True)
     return torch.cat([entropy, prob.topk(Q_STATS - 1, dim=-1).values], -1)
+
+
+def native_softmax_stats(logits: torch.Tensor) -> torch.Tensor | None:
+    """(..., V) logits on a CPU -> (..., 1 + Q_STATS) float64 [log-sum-exp, entropy, top-8
+    probabilities] from SpecUI's kernel (specui/weights/kernels/entropy.cpp: one pass on every
+    thread, each over the columns the draft head's same thread wrote) where this process has loaded
+    it; None elsewhere, and for rows with no finite softmax (NaN, +inf, all -inf), which torch's
+    path answers as torch does."""
+    if logits.device.type != "cpu" or logits.shape[-1] < Q_STATS - 1 or logits.numel() == 0:
+        return None
+    op = getattr(torch.ops.specui_native, "softmax_stats", None)
+    if op is None:
+        return None
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    stats = op(rows, Q_STATS - 1)
+    if stats.isnan().any():
+        return None
+    return stats.reshape(*logits.shape[:-1], 1 + Q_STATS)
 
 
 class AcceptanceHead(torch.nn.Module):
@@ -92,13 +121,20 @@ class AcceptanceHead(torch.nn.Module):
     def predict_on_device(self, hidden: torch.Tensor, draft_logits: torch.Tensor, token) -> torch.Tensor:
         """`predict` as a 0-d tensor on the hidden state's device, unread; `token` an int or a
         0-d device tensor (a drafted argmax not read yet)."""
-        stats = None
-        if self.use_q:
-            stats = q_stats(draft_logits)
-            if self.reads == "before":
-                stats = torch.cat([stats, draft_logits.float().softmax(-1)[token].reshape(1)])
-            stats = stats.unsqueeze(0)
+        stats = self._stats(draft_logits, token).unsqueeze(0) if self.use_q else None
         return self(hidden.unsqueeze(0), stats)[0]
+
+    def _stats(self, draft_logits: torch.Tensor, token) -> torch.Tensor:
+        """(Q_STATS,) q_stats of the raw draft logits (V,), and for a "before" head q~(token) after them."""
+        native = native_softmax_stats(draft_logits)
+        if native is not None:  # a CPU: one read of the kernel's row; q~(token) = exp(logit - lse)
+            lse, *values = native.tolist()
+            if self.reads == "before":
+                values.append(math.exp(float(draft_logits[token]) - lse))
+            return torch.tensor(values, dtype=torch.float32)
+        prob = draft_logits.float().softmax(-1)
+        stats = prob_stats(prob)
+        return torch.cat([stats, prob[token].reshape(1)]) if self.reads == "before" else stats
 
 
 def draft_fingerprint(draft: torch.nn.Module) -> str:

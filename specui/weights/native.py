@@ -25,7 +25,7 @@ from specui.engine.paths import cache_root
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q8a8.cpp",
-                                             "attend.cpp", "logits.cpp"))
+                                             "attend.cpp", "logits.cpp", "entropy.cpp"))
 HEADERS = (KERNELS / "groups.h", KERNELS / "vexp.h")  # included by the sources: part of the build's hash
 
 
@@ -75,8 +75,11 @@ def _register_fakes() -> None:
     def stats(rows, lse):
         return rows.new_empty((rows.shape[0], 3), dtype=torch.float64)
 
+    def softmax_stats(rows, k):
+        return rows.new_empty((rows.shape[0], 2 + k), dtype=torch.float64)
+
     for name, fake in (("q4a8_mm", product), ("q8a8_mm", product), ("stream_mm", stream), ("attend", attention),
-                       ("row_stats", stats)):
+                       ("row_stats", stats), ("softmax_stats", softmax_stats)):
         torch.library.register_fake(f"specui_native::{name}")(fake)
 
 

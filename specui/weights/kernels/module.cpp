@@ -18,6 +18,7 @@ bool q8a8_vector();                                                             
 torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor allowed,
                      double scale);                                                                 // attend.cpp
 torch::Tensor row_stats(torch::Tensor rows, bool lse);                                              // logits.cpp
+torch::Tensor softmax_stats(torch::Tensor rows, int64_t k);                                         // entropy.cpp
 
 // The products and the attention as torch operators too (torch.ops.specui_native.*): what compiled
 // forwards call. A Python custom op costs ~35 us a call on a 2-core Zen 3 where the dispatcher's path to
@@ -28,6 +29,7 @@ TORCH_LIBRARY(specui_native, m) {
   m.def("stream_mm(Tensor x, Tensor w) -> Tensor");
   m.def("attend(Tensor query, Tensor key, Tensor value, Tensor allowed, float scale) -> Tensor");
   m.def("row_stats(Tensor rows, bool lse) -> Tensor");
+  m.def("softmax_stats(Tensor rows, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specui_native, CPU, m) {
@@ -36,6 +38,7 @@ TORCH_LIBRARY_IMPL(specui_native, CPU, m) {
   m.impl("stream_mm", &stream_mm);
   m.impl("attend", &attend);
   m.impl("row_stats", &row_stats);
+  m.impl("softmax_stats", &softmax_stats);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -52,4 +55,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8a8_vector", &q8a8_vector);
   m.def("attend", &attend);
   m.def("row_stats", &row_stats);
+  m.def("softmax_stats", &softmax_stats);
 }
