@@ -1,8 +1,9 @@
 """SpecUI's own CPU kernels (C++ in specui/weights/kernels/), built here on first use with this
 CPU's instructions and loaded as one extension: the streaming product of float weights
 (stream.py), the rounding and scaling around the int8 product (w8a8.py), the 4-bit x 8-bit
-product (w4a8.py), the 8-bit x 8-bit one of its output head (q8a8.py), and a greedy step's argmax and
-log-sum-exp of the logits (engine/sampling.py's `row_stats`).
+product (w4a8.py), the 8-bit x 8-bit one of its output head (q8a8.py), a greedy step's argmax and
+log-sum-exp of the logits (engine/sampling.py's `row_stats`), and the softmax statistics of a draft's
+logits that SpecDec++'s and MCSD's heads read (heads/acceptance.py's `q_stats`).
 
 The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
 and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
