@@ -91,3 +91,12 @@ def test_head_predicts_the_same_with_and_without_the_kernel(reads, monkeypatch):
     monkeypatch.setattr(acceptance, "native_softmax_stats", lambda logits: None)
     without = [head.predict(hidden, logits, t) for t in (0, 7, 1499)]
     assert with_kernel == pytest.approx(without, rel=1e-5, abs=1e-6)
+
+
+def test_a_gradient_goes_through_torchs_path():
+    x = (torch.randn(2, 300) * 3).requires_grad_()
+    assert native_softmax_stats(x) is None
+    q_stats(x)[:, 0].sum().backward()  # the entropy's gradient reaches the logits
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with torch.no_grad():
+        assert native_softmax_stats(x) is not None

@@ -59,9 +59,10 @@ def native_softmax_stats(logits: torch.Tensor) -> torch.Tensor | None:
     """(..., V) logits on a CPU -> (..., 1 + Q_STATS) float64 [log-sum-exp, entropy, top-8
     probabilities] from SpecUI's kernel (specui/weights/kernels/entropy.cpp: one pass on every
     thread, each over the columns the draft head's same thread wrote) where this process has loaded
-    it; None elsewhere, and for rows with no finite softmax (NaN, +inf, all -inf), which torch's
-    path answers as torch does."""
-    if logits.device.type != "cpu" or logits.shape[-1] < Q_STATS - 1 or logits.numel() == 0:
+    it; None elsewhere (and where a gradient is wanted), and for rows with no finite softmax (NaN,
+    +inf, all -inf), which torch's path answers as torch does."""
+    if (logits.device.type != "cpu" or logits.shape[-1] < Q_STATS - 1 or logits.numel() == 0
+            or (logits.requires_grad and torch.is_grad_enabled())):
         return None
     op = getattr(torch.ops.specui_native, "softmax_stats", None)
     if op is None:
