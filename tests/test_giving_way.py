@@ -175,3 +175,53 @@ def test_the_interpreter_exits_mid_compile(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "compiling True" in done.stdout and "terminate called" not in done.stderr
     assert time.monotonic() - t0 < 200
+
+
+def test_a_decoding_thread_that_must_compile_gets_the_turn_from_a_paused_compile():
+    """The hang of 2026-12-05: a background compile (a Calibration's) held the compile turn and
+    slept while a reply decoded; the reply's cost profile then needed the turn for a compiled
+    forward. With `wanted` in the pause's condition the compile goes on, ends, gives the turn up."""
+    turn = giving_way.CompileTurn()
+    decoding = threading.Event()  # a reply decodes: background compiles pause
+    holding, done, order = threading.Event(), threading.Event(), []
+
+    def compile_in_background() -> None:
+        turn.mark_background()
+        with turn:
+            holding.set()
+            while not decoding.is_set():
+                time.sleep(0.005)
+            giving_way.sleep_while(lambda: decoding.is_set() and not turn.wanted, sys._getframe(), lambda: None)
+            order.append("compiled")
+        done.set()
+
+    background = threading.Thread(target=compile_in_background, daemon=True)
+    background.start()
+    assert holding.wait(10)
+    decoding.set()
+    time.sleep(0.05)  # the compile sleeps now, holding the turn
+    assert not turn.wanted
+    foreground = threading.Thread(target=lambda: (turn.__enter__(), order.append("profiled"), turn.__exit__()),
+                                  daemon=True)
+    foreground.start()
+    foreground.join(10)
+    assert not foreground.is_alive(), "the decoding thread never got the turn"
+    assert order == ["compiled", "profiled"] and done.is_set() and not turn.wanted
+
+
+def test_a_background_thread_waiting_for_the_turn_does_not_wake_a_paused_compile():
+    turn = giving_way.CompileTurn()
+    with turn:
+        seen = []
+
+        def other_compile() -> None:
+            turn.mark_background()
+            with turn:
+                pass
+
+        waiter = threading.Thread(target=other_compile, daemon=True)
+        waiter.start()
+        time.sleep(0.05)
+        seen.append(turn.wanted)
+    waiter.join(10)
+    assert seen == [False] and not waiter.is_alive()

@@ -39,7 +39,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import capture_choice
-from specui.engine.giving_way import EXIT_WAIT_S, Stopped, lowest_priority, sleep_while, stop_at_exit, stop_here
+from specui.engine.giving_way import DYNAMO, EXIT_WAIT_S, Stopped, lowest_priority, sleep_while, stop_at_exit, stop_here
 
 ENV = "SPECUI_MEASURE_CAPTURE"  # "0": never measure in the background (tests; benches that must not)
 IDLE_S = 0.5  # how long no reply must have decoded before a measurement (re)starts
@@ -189,8 +189,8 @@ class Calibration:
         if self._stopping:
             stop_here(_frame, self, self._hook)
 
-    def _waiting(self) -> bool:
-        return self.paused() and not self._stopping
+    def _waiting(self) -> bool:  # not while a decoding thread waits for the compile's turn (giving_way.DYNAMO)
+        return self.paused() and not self._stopping and not DYNAMO.wanted
 
     def _count_pause(self) -> None:
         self.interrupted += 1
@@ -217,6 +217,7 @@ class Calibration:
         waiting while replies decode), or time its kinds (a reply ends the rounds: timed again
         on a fresh thread once nothing decodes), then hand on to a fresh thread."""
         lowest_priority()
+        DYNAMO.mark_background()
         torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
         try:

@@ -47,12 +47,13 @@ from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention, routed_attention
 from specui.engine.compiled import compile_model
+from specui.engine.giving_way import DYNAMO
 from specui.engine.graphs import CudaGraphs, Graph
 from specui.engine.hidden import logits_and_hidden
 from specui.engine.masks import StaticMasks
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
-from specui.engine.warmup import DYNAMO, HIDDEN, RECOMPILE, Warmup
+from specui.engine.warmup import HIDDEN, RECOMPILE, Warmup
 from specui.errors import SpecUIError
 from specui.settings import CAPTURES
 

@@ -108,6 +108,51 @@ def lowest_priority() -> None:
             pass
 
 
+class CompileTurn:
+    """dynamo compiles one frame at a time in a process: whoever may compile takes this turn
+    first (`with DYNAMO:`). A background compile (a Warmup's, a Calibration's: threads marked with
+    `mark_background`) sleeps while a reply decodes and keeps the turn meanwhile; where the
+    decoding thread itself must compile (a cost profile's timed forwards, a runner without a
+    Warmup) it waits for the turn, and `wanted` then tells the paused compile to go on, else each
+    would wait for the other for ever (the app's reply hung in its cost profile while a background
+    measurement's compile slept, 2026-12-05). A background thread that waits for the turn does not
+    count: a reply still pauses the compile that holds it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self._waiting = 0  # decoding threads waiting for the turn
+        self._marks = threading.local()
+
+    def __enter__(self) -> CompileTurn:
+        if self._lock.acquire(blocking=False):
+            return self
+        counted = not getattr(self._marks, "background", False)
+        if counted:
+            with self._count:
+                self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            if counted:
+                with self._count:
+                    self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def mark_background(self) -> None:
+        """The calling thread compiles in the background (for as long as it lives)."""
+        self._marks.background = True
+
+    @property
+    def wanted(self) -> bool:
+        """A decoding thread waits for the turn: a compile that holds it must not pause."""
+        return self._waiting > 0
+
+
+DYNAMO = CompileTurn()  # one per process, as dynamo's own compiling is
 PAUSE_POLL_S = 0.02  # how often a paused compile looks whether the reply is done
 EXIT_WAIT_S = 10.0  # at exit, how long the compile under way may take to end
 

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.giving_way import EXIT_WAIT_S, Stopped, lowest_priority, sleep_while, stop_at_exit, stop_here
+from specui.engine.giving_way import DYNAMO, EXIT_WAIT_S, Stopped, lowest_priority, sleep_while, stop_at_exit, stop_here
 from specui.engine.paths import cache_root
 from specui.engine.static_cache import StaticKVCache
 
-# dynamo compiles one frame at a time in a process: Warmups (and forwards that may compile)
-# take turns; a forward that must not wait runs under the "fail_on_recompile" stance instead
-DYNAMO = threading.Lock()
+# dynamo compiles one frame at a time in a process: Warmups (and forwards that may compile) take
+# turns (giving_way.DYNAMO); a forward that must not wait runs under the "fail_on_recompile" stance
 RECOMPILE = "Detected recompile"  # how the fail_on_recompile stance says a call would compile
 HIDDEN = "hidden"  # the last part of a shape whose forward returns hidden states too (engine/hidden.py)
 
@@ -161,7 +160,7 @@ class Warmup:
 
     def _waiting(self) -> bool:
         """A reply decodes, and nothing else wants the compile to go on."""
-        return self.paused() and not self._stopping and not self.runner.blocking
+        return self.paused() and not self._stopping and not self.runner.blocking and not DYNAMO.wanted
 
     def _count_pause(self) -> None:
         self.interrupted += 1
@@ -181,6 +180,7 @@ class Warmup:
         team ends with it) or, where the exit ended the compile, to `_resume`."""
         sys.setprofile(self._yield)  # this thread only
         lowest_priority()
+        DYNAMO.mark_background()
         with self._cond:
             while self.queue and self._off(self.queue[0]):  # that forward stays eager now: nothing to compile
                 self.queue.pop(0)
