@@ -225,3 +225,25 @@ def test_a_background_thread_waiting_for_the_turn_does_not_wake_a_paused_compile
         seen.append(turn.wanted)
     waiter.join(10)
     assert seen == [False] and not waiter.is_alive()
+
+
+def test_a_decoding_thread_waiting_for_the_turn_goes_before_a_background_one():
+    turn, order = giving_way.CompileTurn(), []
+
+    def take(name: str, background: bool) -> None:
+        if background:
+            turn.mark_background()
+        with turn:
+            order.append(name)
+
+    with turn:
+        decoding = threading.Thread(target=take, args=("decoding", False), daemon=True)
+        decoding.start()
+        while not turn.wanted:
+            time.sleep(0.001)
+        background = threading.Thread(target=take, args=("background", True), daemon=True)
+        background.start()
+        time.sleep(0.05)
+    decoding.join(10)
+    background.join(10)
+    assert order == ["decoding", "background"]

@@ -125,9 +125,11 @@ class CompileTurn:
         self._marks = threading.local()
 
     def __enter__(self) -> CompileTurn:
+        counted = not getattr(self._marks, "background", False)
+        while not counted and self._waiting:  # a decoding thread waits for the turn: it goes first
+            time.sleep(PAUSE_POLL_S)
         if self._lock.acquire(blocking=False):
             return self
-        counted = not getattr(self._marks, "background", False)
         if counted:
             with self._count:
                 self._waiting += 1

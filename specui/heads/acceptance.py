@@ -44,6 +44,11 @@ def q_stats(logits: torch.Tensor) -> torch.Tensor:
     native = native_softmax_stats(logits)
     if native is not None:
         return native[..., 1:].to(torch.float32)
+    if logits.requires_grad and torch.is_grad_enabled():  # entr's gradient at p = 0 is infinite: log-probabilities
+        logp = logits.float().log_softmax(-1)
+        prob = logp.exp()
+        entropy = -(prob * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
+        return torch.cat([entropy, prob.topk(Q_STATS - 1, dim=-1).values], -1)
     return prob_stats(logits.float().softmax(-1))
 
 

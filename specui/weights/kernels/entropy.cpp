@@ -48,13 +48,7 @@ inline void keep(Span& s, int64_t k, float v) {  // v enters the span's top k (i
 
 #if defined(__AVX2__) && defined(__FMA__)
 using specui_vec::exp8;
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
+using specui_vec::hmax8;
 
 inline double hsum(__m256 v) {
   alignas(32) float lanes[8];
@@ -80,7 +74,7 @@ void scan(const float* x, int64_t b, int64_t e, int64_t k, Span& s) {
     vbad = _mm256_or_ps(vbad, _mm256_or_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(v, vinf, _CMP_EQ_OQ)));
     vtop = _mm256_max_ps(vtop, v);
   }
-  top = hmax(vtop);
+  top = hmax8(vtop);
   bad = _mm256_movemask_ps(vbad) != 0;
 #endif
   for (; i < e; ++i) {

@@ -35,13 +35,7 @@ struct Part {
 
 #if defined(__AVX2__) && defined(__FMA__)
 using specui_vec::exp8;  // vexp.h: exp(x - top) of 8 entries, x - top <= 0
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
+using specui_vec::hmax8;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -64,7 +58,7 @@ void scan(const float* x, int64_t b, int64_t e, bool with_sum, Part& part) {
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     vtop = _mm256_max_ps(vtop, v);
   }
-  top = hmax(vtop);
+  top = hmax8(vtop);
   nan = _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; i < e; ++i) {

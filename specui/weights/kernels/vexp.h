@@ -1,4 +1,5 @@
-// exp of 8 float32 lanes for SpecUI's AVX2 kernels (attend.cpp's softmax, logits.cpp's log-sum-exp)
+// exp of 8 float32 lanes (and their largest, hmax8) for SpecUI's AVX2 kernels (attend.cpp's
+// softmax, logits.cpp's log-sum-exp, entropy.cpp's softmax statistics)
 // and of 16 for the AVX-512 ones (attend.cpp): Cephes' expf, 2^n times a degree-7 polynomial
 // (relative error ~1e-7), the same steps and constants at both widths; inputs at or below -87 give
 // +0 (so exp(-inf) is 0 and a masked score adds nothing), inputs above 88 are clamped.
@@ -45,6 +46,13 @@ inline __m256 exp8(__m256 x) {
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(zero, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));  // +0 where zero
+}
+
+inline float hmax8(__m256 v) {  // the largest of 8 lanes
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
 }
 #endif
 
