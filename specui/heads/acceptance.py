@@ -46,17 +46,19 @@ def q_stats(logits: torch.Tensor) -> torch.Tensor:
         return native[..., 1:].to(torch.float32)
     if logits.requires_grad and torch.is_grad_enabled():  # entr's gradient at p = 0 is infinite: log-probabilities
         logp = logits.float().log_softmax(-1)
-        prob = logp.exp()
-        entropy = -(prob * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
-        return torch.cat([entropy, prob.topk(Q_STATS - 1, dim=-1).values], -1)
+        return prob_stats(logp.exp(), logp)
     return prob_stats(logits.float().softmax(-1))
 
 
-def prob_stats(prob: torch.Tensor) -> torch.Tensor:
-    """q_stats of (..., V) probabilities already computed: the entropy as entr (0 log 0 = 0, so a
-    reduced head's -inf columns add nothing) and a top-8, with no pass over exponentials of -inf
-    or of underflowing log-probabilities (each a slow lane in torch's exp)."""
-    entropy = torch.special.entr(prob).sum(-1, keepdim=True)
+def prob_stats(prob: torch.Tensor, logp: torch.Tensor | None = None) -> torch.Tensor:
+    """q_stats of (..., V) probabilities already computed: the entropy (from their logarithms
+    `logp` where given, else as entr: 0 log 0 = 0, so a reduced head's -inf columns add nothing,
+    with no pass over exponentials of -inf or of underflowing log-probabilities, each a slow lane in
+    torch's exp) and a top-8."""
+    if logp is None:
+        entropy = torch.special.entr(prob).sum(-1, keepdim=True)
+    else:
+        entropy = -(prob * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
     return torch.cat([entropy, prob.topk(Q_STATS - 1, dim=-1).values], -1)
 
 
