@@ -69,6 +69,56 @@ def test_a_commit_that_keeps_some_rows_in_place_moves_only_the_others(tiny_targe
 
 
 @pytest.mark.parametrize("cache", CACHES)
+def test_rows_moved_copy_only_what_they_do_not_share_and_equal_a_fresh_prefill(tiny_target, cache, monkeypatch):
+    """A row moved in place of another copies only the entries past those both already hold as
+    copies of the same ones (the prompt, the reply before they parted): random beam commits over
+    many steps, every row's cache still equals a fresh prefill of its tokens."""
+    import random
+
+    from specui.engine import rows as rows_module
+
+    starts = []
+    real = rows_module.copied_from
+    monkeypatch.setattr(rows_module, "copied_from", lambda shared, sources: starts.append(real(shared, sources))
+                        or starts[-1])
+    rng = random.Random(7)
+    prefix = [1, 5, 9, 13, 7, 2]
+    rows = RowSession(tiny_target, runner=rows_runner(tiny_target, cache))
+    rows.prefill(prefix)
+    rows.commit([(0, [])] * 3)
+    beams = [list(prefix) for _ in range(3)]
+    for step in range(12):
+        chains = [[(rng.randrange(3, 60), -1), (rng.randrange(3, 60), 0)] for _ in beams]
+        rows.forward(chains)
+        width = rng.choice([2, 3, 3, 4]) if step % 4 == 3 else len(beams)  # fewer or more rows now and then
+        sources = [rng.randrange(len(beams)) for _ in range(width)]
+        m = rng.choice([1, 2])
+        rows.commit([(src, list(range(m))) for src in sources])
+        beams = [beams[src] + [token for token, _ in chains[src][:m]] for src in sources]
+        for r, beam in enumerate(beams):
+            fresh = RowSession(tiny_target)
+            fresh.prefill(beam)
+            for (k, v), (fk, fv) in zip(rows.kv(), fresh.kv()):
+                assert torch.allclose(k[r], fk[0], atol=1e-10) and torch.allclose(v[r], fv[0], atol=1e-10), (step, r)
+    assert any(s >= len(prefix) for s in starts)  # moved rows skipped the prompt at least
+
+
+def test_shared_entries_follow_the_rows_through_commits():
+    from specui.engine.rows import copied_from, shared_after
+
+    shared = [[10]]  # one prefilled row
+    shared = shared_after(shared, [0, 0, 0], [[], [], []], 10)  # three beams over the prompt
+    assert shared == [[10] * 3] * 3
+    shared = shared_after(shared, [0, 0, 1], [[20, 21], [20, 25], [30, 31]], 10)  # 0 and 1 part after one
+    assert shared == [[12, 11, 10], [11, 12, 10], [10, 10, 12]]
+    assert copied_from(shared, [0, 1, 2]) == 0  # nothing moved: nothing to copy
+    assert copied_from(shared, [1, 1, 2]) == 11  # row 0 takes row 1: they share 11
+    assert copied_from(shared, [2, 0, 0]) == 10  # the least of the moved rows' shares
+    assert copied_from(shared, [0, 1, 2, 0]) == 0  # a row past the old ones holds nothing
+    assert shared_after(shared, [1, 1], [[40], [40]], 12) == [[13, 13], [13, 13]]
+
+
+@pytest.mark.parametrize("cache", CACHES)
 def test_row_forests_equal_per_path_forwards_and_commit_equals_prefill(tiny_target, cache):
     prefix = [1, 5, 9, 13]
     rows = RowSession(tiny_target, runner=rows_runner(tiny_target, cache))

@@ -87,9 +87,10 @@ class GrowingLayer(DynamicLayer):
         self._len = end
         return self._kbuf[..., :end, :], self._vbuf[..., :end, :]
 
-    def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor) -> None:
+    def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor, start: int = 0) -> None:
         """Beam rows (RowSession.commit): new row i = old row rows[i], its first `prefix`
-        entries then the entries at positions tail[i] (all rows keep as many)."""
+        entries then the entries at positions tail[i] (all rows keep as many). A row moved in
+        place of another already holds its source's first `start` entries: only the rest is copied."""
         if not self.is_initialized:
             return
         m = tail.shape[1]
@@ -105,7 +106,7 @@ class GrowingLayer(DynamicLayer):
             if len(order) != b:  # fewer or more rows: a buffer of the new size
                 buf = buf.index_select(0, rows)
             elif moved:
-                buf[dst, :, :prefix] = buf[rows[dst], :, :prefix]  # the right side is read whole first
+                buf[dst, :, start:prefix] = buf[rows[dst], :, start:prefix]  # the right side is read whole first
             buf[:, :, prefix:prefix + m] = kept
             setattr(self, name, buf)
         self._len = prefix + m

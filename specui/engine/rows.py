@@ -67,6 +67,9 @@ class RowSession:
         self.compiled_runs = self.eager_runs = 0  # forwards that ran compiled / eagerly (not the prefill)
         self._linears: list[torch.nn.Module] | None = None  # the per-token products (eager forwards skip padding)
         self.length = 0  # committed entries, the same in every row
+        # shared[i][j]: how many of the committed entries rows i and j hold as copies of the same
+        # computed ones (the same bits): a commit that moves row j into row i copies only past that
+        self.shared: list[list[int]] = [[0]]
         self.pending: list[list[PendingNode]] = [[]]
         self._used = 0  # cache entries past `length` (pending nodes and padding)
 
@@ -88,6 +91,7 @@ class RowSession:
             if self.runner is not None:
                 self.cache.set_length(len(ids))
         self.length = len(ids)
+        self.shared = [[self.length]]
 
     @torch.inference_mode()
     def forward(self, new: Sequence[Sequence[tuple[int, int]]]) -> list[torch.Tensor]:
@@ -159,13 +163,16 @@ class RowSession:
                 if pending[k].parent != (chain[i - 1] if i else -1):
                     raise ValueError(f"row {src}: pending nodes {list(chain)} are not a chain from the prefix")
             slots.append([pending[k].slot for k in chain])
-        rows = torch.tensor([src for src, _ in keep], device=self.device)
+        sources = [src for src, _ in keep]
+        start = copied_from(self.shared, sources)
+        rows = torch.tensor(sources, device=self.device)
         tail = torch.tensor(slots, dtype=torch.long, device=self.device).view(len(keep), m)
         if self.runner is not None:  # one gather for every layer
-            self.cache.keep_rows(rows, self.length, tail)
+            self.cache.keep_rows(rows, self.length, tail, start)
         else:
             for layer in self.cache.layers:
-                layer.keep_rows(rows, self.length, tail)
+                layer.keep_rows(rows, self.length, tail, start)
+        self.shared = shared_after(self.shared, sources, slots, self.length)
         self.length += m
         self.pending = [[] for _ in keep]
         self._used = 0
@@ -221,6 +228,7 @@ class RowSession:
                         torch.zeros((rows, 0), dtype=torch.long, device=session.device))
         cache.set_length(length)
         session.length, session.pending = length, [[] for _ in range(rows)]
+        session.shared = [[length] * rows for _ in range(rows)]  # every row a copy of row 0
         return session
 
     def _drop_pending(self) -> None:
@@ -245,3 +253,32 @@ def compile_shape(probe, shape: tuple[int, int, int, int]) -> str:
     chain = [(0, j - 1) for j in range(bucket)]  # a chain fills the bucket exactly
     session.forward([chain] * rows)
     return session.compile_problem
+
+
+def copied_from(shared: Sequence[Sequence[int]], sources: Sequence[int]) -> int:
+    """The first committed entry a commit must copy: new row i takes old row sources[i], and a row
+    that takes another's already holds the same bits up to shared[source][i] (beams share their
+    prompt and most of the reply), so the rows moved copy only from the least of those. Rows past
+    the old ones (more beams than before) hold nothing yet."""
+    moved = [shared[src][i] if i < len(shared) else 0 for i, src in enumerate(sources) if src != i]
+    return min(moved, default=0)
+
+
+def shared_after(shared: Sequence[Sequence[int]], sources: Sequence[int], slots: Sequence[Sequence[int]],
+                 prefix: int) -> list[list[int]]:
+    """`shared` after a commit of `prefix` committed entries and the chains at `slots`: two rows
+    from one source share its prefix and then their chains while these read the same slots; rows
+    from two sources share what the sources did."""
+    out = []
+    for i, a in enumerate(sources):
+        line = []
+        for j, b in enumerate(sources):
+            if a != b:
+                line.append(min(shared[a][b], prefix))
+                continue
+            same = 0
+            while same < len(slots[i]) and slots[i][same] == slots[j][same]:
+                same += 1
+            line.append(prefix + same)
+        out.append(line)
+    return out

@@ -78,7 +78,7 @@ class SlotLayer(GrowingLayer):
         window = self.owner.columns.shape[0]
         return self._kbuf[..., :window, :], self._vbuf[..., :window, :]
 
-    def keep_rows(self, rows, prefix, tail) -> None:
+    def keep_rows(self, rows, prefix, tail, start=0) -> None:
         raise NotImplementedError("a static cache moves rows for every layer at once: StaticKVCache.keep_rows")
 
     def tile_to(self, length: int, capacity: int) -> None:
@@ -132,10 +132,11 @@ class StaticKVCache(DynamicCache):
             layer.attach(store, length)
         self.generation += 1
 
-    def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor) -> None:
+    def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor, start: int = 0) -> None:
         """Beam rows (RowSession.commit), every layer at once: new row i = old row rows[i], its
         first `prefix` entries then the entries at slots tail[i] (all rows keep as many). Only
-        rows that take another row's entries copy their prefix; more rows than the store holds
+        rows that take another row's entries copy their prefix, and only from `start` (a row
+        moved already holds its source's first `start` entries); more rows than the store holds
         reallocate it (`generation` changes), fewer use its first rows."""
         if self.store is None:
             return
@@ -151,7 +152,7 @@ class StaticKVCache(DynamicCache):
             moved = [i for i, src in enumerate(order) if src != i]
             if moved:
                 dst = torch.tensor(moved, dtype=torch.long, device=rows.device)
-                self.store[:, :, dst, :, :prefix] = live[:, :, :, :, :prefix].index_select(2, rows[dst])
+                self.store[:, :, dst, :, start:prefix] = live[:, :, :, :, start:prefix].index_select(2, rows[dst])
         self.store[:, :, : len(order), :, prefix:prefix + m] = kept
         self.rows = len(order)
         for layer in self.layers:
