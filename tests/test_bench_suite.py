@@ -336,6 +336,31 @@ def test_a_reply_that_met_a_shape_still_to_compile_is_timed_again(tiny_dirs):
     assert [r["retimed_replies"] for r in to_json([base, row])] == [2, 2]
 
 
+def test_a_reply_that_compiled_in_the_foreground_is_timed_again(tiny_dirs, monkeypatch):
+    """`--capture on` compiles a shape where a reply first meets it (no background compiler to
+    ask): a reply during which torch.compile compiled a frame is timed again too."""
+    from specui.bench import rows as bench_rows
+    from specui.service.pair import load_pair
+    from specui.settings import ModelSpec
+
+    target, draft, _ = tiny_dirs
+    spec = ModelSpec(str(target), dtype="float32", device="cpu", quantization="none")
+    pair = load_pair(spec, spec.with_source(str(draft)))
+    pair.capture = "off"
+    run = bench_rows.ours(pair, "speculative", {"gamma": 2})
+    frames = iter([0, 3, 3, 3])  # the first reply compiled three frames, the second none
+    monkeypatch.setattr(bench_rows, "compiles_run", lambda: next(frames))
+    sample = run([1, 2, 3], 4)
+    assert sample.retimed == 1 and len(sample.output) == 4
+    monkeypatch.undo()
+    import torch
+
+    torch_compiled = torch.compile(lambda x: x * 2 + 1)
+    count = bench_rows.compiles_run()
+    torch_compiled(torch.ones(3))
+    assert bench_rows.compiles_run() == count + 1  # what it counts: dynamo's compiled frames
+
+
 def test_a_row_says_how_its_timed_replies_ran():
     """An `auto` row's engine adopts compiled forwards only once its background measurement is
     done, after the row was made: the JSON's `capture` is how the timed replies ran, not the
