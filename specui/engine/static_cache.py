@@ -140,10 +140,11 @@ class StaticKVCache(DynamicCache):
         reallocate it (`generation` changes), fewer use its first rows."""
         if self.store is None:
             return
-        order, m, live = rows.tolist(), tail.shape[1], self.store[:, :, : self.rows]
+        order, m, live, before = rows.tolist(), tail.shape[1], self.store[:, :, : self.rows], self.rows
         # (rows, m, layers, 2, heads, dim): read before any write
         kept = live.permute(2, 4, 0, 1, 3, 5)[rows[:, None], tail].permute(2, 3, 0, 4, 1, 5)
-        if len(order) > self.store.shape[2]:
+        grown = len(order) > self.store.shape[2]
+        if grown:
             new = torch.zeros((*self.store.shape[:2], len(order), *self.store.shape[3:]), dtype=self.store.dtype,
                               device=self.store.device)
             new[:, :, :, :, :prefix] = live[:, :, :, :, :prefix].index_select(2, rows)
@@ -155,8 +156,11 @@ class StaticKVCache(DynamicCache):
                 self.store[:, :, dst, :, start:prefix] = live[:, :, :, :, start:prefix].index_select(2, rows[dst])
         self.store[:, :, : len(order), :, prefix:prefix + m] = kept
         self.rows = len(order)
-        for layer in self.layers:
-            layer.attach(self.store, prefix + m, self.rows)
+        if grown or self.rows != before:  # the layers' views of the rows in use change
+            for layer in self.layers:
+                layer.attach(self.store, prefix + m, self.rows)
+        else:  # the same views (30 layers' attach: ~95 us of a beam step on the bundled target)
+            self.set_length(prefix + m)
 
     def grow(self, needed: int) -> None:
         """Make room for `needed` slots (at least double), keeping the valid entries."""
