@@ -214,7 +214,36 @@ def test_beam_rows_on_static_caches_equal_growing_ones(pair, name, params):
         assert run(off, prompt, 30, name, **params).output_ids == on.generate(
             GenerationRequest(list(prompt), 30), method).run().output_ids
         rows = method.rows if name == "beam" else method.target
-        assert isinstance(rows.cache, StaticKVCache) and rows.cache.rows == len(rows.pending) > 1
+        # the reply's end released the rows: their store (several rows) waits for the next reply's
+        assert isinstance(rows.cache, StaticKVCache) and rows.cache.store is None
+        kept = on.target.runner.spare_rows.take()
+        assert kept is not None and kept.shape[2] > 1
+        on.target.runner.spare_rows.give(kept)
+
+
+def test_a_beam_reply_hands_its_rows_store_to_the_next_even_when_stopped_early(pair):
+    """Beam rows' store (several rows of every layer) is the next reply's once a reply ends,
+    also one whose stream was closed half-way: no fresh store (and its page faults) a reply,
+    and the stale entries in it change nothing (the same reply as over growing caches)."""
+    target, draft = pair
+    off = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS])
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    static(on, "buckets")
+    spare = on.target.runner.spare_rows
+    steps = iter(on.generate(GenerationRequest(list(PROMPTS[0]), 30), make_method("beam", width=3)))
+    next(steps)
+    next(steps)
+    assert spare.take() is None  # the running reply holds it
+    steps.close()  # the consumer stopped: the rows are let go all the same
+    kept = spare.take()
+    assert kept is not None and kept.shape[2] == 3
+    spare.give(kept)
+    for prompt in PROMPTS[1:]:
+        method = make_method("beam", width=3)
+        got = on.generate(GenerationRequest(list(prompt), 30), method).run().output_ids
+        assert got == run(off, prompt, 30, "beam", width=3).output_ids
+        assert method.rows.cache.store is None and spare.take() is kept  # the same store, handed on again
+        spare.give(kept)
 
 
 def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerly(pair, monkeypatch):

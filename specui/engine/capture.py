@@ -51,7 +51,7 @@ from specui.engine.giving_way import DYNAMO
 from specui.engine.graphs import CudaGraphs, Graph
 from specui.engine.hidden import logits_and_hidden
 from specui.engine.masks import StaticMasks
-from specui.engine.static_cache import StaticKVCache
+from specui.engine.static_cache import SpareStore, StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.warmup import HIDDEN, RECOMPILE, Warmup
 from specui.errors import SpecUIError
@@ -123,6 +123,7 @@ class StaticForward:
         self.masks = StaticMasks(cache, self.mask_dtype, BUCKETS[-1])  # every forward's additive mask
         self.replays = 0  # forwards that ran as a replayed graph
         self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
+        self.spare_rows = SpareStore()  # a finished beam rows cache's store, for the next (engine/rows.py)
         self.compiled_runs = 0  # padded forwards that ran compiled
         first = [(b, WINDOW) for b in BUCKETS] + [(1, 2 * WINDOW), (2, 2 * WINDOW)]  # what a reply meets first
         self.warmup = Warmup(self, first) if compiled and background and mode == "buckets" else None

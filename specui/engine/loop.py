@@ -80,20 +80,23 @@ class Generation:
         clocks = [getattr(s, "clock", None) for s in (ctx.target, ctx.draft) if s is not None]
         start = None if any(c is None or c.seconds is None for c in clocks) else sum(c.seconds for c in clocks)
         t_decode = time.perf_counter()
-        while not stats.finish_reason:
-            reason = self.stop_reason()
-            if reason:
-                stats.finish_reason = reason
-                break
-            ctx.timer.reset()
-            t_step = time.perf_counter()
-            result = self.method.step(ctx)
-            step_ms = (time.perf_counter() - t_step) * 1000.0
-            trace = self.commit_step(result, step_ms)
-            stats.decode_s = time.perf_counter() - t_decode
-            if start is not None:
-                stats.forward_s = sum(c.seconds for c in clocks) - start
-            yield trace
+        try:
+            while not stats.finish_reason:
+                reason = self.stop_reason()
+                if reason:
+                    stats.finish_reason = reason
+                    break
+                ctx.timer.reset()
+                t_step = time.perf_counter()
+                result = self.method.step(ctx)
+                step_ms = (time.perf_counter() - t_step) * 1000.0
+                trace = self.commit_step(result, step_ms)
+                stats.decode_s = time.perf_counter() - t_decode
+                if start is not None:
+                    stats.forward_s = sum(c.seconds for c in clocks) - start
+                yield trace
+        finally:  # also when the consumer stops early (the generator is closed)
+            self.method.end(ctx)
         stats.decode_s = time.perf_counter() - t_decode
 
     @property

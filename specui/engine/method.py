@@ -129,6 +129,11 @@ class Method(ABC):
         if self.uses_draft and ctx.draft is not None:
             ctx.draft.prefill(ctx.ids)
 
+    def end(self, ctx: DecodeContext) -> None:
+        """After the last step, however the generation ended (finished, cancelled, failed): let go
+        of what the method holds beyond the sessions (beam rows). Nothing, by default."""
+        return None
+
     @abstractmethod
     def step(self, ctx: DecodeContext) -> StepResult:
         """One target forward pass; returns what it committed."""

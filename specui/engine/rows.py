@@ -61,7 +61,8 @@ class RowSession:
             if not all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
                 raise SpecUIError("beam rows need a model whose layers all use full attention")
         else:
-            self.cache = StaticKVCache(model.config, STATIC_SLOTS, self.device, runner.cache.store_dtype)
+            self.cache = StaticKVCache(model.config, STATIC_SLOTS, self.device, runner.cache.store_dtype,
+                                       spare=getattr(runner, "spare_rows", None))  # the last reply's store
         self.compiled = runner is not None and runner.compiled and runner.mode == "buckets"
         self.compile_problem = ""
         self.compiled_runs = self.eager_runs = 0  # forwards that ran compiled / eagerly (not the prefill)
@@ -176,6 +177,12 @@ class RowSession:
         self.length += m
         self.pending = [[] for _ in keep]
         self._used = 0
+
+    def release(self) -> None:
+        """The rows are done (the reply ended): a static cache's store goes to the runner's spare,
+        for the next reply's rows. The session is not used after this."""
+        if isinstance(self.cache, StaticKVCache):
+            self.cache.release()
 
     def _call(self, kw: dict, real: list[int] | None = None):
         """One forward: the runner's compiled forward where it compiles (with its attention

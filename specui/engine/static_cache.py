@@ -20,6 +20,8 @@ same committed length, and `keep_rows` moves, copies and drops rows after a beam
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -85,12 +87,43 @@ class SlotLayer(GrowingLayer):
         raise NotImplementedError("a static cache is not stretched for timing")
 
 
+SPARE_BYTES = 768 * 2**20  # the largest finished rows store a SpareStore keeps for the next one
+
+
+class SpareStore:
+    """The store of a finished rows cache (a reply's beams, RowSession), kept for the next rows cache
+    over the same model. A fresh store costs its page faults when first written: the bundled
+    target's 4 beams over 512 slots are 94 MB, about 60 ms to zero and as much again to copy the
+    prompt into, every beam reply (2-core Zen 5). A store is held by one cache at a time (`take`
+    hands it over); its stale entries are finite (keys and values, or zeros), which is all a
+    masked slot needs. Stores over `limit` bytes are not kept (memory goes back at once)."""
+
+    def __init__(self, limit: int = SPARE_BYTES) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._store: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        with self._lock:
+            store, self._store = self._store, None
+        return store
+
+    def give(self, store: torch.Tensor) -> None:
+        """Keep a finished cache's store, the larger where one is kept already."""
+        if store.numel() * store.element_size() > self.limit:
+            return
+        with self._lock:
+            if self._store is None or self._store.numel() < store.numel():
+                self._store = store
+
+
 class StaticKVCache(DynamicCache):
     """Full-attention layers only (a sliding-window or linear-attention layer refuses: its cache
     is not a slot array). `capacity` slots are allocated at the first forward; `room` more
     than the context are kept for a padded shape's extra slots."""
 
-    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype = torch.float32,
+                 spare: SpareStore | None = None) -> None:
         super().__init__(config=config)
         if not all(type(layer) is DynamicLayer for layer in self.layers):
             kinds = sorted({type(layer).__name__ for layer in self.layers})
@@ -109,6 +142,7 @@ class StaticKVCache(DynamicCache):
         self._sizers: dict[int, torch.Tensor] = {}  # window: its sizer (prepare)
         self.columns = _sizer(0, self.device)  # attention reads this many slots: its only content is its length
         self.generation = 0  # bumped whenever the store is reallocated
+        self.spare = spare  # where `release` puts the store, and where `allocate` looks first
 
     # -- the store ---------------------------------------------------------------------
     def allocate(self, like: torch.Tensor | None = None) -> None:
@@ -123,6 +157,16 @@ class StaticKVCache(DynamicCache):
             b, h = 1, getattr(c, "num_key_value_heads", None) or heads
             d = getattr(c, "head_dim", None) or c.hidden_size // heads
         shape = (len(self.layers), 2, b, h, self.capacity, d)
+        kept = self.spare.take() if self.spare is not None else None
+        if (kept is not None and kept.shape[:2] == shape[:2] and kept.shape[3] == h and kept.shape[5] == d
+                and kept.shape[4] >= self.capacity and kept.dtype == self.store_dtype and kept.device == self.device):
+            self.grow(kept.shape[4])  # its capacity (no store yet: the slot offsets only)
+            self._adopt(kept, 0)
+            if kept.shape[2] != b:  # the rows in use are its first b
+                self.rows = b
+                for layer in self.layers:
+                    layer.attach(kept, 0, b)
+            return
         self._adopt(torch.zeros(shape, dtype=self.store_dtype, device=self.device), 0)
 
     def _adopt(self, store: torch.Tensor, length: int) -> None:
@@ -131,6 +175,17 @@ class StaticKVCache(DynamicCache):
         for layer in self.layers:
             layer.attach(store, length)
         self.generation += 1
+
+    def release(self) -> None:
+        """Done with this cache: its store goes to the spare (if it has one) and the layers let go
+        of it, so its memory is reused or freed now, not when the garbage collector meets the
+        cache (its layers and it refer to each other)."""
+        if self.store is not None and self.spare is not None:
+            self.spare.give(self.store)
+        self.store, self.rows = None, 0
+        for layer in self.layers:
+            layer._kbuf = layer._vbuf = None
+            layer._len, layer.is_initialized = 0, False
 
     def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor, start: int = 0) -> None:
         """Beam rows (RowSession.commit), every layer at once: new row i = old row rows[i], its

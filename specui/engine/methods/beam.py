@@ -116,6 +116,10 @@ class Beam(Method):
         best = self._best(include_running=done)
         return StepResult(tokens=best.tokens, nodes=nodes, replace=True, finished=done, beam_width=len(picks.kept))
 
+    def end(self, ctx: DecodeContext) -> None:
+        if self.rows is not None:
+            self.rows.release()
+
     def _done(self, ctx: DecodeContext) -> bool:
         return beam_search_done(self.running, self.finished, ctx.max_new_tokens)
 

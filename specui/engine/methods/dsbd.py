@@ -283,6 +283,11 @@ class DSBD(Method):
         self.draft.commit(d_keep)
         self.running = beams
 
+    def end(self, ctx: DecodeContext) -> None:
+        for rows in (self.target, self.draft):
+            if rows is not None:
+                rows.release()
+
     def _done(self, ctx: DecodeContext) -> bool:
         return beam_search_done(self.running, self.finished, ctx.max_new_tokens)
 
