@@ -103,6 +103,34 @@ def test_rows_moved_copy_only_what_they_do_not_share_and_equal_a_fresh_prefill(t
     assert any(s >= len(prefix) for s in starts)  # moved rows skipped the prompt at least
 
 
+def test_a_spare_store_is_taken_at_its_own_capacity_and_only_where_it_fits(tiny_target):
+    """A cache takes a spare store of its model's shape, dtype and device with at least its
+    capacity, and then has exactly that store's capacity (its slots' offsets say so); a store too
+    small, or of another shape, is not taken."""
+    from specui.engine.static_cache import SpareStore
+
+    spare = SpareStore()
+    first = StaticKVCache(tiny_target.config, 64, torch.device("cpu"), torch.float32, spare=spare)
+    first.grow(700, exact=True)
+    first.allocate()
+    store = first.store
+    first.release()
+    assert first.store is None and all(layer._kbuf is None for layer in first.layers)
+    second = StaticKVCache(tiny_target.config, 64, torch.device("cpu"), torch.float32, spare=spare)
+    second.grow(650)  # a prompt's room: max(650, 128)
+    second.allocate()
+    assert second.store is store and second.capacity == 700 == len(second.offsets) and second.rows == 1
+    second.release()
+    third = StaticKVCache(tiny_target.config, 64, torch.device("cpu"), torch.float32, spare=spare)
+    third.grow(900)
+    third.allocate()  # too small: a fresh store, and the spare one goes
+    assert third.store is not store and third.capacity == 900 and spare.take() is None
+    spare.give(torch.zeros(1, 2, 1, 1, 1024, 8))  # another model's shape
+    fourth = StaticKVCache(tiny_target.config, 64, torch.device("cpu"), torch.float32, spare=spare)
+    fourth.allocate()
+    assert fourth.store.shape[0] == len(fourth.layers) and fourth.capacity == 64
+
+
 def test_shared_entries_follow_the_rows_through_commits():
     from specui.engine.rows import copied_from, shared_after
 

@@ -160,7 +160,7 @@ class StaticKVCache(DynamicCache):
         kept = self.spare.take() if self.spare is not None else None
         if (kept is not None and kept.shape[:2] == shape[:2] and kept.shape[3] == h and kept.shape[5] == d
                 and kept.shape[4] >= self.capacity and kept.dtype == self.store_dtype and kept.device == self.device):
-            self.grow(kept.shape[4])  # its capacity (no store yet: the slot offsets only)
+            self.grow(kept.shape[4], exact=True)  # its capacity (no store yet: the slot offsets only)
             self._adopt(kept, 0)
             if kept.shape[2] != b:  # the rows in use are its first b
                 self.rows = b
@@ -217,11 +217,11 @@ class StaticKVCache(DynamicCache):
         else:  # the same views (30 layers' attach: ~95 us of a beam step on the bundled target)
             self.set_length(prefix + m)
 
-    def grow(self, needed: int) -> None:
-        """Make room for `needed` slots (at least double), keeping the valid entries."""
+    def grow(self, needed: int, exact: bool = False) -> None:
+        """Make room for `needed` slots (at least double, unless `exact`), keeping the valid entries."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, 2 * self.capacity)
+        capacity = needed if exact else max(needed, 2 * self.capacity)
         if self.store is not None:
             length = self.length
             new = torch.zeros((*self.store.shape[:4], capacity, self.store.shape[-1]), dtype=self.store.dtype,
