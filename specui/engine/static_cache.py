@@ -70,6 +70,11 @@ class SlotLayer(GrowingLayer):
         self.dtype, self.device = store.dtype, store.device
         self.is_initialized = True
 
+    def detach(self) -> None:
+        """Let go of the store (the cache is released): no views of it are left here."""
+        self._kbuf = self._vbuf = None
+        self._len, self.is_initialized = 0, False
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
@@ -161,20 +166,21 @@ class StaticKVCache(DynamicCache):
         if (kept is not None and kept.shape[:2] == shape[:2] and kept.shape[3] == h and kept.shape[5] == d
                 and kept.shape[4] >= self.capacity and kept.dtype == self.store_dtype and kept.device == self.device):
             self.grow(kept.shape[4], exact=True)  # its capacity (no store yet: the slot offsets only)
-            self._adopt(kept, 0)
-            if kept.shape[2] != b:  # the rows in use are its first b
-                self.rows = b
-                for layer in self.layers:
-                    layer.attach(kept, 0, b)
+            self._adopt(kept, 0, b)  # the rows in use are its first b
             return
         self._adopt(torch.zeros(shape, dtype=self.store_dtype, device=self.device), 0)
 
-    def _adopt(self, store: torch.Tensor, length: int) -> None:
+    def _adopt(self, store: torch.Tensor, length: int, rows: int | None = None) -> None:
+        """Use `store`, its first `rows` rows (None: all) holding `length` entries."""
         self.store = store
-        self.rows = store.shape[2]
-        for layer in self.layers:
-            layer.attach(store, length)
+        self._use_rows(store.shape[2] if rows is None else rows, length)
         self.generation += 1
+
+    def _use_rows(self, rows: int, length: int) -> None:
+        """The store's first `rows` rows are the ones in use: every layer's views of them."""
+        self.rows = rows
+        for layer in self.layers:
+            layer.attach(self.store, length, rows)
 
     def release(self) -> None:
         """Done with this cache: its store goes to the spare (if it has one) and the layers let go
@@ -184,8 +190,7 @@ class StaticKVCache(DynamicCache):
             self.spare.give(self.store)
         self.store, self.rows = None, 0
         for layer in self.layers:
-            layer._kbuf = layer._vbuf = None
-            layer._len, layer.is_initialized = 0, False
+            layer.detach()
 
     def keep_rows(self, rows: torch.Tensor, prefix: int, tail: torch.Tensor, start: int = 0) -> None:
         """Beam rows (RowSession.commit), every layer at once: new row i = old row rows[i], its
@@ -203,18 +208,16 @@ class StaticKVCache(DynamicCache):
             new = torch.zeros((*self.store.shape[:2], len(order), *self.store.shape[3:]), dtype=self.store.dtype,
                               device=self.store.device)
             new[:, :, :, :, :prefix] = live[:, :, :, :, :prefix].index_select(2, rows)
-            self._adopt(new, prefix)
+            self._adopt(new, prefix + m)  # its rows are the new ones
         else:
             moved = [i for i, src in enumerate(order) if src != i]
             if moved:
                 dst = torch.tensor(moved, dtype=torch.long, device=rows.device)
                 self.store[:, :, dst, :, start:prefix] = live[:, :, :, :, start:prefix].index_select(2, rows[dst])
         self.store[:, :, : len(order), :, prefix:prefix + m] = kept
-        self.rows = len(order)
-        if grown or self.rows != before:  # the layers' views of the rows in use change
-            for layer in self.layers:
-                layer.attach(self.store, prefix + m, self.rows)
-        else:  # the same views (30 layers' attach: ~95 us of a beam step on the bundled target)
+        if not grown and len(order) != before:  # the layers' views of the rows in use change
+            self._use_rows(len(order), prefix + m)
+        elif not grown:  # the same views (30 layers' attach: ~95 us of a beam step on the bundled target)
             self.set_length(prefix + m)
 
     def grow(self, needed: int, exact: bool = False) -> None:
@@ -227,12 +230,7 @@ class StaticKVCache(DynamicCache):
             new = torch.zeros((*self.store.shape[:4], capacity, self.store.shape[-1]), dtype=self.store.dtype,
                               device=self.store.device)
             new[..., :length, :] = self.store[..., :length, :]
-            rows = self.rows
-            self._adopt(new, length)
-            if rows != self.rows:  # the rows in use stay the store's first ones
-                self.rows = rows
-                for layer in self.layers:
-                    layer.attach(new, length, rows)
+            self._adopt(new, length, self.rows)  # the rows in use stay the store's first ones
         self.capacity = capacity
         with torch.inference_mode(False):  # as __init__'s, though a forward (inference mode) grows it
             self.offsets = torch.arange(capacity, dtype=torch.long, device=self.device)
