@@ -62,7 +62,7 @@ class RowSession:
                 raise SpecUIError("beam rows need a model whose layers all use full attention")
         else:
             self.cache = StaticKVCache(model.config, STATIC_SLOTS, self.device, runner.cache.store_dtype,
-                                       spare=getattr(runner, "spare_rows", None))  # the last reply's store
+                                       spare=runner.spare_rows)  # the last reply's store
         self.compiled = runner is not None and runner.compiled and runner.mode == "buckets"
         self.compile_problem = ""
         self.compiled_runs = self.eager_runs = 0  # forwards that ran compiled / eagerly (not the prefill)
