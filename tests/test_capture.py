@@ -246,6 +246,36 @@ def test_a_beam_reply_hands_its_rows_store_to_the_next_even_when_stopped_early(p
         spare.give(kept)
 
 
+def test_scratch_rows_of_a_rows_shape_hand_their_store_on(pair, monkeypatch):
+    """A Warmup compiles a rows shape on scratch rows (rows.compile_shape); their store goes to the
+    spare the probe shares with its runner as soon as the forward ran, even a forward that failed,
+    and the next reply's rows take it."""
+    from specui.engine.rows import RowSession, compile_shape
+    from specui.engine.warmup import Warmup
+
+    target, draft = pair
+    on = Engine(target, TinyTokenizer(), draft=draft, eos_ids=[EOS], capture="on")
+    static(on, "buckets")
+    runner = on.target.runner
+    assert Warmup(runner, [])._probe(runner.cache).spare_rows is runner.spare_rows  # a Warmup's probe shares it
+    assert compile_shape(runner, (2, 64, 128, 3)) == ""
+    kept = runner.spare_rows.take()
+    assert kept is not None and kept.shape[2] == 3
+    runner.spare_rows.give(kept)
+    method = make_method("beam", width=2)
+    on.generate(GenerationRequest(list(PROMPTS[0]), 12), method).run()
+    assert runner.spare_rows.take() is kept  # taken by the reply's rows, handed back at its end
+
+    def fails(*_args, **_kw):
+        raise RuntimeError("forward failed")
+
+    runner.spare_rows.take()
+    monkeypatch.setattr(RowSession, "forward", fails)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        compile_shape(runner, (2, 64, 128, 2))
+    assert runner.spare_rows.take() is not None
+
+
 def test_compiled_forwards_equal_autoregressive_and_a_failed_compile_runs_eagerly(pair, monkeypatch):
     """`capture="on"` runs the padded shapes through torch.compile (float32 here: equal replies);
     a compiler that fails leaves the model eager, with a note."""

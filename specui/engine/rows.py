@@ -258,7 +258,10 @@ def compile_shape(probe, shape: tuple[int, int, int, int]) -> str:
     bucket, window, capacity, rows = shape
     session = RowSession.scratch(probe, rows, window - bucket, capacity)
     chain = [(0, j - 1) for j in range(bucket)]  # a chain fills the bucket exactly
-    session.forward([chain] * rows)
+    try:
+        session.forward([chain] * rows)
+    finally:  # the scratch rows' store goes to the probe's spare (a Warmup's probe: its runner's) at once,
+        session.release()  # not when the garbage collector gets to the cache's cycle
     return session.compile_problem
 
 

@@ -253,6 +253,7 @@ class Warmup:
         runner = self.runner
         probe = type(runner)(runner.model, cache, "buckets")
         probe.fn, probe.grouped = runner.fn, runner.grouped
+        probe.spare_rows = runner.spare_rows  # scratch rows take and hand back the replies' store
         if runner.hidden_fn is not runner.hidden_call:  # (the probe's eager one is its own object)
             probe.hidden_fn = runner.hidden_fn
         return probe
