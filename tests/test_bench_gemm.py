@@ -17,6 +17,50 @@ def test_every_way_and_row_count_is_timed(capsys):
         cells = re.findall(r"(\d+): +([\d.]+) \(([\d.]+)x\)", line)
         assert [int(n) for n, _, _ in cells] == [1, 3, 8]
         assert cells[0][2] == "1.00" and all(float(ms) > 0 for _, ms, _ in cells)
+    from specui.weights.native import has_native
+
+    rates = [line for line in out.splitlines() if "G multiply-adds/s (of the roof)" in line]
+    if not has_native():
+        assert "roof" not in out
+        return
+    roof = re.search(r"int8 dot-product roof \((AVX512-VNNI|AVX2|portable loop), on registers, every thread\): "
+                     r"([\d.]+) G multiply-adds/s", out)
+    assert roof and float(roof.group(2)) > 0
+    int8 = [line for line in rows if line.split("ms for rows")[0].split()[-1] in gemm.INT8_WAYS]
+    assert len(rates) == len(int8) > 0  # w4a8's (and w8a8's where oneDNN has it) rate under its timings
+    for line in rates:
+        cells = re.findall(r"(\d+): +([\d.]+) \((\d+)%\)", line)
+        assert [int(n) for n, _, _ in cells] == [1, 3, 8] and all(float(r) > 0 for _, r, _ in cells)
+
+
+def test_the_roof_computes_and_counts_every_threads_products():
+    """The roof's loop (kernels/roof.cpp) computes every product it counts, on every thread: its
+    checksum is the closed form of the sums it runs (so no product was folded away), and its count
+    is threads x steps x the products a step of its instructions makes."""
+    import pytest
+    import torch
+
+    from specui.weights.native import native
+
+    module, _ = native()
+    if module is None:
+        pytest.skip("SpecUI's kernels are not built here")
+    with pytest.raises(RuntimeError, match="steps must be positive"):
+        module.int8_dot_roof(0)
+    path, chains, steps = module.q4a8_path(), 24, 10
+    # per step and sum: lanes x products a lane, and what a lane adds (unsigned 3 + t times signed -2)
+    lanes, per_lane = {"AVX512-VNNI": (16, 4), "AVX2": (16, 2), "portable loop": (1, 1)}[path]
+    for threads in sorted({1, torch.get_num_threads()}):
+        previous = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            macs, seconds, checksum = module.int8_dot_roof(steps)
+        finally:
+            torch.set_num_threads(previous)
+        assert macs == threads * steps * chains * lanes * per_lane and seconds > 0
+        want = sum(lanes * (c + t) - lanes * steps * per_lane * 2 * (3 + t)
+                   for t in range(threads) for c in range(chains))
+        assert checksum == want, (path, threads)
 
 
 def test_packed_products_equal_plain_ones():

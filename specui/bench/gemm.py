@@ -14,6 +14,10 @@ int4`, bfloat16 inputs) and SpecUI's 4-bit x 8-bit kernel on the same groups (`-
 w4a8`, specui/weights/w4a8.py). Median ms of every matrix once, and each row count's cost against one
 row's. (The weights are re-read from the caches where they fit: a CPU with a large L3 shows
 fewer ms than a model's forward, whose weights stream from memory.)
+Where SpecUI's kernels are built it also times their int8 dot-product instructions alone, on
+registers, on every thread (specui/weights/kernels/roof.cpp): the roof in multiply-adds a second
+that a product of many rows meets once its weights are read, and prints the int8 products' rate
+against it (scoring 16 tokens costs at least 16 tokens' multiply-adds at the roof).
 Prints the CPU; nothing is cached or chosen from it."""
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from specui.weights.w4a8 import W4A8Linear, w4a8_unavailable
 from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
 
 REPEATS = 7  # timed calls per figure, after one warm-up call
+INT8_WAYS = ("w8a8", "w4a8")  # products on int8 dot products: their rate is printed against the roof
 CPU = torch.device("cpu")
 
 
@@ -77,6 +82,32 @@ def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], obje
     return out
 
 
+ROOF_STEPS = 25_000_000  # steps of the roof's loop a timing (kernels/roof.cpp; about 0.12 s on a 2-core Zen 5)
+
+
+def dot_roof(steps: int = ROOF_STEPS) -> tuple[float, str] | None:
+    """(multiply-adds a second at the int8 dot product's peak, which instructions), the best of 3
+    timings after one warm-up, from SpecUI's kernels; None where they are not built."""
+    from specui.weights.native import native
+
+    module, _ = native()
+    if module is None:
+        return None
+    module.int8_dot_roof(max(1, steps // 10))
+    rates = []
+    for _ in range(3):
+        macs, seconds, _sum = module.int8_dot_roof(steps)
+        rates.append(macs / seconds)
+    return max(rates), module.q4a8_path()
+
+
+def rate_cells(rows: list[int], ms: list[float], macs_per_row: int, roof: float) -> str:
+    """Each row count's multiply-adds a second, and its share of the roof."""
+    rates = [n * macs_per_row / (m / 1e3) for n, m in zip(rows, ms, strict=True)]
+    cells = "  ".join(f"{n}: {r / 1e9:7.1f} ({r / roof:.0%})" for n, r in zip(rows, rates, strict=True))
+    return f"G multiply-adds/s (of the roof) for rows {cells}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8192x2048", help="out x in of each matrix")
@@ -89,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{count} matrices of {out_f}x{in_f}")
+    roof = dot_roof()
+    if roof is not None:
+        print(f"int8 dot-product roof ({roof[1]}, on registers, every thread): {roof[0] / 1e9:.1f} G multiply-adds/s")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name in args.dtypes.split(","):
@@ -99,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 ms = [median_ms(lambda x=x, run=run: run(x), CPU, REPEATS) for x in inputs]
                 cells = "  ".join(f"{n}: {m:7.1f} ({m / ms[0]:.2f}x)" for n, m in zip(rows, ms, strict=True))
                 print(f"{name:9} {way:14} ms for rows {cells}", flush=True)
+                if roof is not None and way in INT8_WAYS:
+                    print(f"{'':9} {'':14} {rate_cells(rows, ms, out_f * in_f * count, roof[0])}", flush=True)
             del weights
     return 0
 

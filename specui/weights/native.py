@@ -26,7 +26,7 @@ from specui.engine.paths import cache_root
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q8a8.cpp",
-                                             "attend.cpp", "logits.cpp", "entropy.cpp"))
+                                             "attend.cpp", "logits.cpp", "entropy.cpp", "roof.cpp"))
 HEADERS = (KERNELS / "groups.h", KERNELS / "vexp.h")  # included by the sources: part of the build's hash
 
 

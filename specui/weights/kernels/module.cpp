@@ -19,6 +19,7 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value
                      double scale);                                                                 // attend.cpp
 torch::Tensor row_stats(torch::Tensor rows, bool lse);                                              // logits.cpp
 torch::Tensor softmax_stats(torch::Tensor rows, int64_t k);                                         // entropy.cpp
+std::tuple<int64_t, double, int64_t> int8_dot_roof(int64_t steps);                                  // roof.cpp
 
 // The products and the attention as torch operators too (torch.ops.specui_native.*): what compiled
 // forwards call. A Python custom op costs ~35 us a call on a 2-core Zen 3 where the dispatcher's path to
@@ -56,4 +57,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
   m.def("row_stats", &row_stats);
   m.def("softmax_stats", &softmax_stats);
+  m.def("int8_dot_roof", &int8_dot_roof);
 }
