@@ -121,6 +121,18 @@ def test_bad_sizes_and_models_are_refused_before_anything_is_built(tiny_size, mo
         stand_in.check_memory(plan(model.config, tiny_size), 4, torch.device("cpu"), "in float32")
 
 
+def test_an_unknown_size_is_refused_before_any_load():
+    """`--stand-in 3b` (CLI, app, /load_models): one message from the pair's specs, before any model is
+    read; quantization auto used to try (and fail) each of its options first and list all three."""
+    from specui.service import pair
+    from specui.settings import PairChoice
+
+    with pytest.raises(SpecUIError, match=r"^unknown stand-in size '3b'; choose one of 360m, 1.7b, 7b$"):
+        pair.pair_specs(PairChoice(target="bundled:smollm2", stand_in=" 3b "))
+    target, _ = pair.pair_specs(PairChoice(target="bundled:smollm2", stand_in=" 1.7b "))
+    assert target.stand_in == "1.7b"
+
+
 def test_loading_a_stand_in_from_a_folder_and_refusing_its_source_as_draft(tiny_size, tmp_path):
     from specui.service.pair import load_pair
     from specui.weights.loading import ModelSpec, load_model

@@ -32,7 +32,7 @@ from specui.weights.loading import (
     measures_dtype,
     resolve_dtype,
 )
-from specui.weights.stand_in import is_source_copy
+from specui.weights.stand_in import SIZES, is_source_copy
 
 REPO = Path(__file__).resolve().parents[2]  # specui/service/pair.py -> the repository
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
@@ -85,8 +85,11 @@ def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
             raise SpecUIError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
     if choice.capture not in CAPTURES:
         raise SpecUIError(f"capture must be one of {', '.join(CAPTURES)}, not '{choice.capture}'")
+    size = (choice.stand_in or "").strip()
+    if size and size not in SIZES:  # before anything loads (quantization auto would try it once an option)
+        raise SpecUIError(f"unknown stand-in size '{size}'; choose one of {', '.join(SIZES)}")
     target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization,
-                       choice.trust_remote_code, (choice.stand_in or "").strip())
+                       choice.trust_remote_code, size)
     draft = choice.draft.strip() or "none"
     if draft == "none":
         return target, None

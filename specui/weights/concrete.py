@@ -4,7 +4,6 @@ dtype and attention. Every failure becomes a SpecUIError with a clear message.""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -15,6 +14,7 @@ from specui.errors import SpecUIError
 from specui.settings import QUANTIZATIONS
 from specui.weights import stand_in
 from specui.weights.attend import exact_attention_ready, use_exact_attention
+from specui.weights.bnb_logs import NOTE, quiet_int8_cast
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.native import has_native, native, native_unavailable
@@ -50,7 +50,7 @@ def _quantization_config(quantization: str, dtype: torch.dtype):
     except ImportError:
         raise SpecUIError("quantization needs bitsandbytes: pip install bitsandbytes") from None
     if quantization == "8bit":
-        warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*")  # once per forward
+        quiet_int8_cast()  # said once, in the load note (bnb_logs.NOTE)
         return BitsAndBytesConfig(load_in_8bit=True)
     compute = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
@@ -121,6 +121,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         notes += (f"{role} {shape.label}",)
         if quant is not None:
             notes += (stand_in.bitsandbytes(model, spec.quantization, dtype),)
+    elif spec.quantization == "8bit":
+        notes += (f"{role} {NOTE}",)
     if quant is None or shape is not None:  # bitsandbytes layers quantize as they move to the device
         model = model.to(device)
     model.eval()

@@ -248,6 +248,8 @@ def bitsandbytes(model: torch.nn.Module, quantization: str, dtype: torch.dtype) 
     quantization off, as transformers' own 4-bit config has it). Returns the load note."""
     import bitsandbytes as bnb
 
+    from specui.weights.bnb_logs import NOTE, quiet_int8_cast
+
     swapped = 0
     for name, module in list(model.get_decoder().named_modules()):
         if type(module) is not torch.nn.Linear:
@@ -265,5 +267,8 @@ def bitsandbytes(model: torch.nn.Module, quantization: str, dtype: torch.dtype) 
             layer.bias = module.bias
         replace_module(model.get_decoder(), name, layer)
         swapped += 1
-    return f"stand-in quantized with bitsandbytes {quantization}: {swapped} decoder matrices"
+    if quantization == "8bit":
+        quiet_int8_cast()
+    cast = f" ({NOTE.split(': ', 1)[1]})" if quantization == "8bit" else ""
+    return f"stand-in quantized with bitsandbytes {quantization}: {swapped} decoder matrices{cast}"
 
