@@ -118,6 +118,18 @@ def test_bad_input_gives_one_clear_message(capsys, tiny_dirs, extra, message):
     assert "Traceback" not in err and err.count("error") == 1
 
 
+def test_a_missing_draft_path_is_said_before_the_target_loads(capsys, tiny_dirs, monkeypatch):
+    from specui.service import pair
+
+    target, _, _ = tiny_dirs
+    loads = []
+    real = pair.load_model
+    monkeypatch.setattr(pair, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    code, _, err = cli(capsys, "--cli", "--target", str(target), "--draft", "/no/such/draft", "--prompt", "w1")
+    assert code == 2 and "model path '/no/such/draft' does not exist" in err.strip().splitlines()[-1]
+    assert loads == []  # the target was not loaded first
+
+
 def test_mismatched_draft_tokenizer_is_refused(capsys, tiny_dirs):
     target, _, other = tiny_dirs
     code, _, err = cli(capsys, "--cli", "--target", str(target), "--draft", str(other), "--prompt", "w1")

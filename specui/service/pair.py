@@ -29,6 +29,7 @@ from specui.weights.loading import (
     gguf_source,
     load_concrete,
     load_model,
+    locate,
     measures_dtype,
     resolve_dtype,
 )
@@ -187,6 +188,8 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
     tokens per second with speculation. `capture` (the pair's engines' forwards: auto / on / off)
     is the pair's, and with quantization auto the target's option is chosen as those run
     (specui.service.captured_quantization), where that was measured on this machine."""
+    if draft is not None:
+        locate(draft.source)  # a draft path that does not exist is said before the target loads, not after
     loaded_target = load_model(target, role="target", progress=progress, capture=capture)
     if on_target_loaded is not None:
         on_target_loaded()
