@@ -107,6 +107,53 @@ def test_int4_padded_groups_are_exact_zeros_and_the_function_is_kept(tiny_size):
     assert (want - got).abs().max() <= 0.05 * want.abs().max()  # bfloat16 rounding of the scaled norms
 
 
+def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_size):
+    """A stand-in on w4a8 whose source matrices all come as 4-bit groups (a GGUF's own blocks) leaves
+    those matrices unbuilt (a zero broadcast, no memory): the packed model equals the one built in
+    full, the appended layers' matrices included; a matrix whose packing fails gets its values back."""
+    from specui.weights.w4a8 import W4A8Linear, quantize_w4a8, w4a8_unavailable
+
+    if w4a8_unavailable():
+        pytest.skip(w4a8_unavailable())
+    source = tiny_llama(0, layers=2, hidden=64, dtype=torch.float32)
+    groups = {name: quantize_groups(m.weight) for name, m in source.named_modules()
+              if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    shape = plan(source.config, tiny_size)
+    full = build(source, shape, torch.float32)
+    lazy = build(source, shape, torch.float32, lazy=frozenset(groups))
+    assert stand_in.matrix_params(shape) == sum(m.weight.numel() for m in full.modules()
+                                                if isinstance(m, torch.nn.Linear) and m is not full.lm_head)
+    for name, module in lazy.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            assert stand_in.unbuilt(module.weight) == (name in groups), name
+            assert module.weight.shape == full.get_submodule(name).weight.shape
+    assert all(torch.equal(a, b) for (n, a), (_, b) in zip(lazy.state_dict().items(), full.state_dict().items())
+               if n.removesuffix(".weight") not in groups)
+    quantize_w4a8(full, pad_groups(groups, full))
+    quantize_w4a8(lazy, pad_groups(groups, lazy))
+    packed = [(name, m) for name, m in lazy.named_modules() if isinstance(m, W4A8Linear)]
+    assert len(packed) == shape.layers * 7  # the appended layers' too (zeros, rounded from the broadcast)
+    for name, module in packed:
+        assert all(torch.equal(a, b) for a, b in zip(module.buffers(), full.get_submodule(name).buffers())), name
+    ids = torch.tensor([[3, 9, 4, 22, 7, 15, 8]])
+    with torch.no_grad():
+        assert torch.equal(lazy(input_ids=ids).logits, full(input_ids=ids).logits)
+
+    again = build(source, shape, torch.float32, lazy=frozenset(groups))
+    name = next(iter(groups))
+    original = W4A8Linear.from_groups
+    try:  # the kernel refuses one matrix: it stays a float matrix with the groups' values, not zeros
+        W4A8Linear.from_groups = staticmethod(lambda *a: None if a[0].shape == pad_groups(groups, again)[name][0].shape
+                                              and torch.equal(a[0], pad_groups(groups, again)[name][0])
+                                              else original(*a))
+        quantize_w4a8(again, pad_groups(groups, again))
+    finally:
+        W4A8Linear.from_groups = original
+    kept = again.get_submodule(name)
+    assert isinstance(kept, torch.nn.Linear) and not stand_in.unbuilt(kept.weight)
+    assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again)[name]))
+
+
 def test_bad_sizes_and_models_are_refused_before_anything_is_built(tiny_size, monkeypatch):
     model = tiny_llama(0, layers=2, hidden=64)
     with pytest.raises(SpecUIError, match="unknown stand-in size 'huge'; choose one of 360m, 1.7b, 7b"):

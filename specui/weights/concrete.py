@@ -16,6 +16,7 @@ from specui.weights import stand_in
 from specui.weights.attend import exact_attention_ready, use_exact_attention
 from specui.weights.bnb_logs import NOTE, quiet_int8_cast
 from specui.weights.dtypes import auto_dtype_model
+from specui.weights.gguf_blocks import BLOCK_BYTES
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
@@ -96,7 +97,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     # w8a8 / w4a8 round float32 weights (or take a GGUF's blocks), then cast the rest
     built = torch.float32 if spec.quantization in ROUNDS_ACTIVATIONS else dtype
     quant = _quantization_config(spec.quantization, dtype)
-    shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant) if spec.stand_in else None
+    lazy = spec.quantization == "w4a8" and covers_matrices(source)  # matrices from the GGUF's blocks alone
+    shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant, lazy) if spec.stand_in else None
     tokenizer = load_tokenizer(spec, (where, gguf, local))
     kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else built, trust_remote_code=spec.trust_remote_code,
                   local_files_only=local)
@@ -116,7 +118,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     blocks = source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
         padded = stand_in.build(model, shape, built, lambda done, total: say(
-            0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"))
+            0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"),
+            frozenset(blocks or {}) if lazy else frozenset())
         model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
         notes += (f"{role} {shape.label}",)
         if quant is not None:
@@ -154,10 +157,24 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
 
 
+LAZY_BYTES = 0.75  # a w4a8 weight from a GGUF's blocks: 4 bits, 2 float16 scales a group of 32, and slack
+
+
+def covers_matrices(source: GGUFSource | None) -> bool:
+    """Whether a GGUF holds its every decoder matrix as 4-bit blocks SpecUI reads (Q4_0 / Q4_1: the
+    header's counts against 7 matrices a layer of its layer count), so w4a8 needs no float copy of them."""
+    if source is None or not source.types:
+        return False
+    four_bit = sum(source.types.get(kind, 0) for kind in BLOCK_BYTES)
+    matrices = sum(source.types.values()) - four_bit  # the rest: embeddings, norms, head (at least 2 a layer)
+    return four_bit > 0 and four_bit % 7 == 0 and matrices >= 2 * (four_bit // 7)
+
+
 def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dtype: torch.dtype,
-                  device: torch.device, quant) -> stand_in.StandIn:
+                  device: torch.device, quant, lazy: bool = False) -> stand_in.StandIn:
     """The stand-in's shape from the source's config alone, refused (with the figures) before any
-    weight is loaded where it is unknown, not Llama-family, too small or would not fit."""
+    weight is loaded where it is unknown, not Llama-family, too small or would not fit (`lazy`: its
+    decoder matrices come from a GGUF's blocks, never built in float32)."""
     try:
         config = AutoConfig.from_pretrained(where, gguf_file=gguf, trust_remote_code=spec.trust_remote_code,
                                             local_files_only=local)
@@ -167,6 +184,11 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
     per_param = torch.finfo(dtype).bits / 8
     if quant is not None:  # built in `dtype` on the CPU, then quantized as it moves to the device
         per_param, what = (0.5 if spec.quantization == "4bit" else 1.0), f"in bitsandbytes {spec.quantization}"
+    elif lazy:  # float32 for the rest, the matrices packed from the GGUF's blocks one at a time
+        matrices = stand_in.matrix_params(shape)
+        per_param = (4.5 * (shape.params - matrices) + LAZY_BYTES * matrices) / shape.params
+        what = ("(the rest in float32, the decoder matrices packed one by one from the GGUF's 4-bit blocks "
+                "on the w4a8 kernel)")
     elif spec.quantization in ROUNDS_ACTIVATIONS:  # float32 matrices replaced one by one by int8 / int4 ones
         per_param, what = 4.5, f"(built in float32, then put on the {spec.quantization} kernel matrix by matrix)"
     elif spec.quantization in CPU_KERNELS:  # measured: a 6.74B stand-in in int4 peaked at 20.4 GB resident

@@ -134,10 +134,25 @@ def _pad(src: torch.Tensor, shape: torch.Size, dtype: torch.dtype, scale: float 
     return out
 
 
+def matrix_params(shape: StandIn) -> int:
+    """The decoder layers' matrices' parameters (attention and MLP) of a stand-in."""
+    head_dim = shape.hidden // shape.heads
+    attention = 2 * shape.hidden * shape.heads * head_dim + 2 * shape.hidden * shape.kv_heads * head_dim
+    return shape.layers * (attention + 3 * shape.hidden * shape.intermediate)
+
+
+def unbuilt(weight: torch.Tensor) -> bool:
+    """Whether a stand-in's weight was left unbuilt (`build(..., lazy=...)`): one zero, broadcast."""
+    return weight.dim() > 0 and all(stride == 0 for stride in weight.stride())
+
+
 def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
-          progress: Callable[[int, int], None] | None = None) -> PreTrainedModel:
+          progress: Callable[[int, int], None] | None = None, lazy: frozenset[str] = frozenset()) -> PreTrainedModel:
     """The zero-padded copy of `model` (on the CPU, in `dtype`) with `model.stand_in = shape`;
-    `progress(done, total)` as each tensor starts."""
+    `progress(done, total)` as each tensor starts. The weights of the modules named in `lazy` are
+    not built (one zero broadcast to their shape, no memory): their values come from elsewhere
+    when they are quantized (a GGUF's own 4-bit blocks, padded: PaddedGroups), so a 7b stand-in
+    on w4a8 never holds its 27 GB of float32 matrices."""
     config = copy.deepcopy(model.config)
     norm_scale = math.sqrt(shape.source_hidden / shape.hidden)
     config.hidden_size, config.intermediate_size = shape.hidden, shape.intermediate
@@ -156,7 +171,9 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
         if progress is not None:
             progress(done, len(metas))
         src = source.get(name)
-        if src is None:  # an appended layer: all zeros, the identity on the residual stream
+        if name.endswith(".weight") and name.removesuffix(".weight") in lazy:
+            state[name] = torch.zeros((), dtype=dtype).expand(meta.shape)
+        elif src is None:  # an appended layer: all zeros, the identity on the residual stream
             state[name] = torch.zeros(meta.shape, dtype=dtype)
         elif "norm" in name.rsplit(".", 2)[-2] and src.dim() == 1 and src.shape[0] == shape.source_hidden:
             state[name] = _pad(src, meta.shape, dtype, norm_scale)  # RMSNorm over the residual stream
