@@ -123,12 +123,14 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
     lazy = build(source, shape, torch.float32, lazy=frozenset(groups))
     assert stand_in.matrix_params(shape) == sum(m.weight.numel() for m in full.modules()
                                                 if isinstance(m, torch.nn.Linear) and m is not full.lm_head)
+    appended = {f"model.layers.{i}" for i in range(source.config.num_hidden_layers, shape.layers)}
     for name, module in lazy.named_modules():
         if isinstance(module, torch.nn.Linear):
-            assert stand_in.unbuilt(module.weight) == (name in groups), name
+            assert stand_in.unbuilt(module.weight) == (name in groups or name.rsplit(".", 2)[0] in appended), name
             assert module.weight.shape == full.get_submodule(name).weight.shape
-    assert all(torch.equal(a, b) for (n, a), (_, b) in zip(lazy.state_dict().items(), full.state_dict().items())
-               if n.removesuffix(".weight") not in groups)
+    assert appended and all(torch.equal(a, b) for (n, a), (_, b) in zip(lazy.state_dict().items(),
+                                                                         full.state_dict().items())
+                            if n.removesuffix(".weight") not in groups)  # appended layers: zeros on both sides
     quantize_w4a8(full, pad_groups(groups, full))
     quantize_w4a8(lazy, pad_groups(groups, lazy))
     packed = [(name, m) for name, m in lazy.named_modules() if isinstance(m, W4A8Linear)]
@@ -152,6 +154,35 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
     kept = again.get_submodule(name)
     assert isinstance(kept, torch.nn.Linear) and not stand_in.unbuilt(kept.weight)
     assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again)[name]))
+
+
+def test_the_memory_check_counts_matrices_taken_from_a_ggufs_blocks_as_packed(tiny_size, tmp_path, monkeypatch):
+    """Where a GGUF holds every decoder matrix as Q4_0 / Q4_1 blocks (its header's counts), a w4a8
+    stand-in is checked for about 1.15 bytes a matrix weight, not float32's 4.5."""
+    from pathlib import Path
+
+    from specui.weights import concrete
+    from specui.weights.gguf_cache import GGUFSource
+    from specui.weights.loading import ModelSpec
+
+    bundled_like = GGUFSource(Path("x.gguf"), types={"Q4_1": 210, "F32": 61, "Q8_0": 1})
+    assert concrete.covers_matrices(bundled_like)
+    assert not concrete.covers_matrices(GGUFSource(Path("x.gguf"), types={"Q4_K": 210, "Q6_K": 1, "F32": 61}))
+    assert not concrete.covers_matrices(GGUFSource(Path("x.gguf"), types={"Q4_0": 2, "F32": 1}))  # not 7 a layer
+    assert not concrete.covers_matrices(None) and not concrete.covers_matrices(GGUFSource(Path("x.gguf")))
+    folder = save_tiny_model(tmp_path / "m", seed=0, layers=2, hidden=64)
+    spec = ModelSpec(str(folder), quantization="w4a8", stand_in=tiny_size)
+    said = {}
+    for lazy in (False, True):
+        monkeypatch.setattr(stand_in, "free_memory", lambda device: 1 << 10)
+        with pytest.raises(SpecUIError, match="needs about") as refused:
+            concrete.plan_stand_in(spec, str(folder), None, True, torch.float32, torch.device("cpu"), None, lazy)
+        said[lazy] = str(refused.value)
+    assert "built in float32" in said[False] and "packed one by one from the GGUF's 4-bit blocks" in said[True]
+    shape = plan(tiny_llama(0, layers=2, hidden=64).config, tiny_size)
+    matrices = stand_in.matrix_params(shape)
+    need = (4.5 * (shape.params - matrices) + concrete.LAZY_BYTES * matrices) / 2**30
+    assert f"needs about {need:.1f} GiB" in said[True]
 
 
 def test_bad_sizes_and_models_are_refused_before_anything_is_built(tiny_size, monkeypatch):

@@ -152,7 +152,8 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
     `progress(done, total)` as each tensor starts. The weights of the modules named in `lazy` are
     not built (one zero broadcast to their shape, no memory): their values come from elsewhere
     when they are quantized (a GGUF's own 4-bit blocks, padded: PaddedGroups), so a 7b stand-in
-    on w4a8 never holds its 27 GB of float32 matrices."""
+    on w4a8 never holds its 27 GB of float32 matrices; with `lazy`, the matrices of appended
+    layers (all zeros) are such broadcasts too."""
     config = copy.deepcopy(model.config)
     norm_scale = math.sqrt(shape.source_hidden / shape.hidden)
     config.hidden_size, config.intermediate_size = shape.hidden, shape.intermediate
@@ -171,7 +172,8 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
         if progress is not None:
             progress(done, len(metas))
         src = source.get(name)
-        if name.endswith(".weight") and name.removesuffix(".weight") in lazy:
+        appended = lazy and src is None and meta.dim() == 2  # an appended layer's matrix: zeros anyway
+        if name.endswith(".weight") and (name.removesuffix(".weight") in lazy or appended):
             state[name] = torch.zeros((), dtype=dtype).expand(meta.shape)
         elif src is None:  # an appended layer: all zeros, the identity on the residual stream
             state[name] = torch.zeros(meta.shape, dtype=dtype)
