@@ -298,6 +298,22 @@ def test_the_bundled_360m_stand_in_answers_like_plain_decoding(capsys):
     assert replies["stand-in ar"] == replies["plain"] == replies["stand-in speculative"]
 
 
+@pytest.mark.bundled
+def test_a_gguf_whose_blocks_cannot_be_read_is_checked_for_float32_matrices(monkeypatch):
+    """The bundled GGUF's header promises 4-bit blocks for every matrix (w4a8 checks the 360m
+    stand-in for packed matrices); where the blocks then do not come, the stand-in would be built in
+    float32 after all, and is checked for that first."""
+    from specui.weights import concrete
+    from specui.weights.gguf_cache import GGUFSource
+    from specui.weights.loading import BUNDLED, ModelSpec
+
+    monkeypatch.setattr(GGUFSource, "four_bit", lambda self, model: {})
+    monkeypatch.setattr(stand_in, "free_memory", lambda device: 1 << 30)  # 1 GiB: packed fits, float32 not
+    spec = ModelSpec(BUNDLED, dtype="auto", device="cpu", quantization="w4a8", stand_in="360m")
+    with pytest.raises(SpecUIError, match="built in float32: this GGUF's 4-bit blocks could not be read"):
+        concrete.load_concrete(spec, "target")
+
+
 @pytest.mark.parametrize("layers", [None, [0, 2]])
 def test_a_feature_draft_reads_a_stand_ins_states_as_its_sources(tiny_size, layers):
     """The draft was made for the source: it reads the first H entries of each (padded) state,

@@ -116,6 +116,9 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         raise SpecUIError(f"could not load model '{spec.source}'{hint}: {short_error(e)}") from None
     notes: tuple[str, ...] = given
     blocks = source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
+    if shape is not None and lazy and not blocks:  # the header promised blocks the file did not give
+        lazy = False
+        stand_in.check_memory(shape, 4.5, device, "(built in float32: this GGUF's 4-bit blocks could not be read)")
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
         padded = stand_in.build(model, shape, built, lambda done, total: say(
             0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"),
