@@ -107,7 +107,7 @@ def test_int4_padded_groups_are_exact_zeros_and_the_function_is_kept(tiny_size):
     assert (want - got).abs().max() <= 0.05 * want.abs().max()  # bfloat16 rounding of the scaled norms
 
 
-def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_size):
+def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_size, monkeypatch):
     """A stand-in on w4a8 whose source matrices all come as 4-bit groups (a GGUF's own blocks) leaves
     those matrices unbuilt (a zero broadcast, no memory): the packed model equals the one built in
     full, the appended layers' matrices included; a matrix whose packing fails gets its values back."""
@@ -142,18 +142,16 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
         assert torch.equal(lazy(input_ids=ids).logits, full(input_ids=ids).logits)
 
     again = build(source, shape, torch.float32, lazy=frozenset(groups))
-    name = next(iter(groups))
+    first = next(iter(groups))
+    refused = pad_groups(groups, again)[first][0]
     original = W4A8Linear.from_groups
-    try:  # the kernel refuses one matrix: it stays a float matrix with the groups' values, not zeros
-        W4A8Linear.from_groups = staticmethod(lambda *a: None if a[0].shape == pad_groups(groups, again)[name][0].shape
-                                              and torch.equal(a[0], pad_groups(groups, again)[name][0])
-                                              else original(*a))
-        quantize_w4a8(again, pad_groups(groups, again))
-    finally:
-        W4A8Linear.from_groups = original
-    kept = again.get_submodule(name)
+    # the kernel refuses the first matrix: it stays a float matrix with the groups' values, not zeros
+    monkeypatch.setattr(W4A8Linear, "from_groups", staticmethod(
+        lambda q, *rest: None if q.shape == refused.shape and torch.equal(q, refused) else original(q, *rest)))
+    quantize_w4a8(again, pad_groups(groups, again))
+    kept = again.get_submodule(first)
     assert isinstance(kept, torch.nn.Linear) and not stand_in.unbuilt(kept.weight)
-    assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again)[name]))
+    assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again)[first]))
 
 
 def test_the_memory_check_counts_matrices_taken_from_a_ggufs_blocks_as_packed(tiny_size, tmp_path, monkeypatch):
