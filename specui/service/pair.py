@@ -33,7 +33,7 @@ from specui.weights.loading import (
     measures_dtype,
     resolve_dtype,
 )
-from specui.weights.stand_in import SIZES, is_source_copy
+from specui.weights.stand_in import check_size, is_source_copy
 
 REPO = Path(__file__).resolve().parents[2]  # specui/service/pair.py -> the repository
 SHIPPED_DRAFT = REPO / "models" / "smollm2-135m-draft"
@@ -87,8 +87,8 @@ def pair_specs(choice: PairChoice) -> tuple[ModelSpec, ModelSpec | None]:
     if choice.capture not in CAPTURES:
         raise SpecUIError(f"capture must be one of {', '.join(CAPTURES)}, not '{choice.capture}'")
     size = (choice.stand_in or "").strip()
-    if size and size not in SIZES:  # before anything loads (quantization auto would try it once an option)
-        raise SpecUIError(f"unknown stand-in size '{size}'; choose one of {', '.join(SIZES)}")
+    if size:  # before anything loads (quantization auto would try it once an option)
+        check_size(size)
     target = ModelSpec(choice.target.strip(), choice.dtype, choice.device, choice.quantization,
                        choice.trust_remote_code, size)
     draft = choice.draft.strip() or "none"

@@ -117,12 +117,11 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     notes: tuple[str, ...] = given
     blocks = source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
     if shape is not None and lazy and not blocks:  # the header promised blocks the file did not give
-        lazy = False
         stand_in.check_memory(shape, 4.5, device, "(built in float32: this GGUF's 4-bit blocks could not be read)")
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
         padded = stand_in.build(model, shape, built, lambda done, total: say(
             0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"),
-            frozenset(blocks or {}) if lazy else frozenset())
+            frozenset(blocks or {}) if lazy else frozenset())  # (no blocks: nothing left unbuilt)
         model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
         notes += (f"{role} {shape.label}",)
         if quant is not None:

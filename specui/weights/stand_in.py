@@ -90,11 +90,16 @@ def count_params(vocab: int, hidden: int, intermediate: int, layers: int, heads:
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
 
+def check_size(size: str) -> None:
+    """A clear SpecUIError for a size that is not one of SIZES (before anything loads)."""
+    if size not in SIZES:
+        raise SpecUIError(f"unknown stand-in size '{size}'; choose one of {', '.join(SIZES)}")
+
+
 def plan(config, size: str) -> StandIn:
     """The padded shape of `config`'s model for `size`; a clear SpecUIError for an unknown size,
     a model that is not Llama-family, or one already as large."""
-    if size not in SIZES:
-        raise SpecUIError(f"unknown stand-in size '{size}'; choose one of {', '.join(SIZES)}")
+    check_size(size)
     if getattr(config, "model_type", None) not in FAMILY:
         raise SpecUIError(f"stand-ins are built for Llama-family models ({', '.join(FAMILY)}); this target is "
                           f"'{getattr(config, 'model_type', type(config).__name__)}'")
