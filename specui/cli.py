@@ -106,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "vanilla (padded cache and inputs, the comparison)")
     g.add_argument("--fixed-gamma", action="store_true",
                    help="ems-sd: draft exactly --gamma tokens every step (default: chosen per step from the cost "
-                        "profile, at most --gamma; 0 where batched plain decoding is faster)")
+                        "profile, at most --gamma; 0 where batched plain decoding is faster); dsbd: a forest of "
+                        "exactly --gamma layers every step (default: the depth 0..gamma its own timed steps find "
+                        "fastest; 0 is a beam sampling step)")
     g.add_argument("--tree-preset", default=d.preset, help="tree: binary-14 | eagle-25 | mcsd-42211")
     g.add_argument("--nodes", type=int, default=d.nodes, help="opt-tree: node budget n")
     g.add_argument("--fixed-nodes", action="store_true",

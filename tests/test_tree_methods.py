@@ -176,6 +176,7 @@ def test_bench_spec_for_an_adaptive_budget():
 
     assert parse_method("opt-tree:25@adaptive") == ("opt-tree", {"adaptive_nodes": True, "nodes": 25})
     assert parse_method("speculative:6@0.4") == ("speculative", {"confidence": 0.4, "gamma": 6})
+    assert parse_method("dsbd:2@adaptive") == ("dsbd", {"adaptive_gamma": True, "width": 2})
     assert parse_method("auto@0.2") == ("auto", {"confidence": 0.2})  # no ":" before the "@"
 
 

@@ -53,7 +53,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
     params: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key == "memory_mode":
+        if key in ("memory_mode", "adaptive_gamma"):
             params[key] = value not in ("0", "false", "")
         elif key == "width_threshold":
             params[key] = float(value)

@@ -120,6 +120,20 @@ class ChainProbes:
 
 
 @dataclass
+class DepthRecord:
+    """What DSBD's steps on one pair have measured at one configuration, for its adaptive depth
+    (specui.engine.methods.dsbd_depth): each depth's running step time (ms) and the step count
+    when it was last timed, the per-layer pass rate, and a depth whose timing is owed (its last
+    step fed the draft's catch-up)."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+    timed_at: dict[int, int] = field(default_factory=dict)
+    passes: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    steps: int = 0
+    owed: int | None = None
+
+
+@dataclass
 class EngineCosts:
     profile: CostProfile | None = None
     note: str = ""  # how the profile was obtained, or why there is none
@@ -132,6 +146,7 @@ class EngineCosts:
     ratios: dict[str, TimeRatio] = field(default_factory=dict)  # by kind: "autoregressive", "speculative"
     trees: TreeVerdict = field(default_factory=TreeVerdict)  # auto's OPT-Tree probes
     chains: ChainProbes = field(default_factory=ChainProbes)  # auto's chain probes where chains do not pay
+    depths: dict[str, DepthRecord] = field(default_factory=dict)  # DSBD's adaptive depth, by configuration
 
     def ratio(self, kind: str) -> TimeRatio:
         return self.ratios.setdefault(kind, TimeRatio())

@@ -95,7 +95,8 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str], max_new_t
                                  "inputs; vanilla = padded cache and inputs (the comparison)"),
         "adaptive_gamma": gr.Checkbox(value=defaults.adaptive_gamma, label="adaptive draft length",
                                       info="ems-sd: choose the batch's draft length (0..gamma) per step from the "
-                                           "measured costs; off = always gamma"),
+                                           "measured costs; dsbd: the forest's depth (0..gamma, 0 = a beam "
+                                           "sampling step) from its own timed steps; off = always gamma"),
         "replies": gr.Slider(1, max_replies, value=defaults.replies, step=1, label="alternative replies",
                              info="ems-sd: answer with n replies decoded together (they differ when temperature "
                                   "> 0); the last is the one the chat continues from"),

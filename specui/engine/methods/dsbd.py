@@ -33,10 +33,14 @@ beams, outputs) and the trace drawn from it are in dsbd_forest.py.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from specui.engine.costs import DepthRecord
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.beam import Hypothesis, beam_search_done, select_beams
+from specui.engine.methods.dsbd_depth import DepthPolicy
 from specui.engine.methods.dsbd_forest import Beam, Layer, Node, Output, forest_trace
 from specui.engine.methods.dsbd_verify import LayerVerdict, acceptance_count_probs, dynamic_width, verify_layer
 from specui.engine.rows import RowSession
@@ -56,9 +60,12 @@ class DSBD(Method):
     uses_draft = True
 
     def __init__(self, width: int = 2, draft_width: int | None = None, gamma: int = 3,
-                 width_threshold: float | None = None, min_width: int = 1, memory_mode: bool = False) -> None:
+                 width_threshold: float | None = None, min_width: int = 1, memory_mode: bool = False,
+                 adaptive_gamma: bool = False) -> None:
         """width: W_L, the beams kept; draft_width: W_S, the draft's beams per layer
-        (None: 2 W_L); width_threshold: t, dynamic width on when given; min_width: W_min."""
+        (None: 2 W_L); width_threshold: t, dynamic width on when given; min_width: W_min;
+        adaptive_gamma: each step's depth chosen in 0..gamma by measurement (dsbd_depth.py),
+        else always gamma (the seed's)."""
         beam_width = width
         draft_width = 2 * width if draft_width is None else draft_width
         if beam_width < 1 or gamma < 1:
@@ -72,6 +79,8 @@ class DSBD(Method):
             raise SpecUIError(f"width threshold must be in (0, 1], got {width_threshold}")
         self.beam_width, self.draft_width, self.gamma = beam_width, draft_width, gamma
         self.threshold, self.min_width, self.memory_mode = width_threshold, min_width, memory_mode
+        self.adaptive_gamma = adaptive_gamma
+        self.depth: DepthPolicy | None = None
         self.target: RowSession | None = None
         self.draft: RowSession | None = None
         self.running: list[Beam] = []
@@ -87,11 +96,24 @@ class DSBD(Method):
         self.draft.prefill(ctx.ids[:-1])
         self.running = [Beam([], 0.0, [ctx.ids[-1]], [ctx.ids[-1]])]
         self.finished = []
+        if self.adaptive_gamma:
+            key = (f"{self.beam_width}/{self.draft_width} {'greedy' if ctx.sampling.greedy else 'sampled'}"
+                   f" t={self.threshold} min={self.min_width} memory={self.memory_mode}")
+            record = ctx.costs.depths.setdefault(key, DepthRecord()) if ctx.costs is not None else DepthRecord()
+            self.depth = DepthPolicy(self.gamma, record)
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> StepResult:
+        start = time.perf_counter()
         before = len(self.running[0].tokens)
-        gamma = max(0, min(self.gamma, ctx.max_new_tokens - before - 1))
+        cap = ctx.max_new_tokens - before - 1
+        notes = []
+        if self.depth is not None:
+            gamma, why = self.depth.choose(cap)
+            notes.append(why)
+        else:
+            gamma = max(0, min(self.gamma, cap))
+        behind = max(len(b.d_fresh) for b in self.running) > 2  # the draft first catches up (depth 0 ran)
         with ctx.timer.phase("draft"):
             roots, layers = self._draft_forest(ctx, gamma)
         with ctx.timer.phase("verify"):
@@ -104,10 +126,13 @@ class DSBD(Method):
         gained = len(self.running[0].tokens) - before if self.running else len(best.tokens) - before
         accepted = max(0, gained - 1)  # draft layers the beams advanced by beyond the target's own token
         stop = outputs[0].parent.layer + 1 if outputs else len(widths)
+        if self.depth is not None:
+            passed = min(len(layers), stop - 1) if outputs else 0
+            self.depth.observe(gamma, 1000 * (time.perf_counter() - start), len(layers), passed, behind)
         return StepResult(
             tokens=list(best.tokens), replace=True, finished=done, nodes=forest_trace(roots, layers, outputs),
             drafted=len(forest), accepted=accepted, gamma=gamma, beam_width=len(self.running) or None,
-            tree_nodes=len(forest), tree_depth=len(layers), layer_widths=widths, stop_layer=stop,
+            tree_nodes=len(forest), tree_depth=len(layers), layer_widths=widths, stop_layer=stop, notes=notes,
             beams=[(b.tokens, b.score) for b in self.running] + [(h.tokens, h.score) for h in self.finished[-8:]
                                                                  if h.tokens and len(h.tokens) > before],
         )
