@@ -122,15 +122,22 @@ class ChainProbes:
 @dataclass
 class DepthRecord:
     """What DSBD's steps on one pair have measured at one configuration, for its adaptive depth
-    (specui.engine.methods.dsbd_depth): each depth's running step time (ms) and the step count
-    when it was last timed, the per-layer pass rate, and a depth whose timing is owed (its last
-    step fed the draft's catch-up)."""
+    (specui.engine.methods.dsbd_depth): each depth's running step time (ms), its last timings
+    and the step count when it was last timed, the per-layer pass rate, the running time of a
+    step's first draft forward, a depth whose timing is owed (its step fed the draft's catch-up
+    before that time was known), the wait between re-timings (None: the policy's own) and the
+    depth being re-timed."""
 
     ms: dict[int, float] = field(default_factory=dict)
+    timings: dict[int, list[float]] = field(default_factory=dict)  # each depth's last step times
     timed_at: dict[int, int] = field(default_factory=dict)
-    passes: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    passes: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(decay=0.98))  # layers passed
     steps: int = 0
+    root_ms: float | None = None
+    roots: list[float] = field(default_factory=list)  # the last times of a step's first draft forward
     owed: int | None = None
+    gap: int | None = None
+    probe: int | None = None
 
 
 @dataclass

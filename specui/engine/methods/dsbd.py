@@ -81,6 +81,7 @@ class DSBD(Method):
         self.threshold, self.min_width, self.memory_mode = width_threshold, min_width, memory_mode
         self.adaptive_gamma = adaptive_gamma
         self.depth: DepthPolicy | None = None
+        self.root_ms: float | None = None  # the last step's first draft forward (the beams' unfed tokens)
         self.target: RowSession | None = None
         self.draft: RowSession | None = None
         self.running: list[Beam] = []
@@ -114,6 +115,8 @@ class DSBD(Method):
         else:
             gamma = max(0, min(self.gamma, cap))
         behind = max(len(b.d_fresh) for b in self.running) > 2  # the draft first catches up (depth 0 ran)
+        typical = self.threshold is not None or len(self.running) == (1 if self.memory_mode else self.beam_width)
+        self.root_ms = None
         with ctx.timer.phase("draft"):
             roots, layers = self._draft_forest(ctx, gamma)
         with ctx.timer.phase("verify"):
@@ -128,7 +131,8 @@ class DSBD(Method):
         stop = outputs[0].parent.layer + 1 if outputs else len(widths)
         if self.depth is not None:
             passed = min(len(layers), stop - 1) if outputs else 0
-            self.depth.observe(gamma, 1000 * (time.perf_counter() - start), len(layers), passed, behind)
+            self.depth.observe(gamma, 1000 * (time.perf_counter() - start), len(layers), passed, self.root_ms, behind,
+                               typical)
         return StepResult(
             tokens=list(best.tokens), replace=True, finished=done, nodes=forest_trace(roots, layers, outputs),
             drafted=len(forest), accepted=accepted, gamma=gamma, beam_width=len(self.running) or None,
@@ -142,7 +146,9 @@ class DSBD(Method):
         roots = [Node(r, b.t_fresh[-1], None, 0, b.score, t_idx=len(b.t_fresh) - 1) for r, b in enumerate(self.running)]
         if gamma == 0:
             return roots, []
+        began = time.perf_counter()
         logits = self.draft.forward([[(t, i - 1) for i, t in enumerate(b.d_fresh)] for b in self.running])
+        self.root_ms = 1000 * (time.perf_counter() - began)
         for root, b, rows in zip(roots, self.running, logits):
             root.d_idx, root.q_logits = len(b.d_fresh) - 1, rows[-1]
         layers, parents = [], roots

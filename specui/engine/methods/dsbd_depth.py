@@ -10,22 +10,26 @@ that pays.
 
 What a depth yields comes from a per-layer pass rate beta (a layer passes when its W_L beams
 are all accepted; the geometric estimate over the layers verified): (1 - beta^(g+1)) / (1 - beta)
-tokens a step. What it costs is measured: each depth's step time, an exponential average of
-the whole step (draft forest, the target's forward of the beams' rows, verification, the rows'
-commit), since a forest's rows cost what no single-row profile predicts. Depths not yet timed
+tokens a step. What it costs is measured: each depth's step time (the median of its last
+timings) of the whole step (draft forest, the target's forward of the beams' rows, verification,
+the rows' commit), since a forest's rows cost what no single-row profile predicts; steps with
+fewer beams than usual (a reply's first, from its one prompt beam) are not timed. Depths not yet timed
 are tried first (the deepest first: it measures beta too); every `probe_every` steps the depth
-timed longest ago is timed again, as contexts grow and beta moves. A step that first feeds the
-draft what it missed while depth 0 ran (its catch-up) is not timed, and the depth it tried is
-timed again at the next step. What is learnt is kept in the engine's costs across replies
-(`DepthRecord`, one per W_L / W_S / sampling mode).
+timed longest ago is timed again, as contexts grow and beta moves; each re-timing that leaves
+the best depth where it was doubles the wait before the next (at most 8x). A step that first
+feeds the draft what it missed while depth 0 ran (its catch-up) counts its first draft forward
+at the usual time of that forward, not at the catch-up's. What is learnt is kept in the
+engine's costs across replies (`DepthRecord`, one per configuration and sampling mode).
 """
 
 from __future__ import annotations
 
+import statistics
+
 from specui.engine.costs import DepthRecord
 from specui.engine.methods.chain_rate import chain_tokens
 
-WEIGHT = 0.3  # each new timing's share of a depth's running step time
+WINDOW = 5  # a depth's step time: the median of its last WINDOW timings
 
 
 class DepthPolicy:
@@ -59,26 +63,50 @@ class DepthPolicy:
             return g, f"depth {g}: timing it (not yet measured)"
         best = max(depths, key=self.rate)
         stale = min((g for g in depths if g != best), key=lambda g: record.timed_at[g])
-        if record.steps - record.timed_at[stale] >= self.probe_every:
+        if record.steps - record.timed_at[stale] >= (record.gap or self.probe_every):
+            record.probe = stale
             return stale, f"depth {stale}: timing it again (best {best})"
         rates = ", ".join(f"{g}: {1000 * self.rate(g):.1f}" for g in depths)
         what = "a beam sampling step" if best == 0 else f"{self.tokens(best):.2f} tokens a step expected"
         return best, f"depth {best}, {what} (layer pass rate {record.passes.alpha:.2f}; tok/s by depth {rates})"
 
-    def observe(self, gamma: int, ms: float, layers: int, passed: int, caught_up: bool) -> None:
-        """One step's depth, wall time, layers verified and passed; `caught_up`: it also fed
-        the draft tokens it missed (its time is not the depth's own)."""
+    def observe(self, gamma: int, ms: float, layers: int, passed: int, root_ms: float | None = None,
+                behind: bool = False, typical: bool = True) -> None:
+        """One step's depth, wall time (ms), layers verified and passed, and the time of its
+        first draft forward (`root_ms`: the beams' last tokens, and with them, where the step
+        is `behind`, every token the draft missed while depth 0 ran: that catch-up is not the
+        depth's own cost, so the usual first forward's time stands in for it). A step that is
+        not `typical` (fewer beams than usual) counts for the pass rate, not the times."""
         record = self.record
         record.steps += 1
         if layers:
             record.passes.observe(layers, min(passed, layers))
-        if caught_up and gamma > 0:
-            record.owed = gamma
+        if not typical:
             return
+        if gamma > 0 and root_ms is not None:
+            if not behind:
+                record.roots = (record.roots + [root_ms])[-WINDOW:]
+                record.root_ms = _running(record.roots)
+            elif record.root_ms is not None:
+                ms += record.root_ms - root_ms
+            else:
+                record.owed = gamma
+                return
         record.owed = None
-        old = record.ms.get(gamma)
-        if old is None:
-            record.ms[gamma] = ms
-        else:  # one outlier (a page fault, the other process on the core) moves it at most 2x
-            record.ms[gamma] = old + WEIGHT * (min(2.0 * old, max(0.5 * old, ms)) - old)
+        record.timings[gamma] = (record.timings.get(gamma, []) + [ms])[-WINDOW:]
+        record.ms[gamma] = _running(record.timings[gamma])
         record.timed_at[gamma] = record.steps
+        if record.probe == gamma:  # a re-timing that left the best where it was: wait twice as long
+            won = max(record.ms, key=self.rate) == gamma
+            record.gap = self.probe_every if won else min(8 * self.probe_every, 2 * (record.gap or self.probe_every))
+            record.probe = None
+
+
+def _running(timings: list[float]) -> float:
+    """A depth's step time from its last timings. Noise on a CPU is upward (a page fault, the
+    other process on the core): the least of the first two, then the median of the last
+    WINDOW, which one slow step does not move (a running mean did: one 56 ms step among 37s
+    turned a reply that paid at depth 1 to depth 0 for the rest of it)."""
+    if len(timings) <= 2:
+        return min(timings)
+    return statistics.median(timings)
