@@ -68,18 +68,6 @@ class SessionRow:
         del self.cached[keep:], self.slots[keep:]
 
 
-def free_memory(device: torch.device) -> int | None:
-    """Bytes the cache may still take: free GPU memory, or the system's MemAvailable on CPU
-    (None where it cannot be read)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as info:
-            return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 class RaggedSession:
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None, padding: str = "unpad",
                  kernel: str | None = None) -> None:

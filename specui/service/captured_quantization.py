@@ -29,7 +29,7 @@ import torch
 
 from specui.engine import calibration, capture_choice
 from specui.engine.giving_way import lowest_priority
-from specui.engine.ragged import free_memory
+from specui.engine.host_memory import free_memory
 from specui.engine.timing import fastest_in_turns
 from specui.service.process_memory import release_freed_memory
 from specui.weights.concrete import load_concrete

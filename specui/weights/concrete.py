@@ -18,6 +18,7 @@ from specui.weights.bnb_logs import NOTE, quiet_int8_cast
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_blocks import BLOCK_BYTES
 from specui.weights.gguf_cache import GGUFSource
+from specui.weights.load_memory import check_plain_load
 from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
@@ -99,6 +100,9 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     quant = _quantization_config(spec.quantization, dtype)
     lazy = spec.quantization == "w4a8" and covers_matrices(source)  # matrices from the GGUF's blocks alone
     shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant, lazy) if spec.stand_in else None
+    if shape is None:  # refused here, with the figures, rather than killed by the kernel halfway through
+        check_plain_load(spec.source, where, gguf, local, source.reader if source is not None else None,
+                         spec.quantization, built, device, measures_dtype(spec, device))
     tokenizer = load_tokenizer(spec, (where, gguf, local))
     kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else built, trust_remote_code=spec.trust_remote_code,
                   local_files_only=local)

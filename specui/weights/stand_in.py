@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.ragged import free_memory
+from specui.engine.host_memory import free_memory
 from specui.errors import SpecUIError
 from specui.weights.quantize import replace_module
 

@@ -26,10 +26,11 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine.costs import EngineCosts
+from specui.engine.host_memory import free_memory
 from specui.engine.method import DecodeContext, Method, StepResult, StepTimer
 from specui.engine.methods.emssd_policy import BatchRow, GammaPolicy
 from specui.engine.methods.speculative import chain_step
-from specui.engine.ragged import RaggedSession, free_memory
+from specui.engine.ragged import RaggedSession
 from specui.engine.sampling import argmax_tokens, sample, warp
 from specui.engine.trace import StepTrace
 from specui.errors import SpecUIError

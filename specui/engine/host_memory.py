@@ -1,0 +1,83 @@
+"""How much memory this process may still take: free GPU memory on a GPU; on a CPU the system's
+MemAvailable, or less where the process runs in a control group with a memory limit (a container:
+/proc/meminfo shows the host's memory there, and the group's limit is what the kernel kills at)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CGROUP = Path("/sys/fs/cgroup")
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
+
+
+def free_memory(device: torch.device, cgroup: Path = CGROUP) -> int | None:
+    """Bytes that may still be allocated on `device` (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            available = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    room = cgroup_room(cgroup)
+    return available if room is None else min(available, room)
+
+
+def cgroup_room(root: Path = CGROUP, membership: str | None = None) -> int | None:
+    """The least room left under a memory limit of this process's control group or its ancestors
+    (the limit less what the group uses, its inactive file cache counted as free: the kernel
+    reclaims that first); None without a limit. `membership`: /proc/self/cgroup's text. cgroup v2
+    (memory.max, memory.current) and v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes)."""
+    if membership is None:
+        try:
+            membership = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            membership = ""
+    rooms = [room for group in _groups(root, membership) if (room := _room(group)) is not None]
+    return min(rooms) if rooms else None
+
+
+def _groups(root: Path, membership: str) -> list[tuple[Path, str, str, str]]:
+    """Each (folder, limit file, usage file, inactive cache key) from the process's own group up to
+    the hierarchy's root (a container sees its own group as the root)."""
+    found = []
+    for line in membership.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in parts[1].split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        folder = base / parts[2].strip("/")
+        while True:
+            found.append((folder, *files))
+            if folder == base:
+                break
+            folder = folder.parent
+    if not found:  # no membership to read: the hierarchy's roots
+        found = [(root, "memory.max", "memory.current", "inactive_file"),
+                 (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")]
+    return found
+
+
+def _room(group: tuple[Path, str, str, str]) -> int | None:
+    folder, limit_name, usage_name, inactive = group
+    try:
+        text = (folder / limit_name).read_text().strip()
+    except OSError:
+        return None
+    if not text.isdigit() or int(text) >= UNLIMITED:  # "max": no limit
+        return None
+    try:
+        usage = int((folder / usage_name).read_text().strip())
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines()
+                    if len(line.split()) >= 2)
+        cache = int(stat.get(inactive, 0))
+    except (OSError, ValueError):
+        return None
+    return max(0, int(text) - usage + cache)

@@ -1,0 +1,130 @@
+"""A load that will not fit in memory is refused, with the figures, before any weight is read
+(specui/weights/load_memory.py): the kernel would kill the app halfway through it."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from specui.errors import SpecUIError
+from specui.weights import load_memory
+from specui.weights.load_memory import check_plain_load, folder_weights, peak_bytes
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def folders(tmp_path):
+    """A tiny Llama saved in float32 and in bfloat16."""
+    model = tiny_llama(0, hidden=64).float()
+    model.save_pretrained(tmp_path / "f32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    return tmp_path, sum(p.numel() for p in model.state_dict().values())
+
+
+def test_a_folders_parameters_and_dtype_from_its_headers(folders, tmp_path):
+    root, count = folders
+    assert folder_weights(root / "f32") == (count, torch.float32)
+    assert folder_weights(root / "bf16") == (count, torch.bfloat16)
+    (tmp_path / "empty").mkdir()
+    assert folder_weights(tmp_path / "empty") is None  # nothing to read (pickled weights, a hub id): no check
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{nope")
+    assert folder_weights(bad) is None  # loading it says what is wrong
+
+
+def test_a_sharded_folder_counts_every_shard(tmp_path):
+    for i, shape in enumerate(([4, 8], [3])):
+        header = json.dumps({"w": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 2]}}).encode()
+        (tmp_path / f"model-0000{i}.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    assert folder_weights(tmp_path) == (35, torch.bfloat16)
+
+
+def test_the_peaks_follow_the_measured_table():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert peak_bytes("none", bf16, bf16, False, False) == pytest.approx(2.4)  # mapped, read by every forward
+    assert peak_bytes("none", f32, f32, False, True) == pytest.approx(6.4)  # and the copy --dtype auto times
+    assert peak_bytes("int4", bf16, f32, False, False) == pytest.approx(3.6)  # converted to bfloat16 first
+    assert peak_bytes("w4a8", f32, f32, False, False) == pytest.approx(1.9)
+    assert peak_bytes("w4a8", f32, None, True, False) == pytest.approx(7.2)  # a GGUF, dequantized as read
+    assert peak_bytes("none", bf16, None, True, False) == pytest.approx(2.7)
+
+
+def test_a_load_that_will_not_fit_is_refused_before_any_weight_is_read(folders, monkeypatch):
+    from specui.weights import concrete
+    from specui.weights.loading import ModelSpec
+
+    root, count = folders
+
+    def never(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(concrete.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: 1000)  # bytes
+    with pytest.raises(SpecUIError, match=r"needs about .* GiB of memory to load in float32 .*mapped.*this machine "
+                                          r"has 0\.0 GiB available; choose a smaller model"):
+        concrete.load_concrete(ModelSpec(str(root / "f32"), "float32", "cpu", "none"), "target")
+    # room for the bfloat16 files loaded as they are, not for them converted to float32: the refusal says what fits
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: int(count * 2.6 / 0.9))
+    with pytest.raises(SpecUIError, match=r"bfloat16 weights converted as read.*--quantization none --dtype "
+                                          r"bfloat16 would need about"):
+        concrete.load_concrete(ModelSpec(str(root / "bf16"), "float32", "cpu", "none"), "target")
+
+
+def test_what_fits_and_what_is_not_checked_passes(folders, monkeypatch):
+    root, count = folders
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: count * 8)
+    check_plain_load("x", str(root / "f32"), None, True, None, "w4a8", torch.float32, CPU, False)
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: 1000)
+    check_plain_load("org/name", "org/name", None, False, None, "none", torch.float32, CPU, True)  # a hub id
+    check_plain_load("x", str(root / "f32"), None, True, None, "4bit", torch.float32, CPU, False)  # bitsandbytes
+    check_plain_load("x", str(root), "m.gguf", True, None, "none", torch.float32, CPU, False)  # no reader: no table
+
+
+@pytest.mark.bundled
+def test_a_ggufs_parameters_from_its_header(monkeypatch):
+    from specui.weights.gguf_blocks import open_gguf
+    from specui.weights.sources import BUNDLED, locate
+
+    where, name, _ = locate(BUNDLED)
+    reader = open_gguf(f"{where}/{name}")
+    assert 134e6 < load_memory.gguf_weights(reader) < 136e6  # SmolLM2-135M
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: 1 << 30)
+    with pytest.raises(SpecUIError, match=r"135M parameters.*a GGUF is dequantized as it is read"):
+        check_plain_load(BUNDLED, where, name, True, reader, "w4a8", torch.float32, CPU, False)
+
+
+def test_a_control_groups_limit_bounds_the_memory_available(tmp_path):
+    """In a container /proc/meminfo shows the host's memory; the limit of the process's group (or of
+    an ancestor) is where the kernel kills, less what the group uses, its inactive file cache free."""
+    from specui.engine.host_memory import cgroup_room, free_memory
+
+    v2 = "0::/app/worker\n"
+    assert cgroup_room(tmp_path, v2) is None  # no memory controller: no limit
+    group = tmp_path / "app" / "worker"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text("max\n")
+    assert cgroup_room(tmp_path, v2) is None
+    (group / "memory.max").write_text(f"{8 << 30}\n")
+    (group / "memory.current").write_text(f"{3 << 30}\n")
+    (group / "memory.stat").write_text(f"anon 123\ninactive_file {1 << 30}\nactive_file 5\n")
+    assert cgroup_room(tmp_path, v2) == 6 << 30
+    (tmp_path / "app" / "memory.max").write_text(f"{4 << 30}\n")  # the parent's limit is tighter
+    (tmp_path / "app" / "memory.current").write_text(f"{3 << 30}\n")
+    (tmp_path / "app" / "memory.stat").write_text("inactive_file 0\n")
+    assert cgroup_room(tmp_path, v2) == 1 << 30
+    v1 = "4:memory:/box\n2:cpu,cpuacct:/box\n"
+    box = tmp_path / "memory" / "box"
+    box.mkdir(parents=True)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_room(tmp_path, v1) is None
+    (box / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (box / "memory.usage_in_bytes").write_text(f"{5 << 30}\n")
+    (box / "memory.stat").write_text("total_inactive_file 0\n")
+    assert cgroup_room(tmp_path, v1) == 0  # over its limit already: nothing left
+    assert free_memory(CPU, tmp_path) is not None  # this process's own groups, wherever it runs
