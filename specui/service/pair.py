@@ -17,6 +17,7 @@ from specui.heads.acceptance import TRAIN_COMMAND, load_head
 from specui.heads.decision import TRAIN_COMMAND as DECISION_TRAIN_COMMAND
 from specui.heads.decision import DecisionModels, load_decision_models
 from specui.service.joint import choose_with_draft
+from specui.service.process_memory import release_freed_memory
 from specui.settings import PairChoice
 from specui.weights.draft import is_specui_draft, load_draft
 from specui.weights.dtypes import choice_key, choose_dtype
@@ -187,7 +188,17 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded=None,
     (specui.service.joint): the target may be reloaded with the option that commits more
     tokens per second with speculation. `capture` (the pair's engines' forwards: auto / on / off)
     is the pair's, and with quantization auto the target's option is chosen as those run
-    (specui.service.captured_quantization), where that was measured on this machine."""
+    (specui.service.captured_quantization), where that was measured on this machine. The heap a
+    load freed (a GGUF's dequantized tensors, matrices packed one by one) goes back to the system:
+    a 1.07B Q4_0 GGUF on w4a8 held 3.4 GiB after loading, 1.4 after."""
+    try:
+        return _load_pair(target, draft, on_target_loaded, head, decision, progress, speculate, capture)
+    finally:
+        release_freed_memory()
+
+
+def _load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded, head: str, decision: str, progress,
+               speculate: bool, capture: str) -> ModelPair:
     if draft is not None:
         locate(draft.source)  # a draft path that does not exist is said before the target loads, not after
     loaded_target = load_model(target, role="target", progress=progress, capture=capture)
