@@ -4,7 +4,9 @@ transformers loads a GGUF by dequantizing it (its packed path needs kernels from
 A Q4_0 / Q4_1 block is 32 consecutive inputs of one output row with one scale (and, Q4_1, one
 minimum) in float16: w = d * q + m (Q4_1) or d * (q - 8) (Q4_0), q in 0..15. That is exactly an
 int4 group (specui/weights/quantize.py), so `--quantization int4` on a GGUF computes with the file's
-own weights, not a second rounding of the dequantized ones.
+own weights, not a second rounding of the dequantized ones. A Q4_K super-block (256 inputs) is
+eight such groups whose scales and minimums are 6-bit integers times the block's float16 d and
+dmin: exactly int4 groups too (`decode_q4_k`), for an explicit int4 / w4a8 on a Q4_K file.
 
 Each block tensor is matched to the module whose dequantized weight it equals: as stored, or
 with the rows of llama's query/key permutation undone (llama.cpp's converter permutes them for
@@ -22,7 +24,10 @@ import torch
 from specui.weights.quantize import GROUP, dequantize_groups
 
 Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q (N, K) in 0..15, scale, low (N, K / GROUP)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # what quantization auto counts as a GGUF of 4-bit blocks
+# what an explicit int4 / w4a8 takes from a file: also Q4_K (a super-block of 256 inputs, eight
+# groups of 32, each with its own 6-bit scale and minimum times the block's float16 d and dmin)
+DECODED_BYTES = {**BLOCK_BYTES, "Q4_K": 144}
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -42,6 +47,26 @@ def decode_blocks(raw: torch.Tensor, kind: str) -> Groups:
     return q, d, low
 
 
+def decode_q4_k(raw: torch.Tensor) -> Groups:
+    """Q4_K super-blocks, raw bytes (N, K / 256 * 144), as int4 groups of 32, exactly: group j of a
+    block is w = (d * sc_j) * q - dmin * m_j (llama.cpp's dequantize_row_q4_K): its 6-bit sc_j, m_j
+    packed in 12 bytes (get_scale_min_k4), its 32 q the low (j even) or high (j odd) nibbles of the
+    block's 32 bytes j // 2."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, 144).to(torch.int32)
+    d = raw.reshape(-1, 144)[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = raw.reshape(-1, 144)[:, 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[:, 4:16]
+    low, high = packed[:, 0:4], packed[:, 4:8]  # scales[j], j < 4; scales[j + 4]
+    tail = packed[:, 8:12]  # scales[j + 4] for j >= 4
+    sc = torch.cat([low & 63, (tail & 0xF) | ((low >> 6) << 4)], dim=1)  # (blocks, 8)
+    mn = torch.cat([high & 63, (tail >> 4) | ((high >> 6) << 4)], dim=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(rows, -1).to(torch.uint8)  # chunk c: groups 2c, 2c + 1
+    scale = (d * sc).reshape(rows, -1)
+    return q, scale, (-dmin * mn).reshape(rows, -1)
+
+
 def open_gguf(path: str | Path):
     """The `gguf` package's reader over the file (header parsed, weights memory-mapped): one
     per load, shared by `block_types` and `read_four_bit`."""
@@ -51,16 +76,17 @@ def open_gguf(path: str | Path):
 
 
 def read_four_bit(reader) -> dict[str, Groups]:
-    """The file's Q4_0 / Q4_1 layer matrices by transformers module name, as int4 groups
+    """The file's Q4_0 / Q4_1 / Q4_K layer matrices by transformers module name, as int4 groups
     (not yet matched to the loaded weights: see `matched`)."""
     found: dict[str, Groups] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         parts = tensor.name.split(".")
-        if kind not in BLOCK_BYTES or len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES:
+        if kind not in DECODED_BYTES or len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES:
             continue
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        found[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = decode_blocks(raw, kind)
+        groups = decode_q4_k(raw) if kind == "Q4_K" else decode_blocks(raw, kind)
+        found[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = groups
     return found
 
 

@@ -28,7 +28,7 @@ import transformers
 from specui.engine.measure import cache_root as specui_cache_root
 from specui.weights.gguf_blocks import Groups, block_types, matched, open_gguf, read_four_bit
 
-FORMAT = 1  # bump when what the folder holds changes
+FORMAT = 2  # bump when what the folder holds changes (2: Q4_K blocks kept too)
 MANIFEST = "specui_gguf.json"
 FOUR_BIT = "four_bit.safetensors"
 # larger GGUFs load directly: a float32 copy would cost that much disk, and that much memory
