@@ -27,8 +27,8 @@ def free_memory(device: torch.device, cgroup: Path = CGROUP) -> int | None:
 
 def cgroup_room(root: Path = CGROUP, membership: str | None = None) -> int | None:
     """The least room left under a memory limit of this process's control group or its ancestors
-    (the limit less what the group uses, its inactive file cache counted as free: the kernel
-    reclaims that first); None without a limit. `membership`: /proc/self/cgroup's text. cgroup v2
+    (the limit less what the group uses, its file cache counted as free: the kernel reclaims that
+    before it kills); None without a limit. `membership`: /proc/self/cgroup's text. cgroup v2
     (memory.max, memory.current) and v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes)."""
     if membership is None:
         try:
@@ -40,7 +40,7 @@ def cgroup_room(root: Path = CGROUP, membership: str | None = None) -> int | Non
 
 
 def _groups(root: Path, membership: str) -> list[tuple[Path, str, str, str]]:
-    """Each (folder, limit file, usage file, inactive cache key) from the process's own group up to
+    """Each (folder, limit file, usage file, file cache key) from the process's own group up to
     the hierarchy's root (a container sees its own group as the root)."""
     found = []
     for line in membership.splitlines():
@@ -48,9 +48,9 @@ def _groups(root: Path, membership: str) -> list[tuple[Path, str, str, str]]:
         if len(parts) != 3:
             continue
         if parts[0] == "0" and parts[1] == "":
-            base, files = root, ("memory.max", "memory.current", "inactive_file")
+            base, files = root, ("memory.max", "memory.current", "file")
         elif "memory" in parts[1].split(","):
-            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
         else:
             continue
         folder = base / parts[2].strip("/")
@@ -60,13 +60,13 @@ def _groups(root: Path, membership: str) -> list[tuple[Path, str, str, str]]:
                 break
             folder = folder.parent
     if not found:  # no membership to read: the hierarchy's roots
-        found = [(root, "memory.max", "memory.current", "inactive_file"),
-                 (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")]
+        found = [(root, "memory.max", "memory.current", "file"),
+                 (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")]
     return found
 
 
 def _room(group: tuple[Path, str, str, str]) -> int | None:
-    folder, limit_name, usage_name, inactive = group
+    folder, limit_name, usage_name, cached = group
     try:
         text = (folder / limit_name).read_text().strip()
     except OSError:
@@ -75,9 +75,12 @@ def _room(group: tuple[Path, str, str, str]) -> int | None:
         return None
     try:
         usage = int((folder / usage_name).read_text().strip())
-        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines()
-                    if len(line.split()) >= 2)
-        cache = int(stat.get(inactive, 0))
     except (OSError, ValueError):
         return None
+    try:
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines()
+                    if len(line.split()) >= 2)
+        cache = int(stat.get(cached, 0))
+    except (OSError, ValueError):
+        cache = 0  # no statistics: the limit still holds, with nothing counted as reclaimable
     return max(0, int(text) - usage + cache)

@@ -31,6 +31,7 @@ from specui.engine import calibration, capture_choice
 from specui.engine.giving_way import lowest_priority
 from specui.engine.host_memory import free_memory
 from specui.engine.timing import fastest_in_turns
+from specui.errors import SpecUIError
 from specui.service.process_memory import release_freed_memory
 from specui.weights.concrete import load_concrete
 from specui.weights.loading import LoadedModel, gguf_source
@@ -103,8 +104,12 @@ def _load_others(target: LoadedModel, say: Callable[[str], None],
             say(f"target quantization {option.quantization}: not compiled to compare, the memory left would "
                 "not hold it")
             continue
-        yield option.quantization, load_concrete(replace(spec, quantization=option.quantization), "target",
-                                                 source=source).model
+        try:
+            loaded = load_concrete(replace(spec, quantization=option.quantization), "target", source=source)
+        except SpecUIError as e:  # e.g. refused for the memory it would take: the others are still compared
+            say(f"target quantization {option.quantization}: not compiled to compare ({e})"[:400])
+            continue
+        yield option.quantization, loaded.model
 
 
 def _side_by_side(target: LoadedModel, say: Callable[[str], None]) -> dict[str, tuple[float, str]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -216,12 +215,12 @@ def _load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded, hea
         return pair
     options, options_key, notes = loaded_target.options, loaded_target.options_key, loaded_target.notes
     del pair, loaded_target  # at most one target in memory
-    gc.collect()
+    release_freed_memory()  # its heap back to the system: the next load's memory check counts it free
     try:
         reloaded = load_concrete(replace(target, quantization=chosen), "target", notes + (note,),
                                  gguf_source(target), progress)
     except (SpecUIError, MemoryError) as e:  # the option that loaded first still does
-        gc.collect()
+        release_freed_memory()
         why = f"target quantization auto with the draft: {chosen} did not load ({e}), so {first} stays"[:400]
         reloaded = load_concrete(replace(target, quantization=first), "target", notes + (why,),
                                  gguf_source(target), progress)

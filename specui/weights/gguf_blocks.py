@@ -6,7 +6,9 @@ minimum) in float16: w = d * q + m (Q4_1) or d * (q - 8) (Q4_0), q in 0..15. Tha
 int4 group (specui/weights/quantize.py), so `--quantization int4` on a GGUF computes with the file's
 own weights, not a second rounding of the dequantized ones. A Q4_K super-block (256 inputs) is
 eight such groups whose scales and minimums are 6-bit integers times the block's float16 d and
-dmin: exactly int4 groups too (`decode_q4_k`), for an explicit int4 / w4a8 on a Q4_K file.
+dmin: exactly int4 groups too (`decode_q4_k`), for an explicit int4 / w4a8 on a Q4_K file (the
+kernels then hold those products as they hold scales: float16 on w4a8, rounding d * sc by about
+5e-4 relative, where a Q4_0 / Q4_1 scale is a float16 already).
 
 Each block tensor is matched to the module whose dequantized weight it equals: as stored, or
 with the rows of llama's query/key permutation undone (llama.cpp's converter permutes them for

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from specui.engine.host_memory import free_memory
 from specui.engine.measure import cache_root as specui_cache_root
 from specui.weights.gguf_blocks import Groups, block_types, matched, open_gguf, read_four_bit
 
@@ -34,6 +35,9 @@ FOUR_BIT = "four_bit.safetensors"
 # larger GGUFs load directly: a float32 copy would cost that much disk, and that much memory
 # while it is written (the direct load of a 4-bit target holds it in bfloat16)
 MAX_CONVERTED = 4 << 30
+# converting holds the float32 model transformers dequantizes (4.45 bytes a parameter at the peak, measured
+# for a direct load, specui/weights/load_memory.py) and writes it: about 1.2x its float32 size
+CONVERT_PEAK = 1.2
 
 
 def cache_root() -> Path:
@@ -164,12 +168,32 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
         source.problem = (f"not converted: its weights are {size / 2**30:.1f} GiB in float32 "
                           f"(converted up to {MAX_CONVERTED / 2**30:.0f} GiB)")
         return source
+    room = free_memory(torch.device("cpu"))
+    if room is not None and size * CONVERT_PEAK > 0.9 * room:  # loaded directly, where the load's own check applies
+        source.problem = (f"not converted: converting holds its weights in float32 ({size / 2**30:.1f} GiB), more "
+                          f"than the {room / 2**30:.1f} GiB of memory available allow")
+        return source
     try:
         _convert(path, reader, folder_for(path), trust_remote_code)
     except Exception as e:  # noqa: BLE001 - then the file is loaded directly, as before
         source.problem = _first_line(e)
         return source
+    _drop_stale(path, folder_for(path))
     return GGUFSource(path, folder_for(path), source.types)
+
+
+def _drop_stale(path: Path, keep: Path) -> None:
+    """Remove the folders earlier conversions of the same file left (another format, an older
+    transformers, the file since changed): each is up to MAX_CONVERTED of disk."""
+    for folder in cache_root().glob(f"{path.stem}-*"):
+        if folder == keep or not folder.is_dir():
+            continue
+        try:
+            source = json.loads((folder / MANIFEST).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue  # not one of ours, or being written
+        if source == str(path):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _first_line(e: Exception) -> str:

@@ -18,8 +18,8 @@ mapped files: they must fit in memory too, or each token reads the model from th
 folder: bfloat16 0.4, float32 4.0, int4 2.5, int8 2.5, w4a8 5.4; a 656 MB Q4_0 GGUF: float32 4.45,
 bfloat16 2.67, int4 5.3, w4a8 7.2.) int8 / int4 build the model in bfloat16 under `--dtype auto`,
 w8a8 / w4a8 in float32; `--dtype auto` without quantization also holds a bfloat16 copy while it
-times the two. Where the files cannot be read without loading them (a hub id not downloaded
-yet, pickled .bin weights), nothing is checked. bitsandbytes loads onto the GPU, whose own
+times the two. Where the files cannot be read without loading them (a hub id, pickled .bin
+weights), nothing is checked. bitsandbytes loads onto the GPU, whose own
 out-of-memory error the loader already turns into a message.
 """
 
@@ -42,12 +42,28 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 # what a refusal suggests instead, where it fits: the quantizations that hold the least
 OTHERS = (("w4a8", torch.float32, "auto"), ("int4", torch.bfloat16, "auto"), ("none", torch.bfloat16, "bfloat16"))
 SHARE = 0.9  # of the memory available, the most a load may plan to take (as a stand-in's)
+MAX_HEADER = 100 << 20  # safetensors' own limit on a header
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors transformers reads as the model's weights: the shards an index names, else
+    model.safetensors (not a converted GGUF's four_bit.safetensors, nor the consolidated copy some
+    hub folders ship beside their shards)."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def folder_weights(folder: Path) -> tuple[int, torch.dtype | None] | None:
-    """(parameters, the dtype most of them are stored in) of a folder's safetensors, from their
-    headers alone; None where it holds none (pickled weights, nothing yet)."""
-    files = sorted(folder.glob("*.safetensors"))
+    """(parameters, the dtype most of them are stored in) of a folder's weights, from the
+    safetensors headers alone; None where there are none (pickled weights) or one is unreadable
+    (loading it says what is wrong)."""
+    files = weight_files(folder)
     if not files:
         return None
     by_dtype: dict[str, int] = {}
@@ -55,15 +71,19 @@ def folder_weights(folder: Path) -> tuple[int, torch.dtype | None] | None:
         for file in files:
             with open(file, "rb") as f:
                 size = struct.unpack("<Q", f.read(8))[0]
+                if size > MAX_HEADER:
+                    return None
                 header = json.loads(f.read(size))
+            if not isinstance(header, dict):
+                return None
             for name, entry in header.items():
                 if name != "__metadata__":
                     count = 1
                     for n in entry["shape"]:
                         count *= int(n)
                     by_dtype[entry["dtype"]] = by_dtype.get(entry["dtype"], 0) + count
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None  # loading it says what is wrong
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, struct.error):
+        return None
     if not by_dtype:
         return None
     stored = max(by_dtype, key=by_dtype.__getitem__)
@@ -79,7 +99,10 @@ def peak_bytes(quantization: str, built: torch.dtype, stored: torch.dtype | None
                measures_dtype: bool) -> float:
     """Bytes a parameter at the load's peak (the table above)."""
     table = GGUF if gguf else MAPPED if stored == built else CONVERTED
-    per = table[quantization] + (torch.finfo(built).bits / 8 if quantization == "none" else 0.0)
+    own = torch.finfo(built).bits / 8
+    per = table[quantization] + own if quantization == "none" else table[quantization]
+    if quantization in ("int8", "int4") and stored != built:  # measured building bfloat16; float32 holds more
+        per = max(per, own + CONVERTED["none"] + 1.0)
     return per + (2.0 if measures_dtype else 0.0)  # the bfloat16 copy --dtype auto times
 
 
@@ -98,7 +121,8 @@ def check_load(what: str, params: int, per_param: float, how: str, device: torch
               else "choose a smaller model or close other programs")
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
     raise SpecUIError(f"'{what}' ({count} parameters) needs about {need / 2**30:.1f} GiB of memory to "
-                      f"load {how}, and this machine has {have / 2**30:.1f} GiB available; {advice}")
+                      f"load {how}, and this machine has {have / 2**30:.1f} GiB available (a load may plan on "
+                      f"{SHARE:.0%} of it; a pair already loaded counts until the new one replaces it); {advice}")
 
 
 def describe(quantization: str, built: torch.dtype, stored: torch.dtype | None, gguf: bool,

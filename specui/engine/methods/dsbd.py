@@ -115,7 +115,10 @@ class DSBD(Method):
         else:
             gamma = max(0, min(self.gamma, cap))
         behind = max(len(b.d_fresh) for b in self.running) > 2  # the draft first catches up (depth 0 ran)
-        typical = self.threshold is not None or len(self.running) == (1 if self.memory_mode else self.beam_width)
+        # a step's time stands for its depth's where the usual beams run it (any count under dynamic width),
+        # not the reply's first step from its one prompt beam
+        typical = before > 0 and (self.threshold is not None
+                                  or len(self.running) == (1 if self.memory_mode else self.beam_width))
         self.root_ms = None
         with ctx.timer.phase("draft"):
             roots, layers = self._draft_forest(ctx, gamma)
@@ -129,9 +132,10 @@ class DSBD(Method):
         gained = len(self.running[0].tokens) - before if self.running else len(best.tokens) - before
         accepted = max(0, gained - 1)  # draft layers the beams advanced by beyond the target's own token
         stop = outputs[0].parent.layer + 1 if outputs else len(widths)
-        if self.depth is not None:
-            passed = min(len(layers), stop - 1) if outputs else 0
-            self.depth.observe(gamma, 1000 * (time.perf_counter() - start), len(layers), passed, self.root_ms, behind,
+        if self.depth is not None:  # a reply that ended at this step says nothing of how often layers pass
+            verified = 0 if done or not outputs else len(layers)
+            passed = min(verified, stop - 1)
+            self.depth.observe(gamma, 1000 * (time.perf_counter() - start), verified, passed, self.root_ms, behind,
                                typical)
         return StepResult(
             tokens=list(best.tokens), replace=True, finished=done, nodes=forest_trace(roots, layers, outputs),
@@ -148,6 +152,8 @@ class DSBD(Method):
             return roots, []
         began = time.perf_counter()
         logits = self.draft.forward([[(t, i - 1) for i, t in enumerate(b.d_fresh)] for b in self.running])
+        if logits and logits[0].is_cuda:  # a GPU's forward returns before it ran
+            torch.cuda.synchronize(logits[0].device)
         self.root_ms = 1000 * (time.perf_counter() - began)
         for root, b, rows in zip(roots, self.running, logits):
             root.d_idx, root.q_logits = len(b.d_fresh) - 1, rows[-1]
