@@ -55,7 +55,8 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str], max_new_t
         "top_p": gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="top-p",
                            info="nucleus sampling: the smallest set holding this much probability"),
         "seed": gr.Number(value=-1 if defaults.seed is None else defaults.seed, precision=0, label="seed",
-                          info="same seed + settings = same reply; -1 = random"),
+                          info="same seed + settings = same reply, except where a method chooses by measured "
+                               "speed (auto, adaptive ems-sd / dsbd: its draws follow its choices); -1 = random"),
         "gamma": gr.Slider(1, 16, value=defaults.gamma, step=1, label="gamma",
                            info="speculative: draft tokens proposed per step (higher pays when the draft agrees)"),
         "width": gr.Slider(1, 16, value=defaults.width, step=1, label="width W",
