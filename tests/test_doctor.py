@@ -89,3 +89,13 @@ def test_the_cli_prints_the_report_and_exits(capsys):
     out = capsys.readouterr().out
     assert out.startswith("SpecUI doctor") and "## kernel self-checks" in out
     assert code == (1 if f": {FAILED.upper()} - " in out else 0)
+
+
+def test_the_report_names_a_control_groups_memory_limit(monkeypatch):
+    from specui.weights import doctor
+
+    monkeypatch.setattr(doctor, "cgroup_room", lambda: 3 << 30)
+    line = next(x for x in doctor.machine_lines() if x.startswith("memory:"))
+    assert "3.0 GiB left under this process's control group limit" in line
+    monkeypatch.setattr(doctor, "cgroup_room", lambda: None)
+    assert "control group" not in next(x for x in doctor.machine_lines() if x.startswith("memory:"))

@@ -70,7 +70,8 @@ def test_a_load_that_will_not_fit_is_refused_before_any_weight_is_read(folders, 
     monkeypatch.setattr(concrete.AutoModelForCausalLM, "from_pretrained", never)
     monkeypatch.setattr(load_memory, "free_memory", lambda device: 1000)  # bytes
     with pytest.raises(SpecUIError, match=r"needs about .* GiB of memory to load in float32 .*mapped.*this machine "
-                                          r"has 0\.0 GiB available \(a load may plan on 90% of it.*\); choose a smaller model"):
+                                          r"has 0\.0 GiB available \(a load may plan on 90% of it.*\); choose a "
+                                          r"smaller model"):
         concrete.load_concrete(ModelSpec(str(root / "f32"), "float32", "cpu", "none"), "target")
     # room for the bfloat16 files loaded as they are, not for them converted to float32: the refusal says what fits
     monkeypatch.setattr(load_memory, "free_memory", lambda device: int(count * 2.6 / 0.9))

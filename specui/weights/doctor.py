@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specui.engine.host_memory import cgroup_room
 from specui.engine.measure import cache_root, cpu_model, cpu_signature
 from specui.weights import q8a8, w4a8, w8a8
 from specui.weights.attend import attend, exact_attention_ready
@@ -82,7 +83,9 @@ def machine_lines() -> list[str]:
         f"CPU: {cpu_model()}",
         f"CPU signature (cache key): {cpu_signature()}",
         f"cores: {cores} ({usable} usable by this process); torch threads: {torch.get_num_threads()}",
-        f"memory: {mem.get('MemTotal', 0) / gib:.1f} GiB total, {mem.get('MemAvailable', 0) / gib:.1f} GiB available",
+        f"memory: {mem.get('MemTotal', 0) / gib:.1f} GiB total, {mem.get('MemAvailable', 0) / gib:.1f} GiB available"
+        + (f"; {room / gib:.1f} GiB left under this process's control group limit (what loads are checked against)"
+           if (room := cgroup_room()) is not None else ""),
         f"OS: {platform.platform()}; Python {platform.python_version()}",
         *_gpu_lines(),
     ]
