@@ -185,6 +185,18 @@ def test_method_switch_shows_that_methods_settings(page):
     assert updates["gamma"]["visible"] and not updates["width"]["visible"]
 
 
+def test_model_panel_keeps_the_pair_when_the_new_one_would_not_fit(page, tiny_dirs, monkeypatch):
+    from specui.weights import load_memory
+
+    target, _, _ = tiny_dirs
+    before = page.service.engine
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: 1000)  # bytes
+    status, memory, _, _ = page.load_models(str(target), "none", "none", "cpu", "float32", "speculative",
+                                            progress=None)
+    assert status.startswith("⚠️ could not load") and "needs about" in status and "GiB available" in status
+    assert "previous pair stays loaded" in status and page.service.engine is before and "target weights" in memory
+
+
 def test_model_panel_keeps_the_pair_on_bad_input_and_swaps_on_good(page, tiny_dirs):
     target, draft, other = tiny_dirs
     service = page.service
