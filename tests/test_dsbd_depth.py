@@ -206,3 +206,13 @@ def test_the_draft_reads_every_beam_whole_after_depth_zero_steps(tiny_target, ti
             engine.generate(GenerationRequest(prompt, 20), make_method(
                 "dsbd", width=2, draft_width=4, gamma=2, adaptive_gamma=True)).run()
     assert max(seen) >= 3  # some forest followed depth-0 steps whose tokens the draft had not read
+
+
+def test_a_deep_depth_that_could_not_win_is_not_timed_again_but_the_shallowest_is():
+    """W_L = 4 greedy at the 1.7b stand-in: depth 3 (an 8-row forest) cost 113 ms a step against a
+    beam step's 35, its layers passing a quarter of the time: timing it again only cost time."""
+    policy = DepthPolicy(3, DepthRecord(), probe_every=4)
+    chosen = timed(policy, {0: 35.0, 1: 55.0, 2: 80.0, 3: 113.0}, 0.25, steps=200)
+    later = chosen[40:]
+    assert later.count(3) == 0 and later.count(1) >= 2  # depth 1 keeps the pass rate measured
+    assert later.count(0) >= 0.9 * len(later)

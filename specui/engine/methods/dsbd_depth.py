@@ -15,8 +15,9 @@ timings) of the whole step (draft forest, the target's forward of the beams' row
 the rows' commit), since a forest's rows cost what no single-row profile predicts; steps with
 fewer beams than usual (a reply's first, from its one prompt beam) are not timed. Depths not yet timed
 are tried first (the deepest first: it measures beta too); every `probe_every` steps the depth
-timed longest ago is timed again, as contexts grow and beta moves; each re-timing that leaves
-the best depth where it was doubles the wait before the next (at most 8x). A step that first
+timed longest ago is timed again, as contexts grow and beta moves (the shallowest always, to keep
+beta measured; a deeper one only where it could win were beta two standard errors higher); each
+re-timing that leaves the best depth where it was doubles the wait before the next (at most 8x). A step that first
 feeds the draft what it missed while depth 0 ran (its catch-up) counts its first draft forward
 at the usual time of that forward, not at the catch-up's. What is learnt is kept in the
 engine's costs across replies (`DepthRecord`, one per configuration and sampling mode).
@@ -24,6 +25,7 @@ engine's costs across replies (`DepthRecord`, one per configuration and sampling
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from specui.engine.costs import DepthRecord
@@ -49,6 +51,16 @@ class DepthPolicy:
         ms = self.record.ms.get(gamma)
         return self.tokens(gamma) / ms if ms else 0.0
 
+    def hopeful(self, gamma: int) -> float:
+        """Tokens per ms at this depth were beta two standard errors above its estimate (the
+        decayed counts of layers passed and not)."""
+        passes = self.record.passes
+        n = passes.accepted + passes.rejected
+        beta = passes.alpha
+        high = min(0.999, beta + 2.0 * math.sqrt(beta * (1.0 - beta) / n))
+        ms = self.record.ms.get(gamma)
+        return chain_tokens(high, gamma) / ms if ms else 0.0
+
     def choose(self, cap: int) -> tuple[int, str]:
         """The depth for the next step (at most `cap`: the tokens the reply has room for), and why."""
         top = max(0, min(self.most, cap))
@@ -62,8 +74,11 @@ class DepthPolicy:
             g = top if top in untimed else 0 if 0 in untimed else max(untimed)
             return g, f"depth {g}: timing it (not yet measured)"
         best = max(depths, key=self.rate)
-        stale = min((g for g in depths if g != best), key=lambda g: record.timed_at[g])
-        if record.steps - record.timed_at[stale] >= (record.gap or self.probe_every):
+        # worth timing again: the shallowest other depth (it keeps the pass rate measured) and any that could
+        # win were its layers to pass as often as the measured rate plausibly allows
+        worth = [g for g in depths if g != best and (g <= min(1, top) or self.hopeful(g) >= self.rate(best))]
+        stale = min(worth, key=lambda g: record.timed_at[g], default=None)
+        if stale is not None and record.steps - record.timed_at[stale] >= (record.gap or self.probe_every):
             record.probe = stale
             return stale, f"depth {stale}: timing it again (best {best})"
         rates = ", ".join(f"{g}: {1000 * self.rate(g):.1f}" for g in depths)
