@@ -63,6 +63,33 @@ def test_a_large_gguf_is_loaded_directly_not_copied_to_float32(tmp_path, monkeyp
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_gguf_whose_conversion_would_not_fit_in_memory_is_loaded_directly(tmp_path, monkeypatch):
+    """Converting holds the whole model in float32 before the load's own memory check could run:
+    where the memory left would not hold that, the file loads directly, where that check applies."""
+    from specui.weights import gguf_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_cache, "free_memory", lambda device: 1000)  # bytes; the weights: 4 KiB in float32
+    source = open_source(_small_gguf(tmp_path / "m.gguf"))
+    assert source.folder is None and source.reader is not None
+    assert "converting holds its weights in float32" in source.problem and not (tmp_path / "cache").exists()
+
+
+def test_converting_again_removes_the_files_earlier_folders(tmp_path, monkeypatch):
+    import json
+
+    from specui.weights import gguf_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _small_gguf(tmp_path / "m.gguf")
+    root = gguf_cache.cache_root()
+    for name, source in (("m-old", str(path)), ("m-other", str(tmp_path / "elsewhere" / "m.gguf"))):
+        (root / name).mkdir(parents=True)
+        (root / name / gguf_cache.MANIFEST).write_text(json.dumps({"source": source, "types": {}, "format": 1}))
+    gguf_cache._drop_stale(path, gguf_cache.folder_for(path))
+    assert not (root / "m-old").exists() and (root / "m-other").exists()  # another file's folder stays
+
+
 @pytest.mark.bundled
 def test_the_bundled_gguf_converted_loads_the_same_weights_and_tokenizer(bundled_pair):
     from transformers import AutoModelForCausalLM, AutoTokenizer
