@@ -99,7 +99,9 @@ def test_a_q4_k_gguf_computes_with_its_own_blocks(tmp_path, quantization):
         a = dense.model(input_ids=ids).logits.float()
         b = packed.model(input_ids=ids).logits.float()
     assert torch.isfinite(b).all()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8  # the same weights; activations rounded or bfloat16
+    # the same weights; activations rounded (w4a8) or in bfloat16 (int4): 0.8% apart here (argmax ties of random
+    # weights are too close to compare on every CPU)
+    assert float((a - b).norm() / a.norm()) < 0.05
 
 
 def test_quantization_auto_on_a_q4_k_file_says_what_an_explicit_one_would_do():
