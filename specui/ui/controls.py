@@ -14,8 +14,9 @@ DESCRIPTIONS = {
             "(lossless)",
     "autoregressive": "plain decoding: one target forward per token",
     "beam": "beam search (greedy) or beam sampling (temperature > 0) with W beams",
-    "dsbd": "DSBD: the draft beam-samples a forest (W_S per layer, gamma layers) from W_L beams, the target "
-            "verifies it layer by layer in one forward; greedy = exact beam search, sampling = exact beam sampling",
+    "dsbd": "DSBD: the draft beam-samples a forest (W_S per layer, up to gamma layers, as deep as measured to "
+            "pay; 0 = a plain beam step) from W_L beams, the target verifies it layer by layer in one forward; "
+            "greedy = exact beam search, sampling = exact beam sampling",
     "specdec++": "SpecDec++: drafts while the trained acceptance head's predicted P(some candidate is rejected) "
                  "stays under the threshold, then verifies as speculative (lossless)",
     "speculative": "draft gamma tokens, verify them in one target forward (lossless)",
