@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 CGROUP = Path("/sys/fs/cgroup")
+LOAD_SHARE = 0.9  # of the memory free, the most a load (a model, a stand-in, a GGUF's conversion) may plan to take
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
 
 

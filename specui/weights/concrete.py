@@ -16,7 +16,7 @@ from specui.weights import stand_in
 from specui.weights.attend import exact_attention_ready, use_exact_attention
 from specui.weights.bnb_logs import NOTE, quiet_int8_cast
 from specui.weights.dtypes import auto_dtype_model
-from specui.weights.gguf_blocks import BLOCK_BYTES
+from specui.weights.gguf_blocks import four_bit_tensors
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.load_memory import check_plain_load
 from specui.weights.native import has_native, native, native_unavailable
@@ -174,7 +174,7 @@ def covers_matrices(source: GGUFSource | None) -> bool:
     header's counts against 7 matrices a layer of its layer count), so w4a8 needs no float copy of them."""
     if source is None or not source.types:
         return False
-    four_bit = sum(source.types.get(kind, 0) for kind in BLOCK_BYTES)
+    four_bit = four_bit_tensors(source.types)
     matrices = sum(source.types.values()) - four_bit  # the rest: embeddings, norms, head (at least 2 a layer)
     return four_bit > 0 and four_bit % 7 == 0 and matrices >= 2 * (four_bit // 7)
 

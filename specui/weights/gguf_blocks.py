@@ -55,9 +55,10 @@ def decode_q4_k(raw: torch.Tensor) -> Groups:
     packed in 12 bytes (get_scale_min_k4), its 32 q the low (j even) or high (j odd) nibbles of the
     block's 32 bytes j // 2."""
     rows = raw.shape[0]
-    blocks = raw.reshape(-1, 144).to(torch.int32)
-    d = raw.reshape(-1, 144)[:, 0:2].contiguous().view(torch.float16).float()
-    dmin = raw.reshape(-1, 144)[:, 2:4].contiguous().view(torch.float16).float()
+    stored = raw.reshape(-1, 144)
+    blocks = stored.to(torch.int32)
+    d = stored[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = stored[:, 2:4].contiguous().view(torch.float16).float()
     packed = blocks[:, 4:16]
     low, high = packed[:, 0:4], packed[:, 4:8]  # scales[j], j < 4; scales[j + 4]
     tail = packed[:, 8:12]  # scales[j + 4] for j >= 4
@@ -90,6 +91,16 @@ def read_four_bit(reader) -> dict[str, Groups]:
         groups = decode_q4_k(raw) if kind == "Q4_K" else decode_blocks(raw, kind)
         found[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = groups
     return found
+
+
+def gguf_weights(reader) -> int:
+    """Parameters of a GGUF, from its header (the reader's tensor table)."""
+    return sum(int(t.n_elements) for t in reader.tensors)
+
+
+def four_bit_tensors(types: dict[str, int]) -> int:
+    """How many of a GGUF's tensors (`types`: its tensors per GGML type) are Q4_0 / Q4_1 blocks."""
+    return sum(types.get(kind, 0) for kind in BLOCK_BYTES)
 
 
 def block_types(reader) -> dict[str, int]:

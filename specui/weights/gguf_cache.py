@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from specui.engine.host_memory import free_memory
+from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.engine.measure import cache_root as specui_cache_root
-from specui.weights.gguf_blocks import Groups, block_types, matched, open_gguf, read_four_bit
+from specui.weights.gguf_blocks import Groups, block_types, gguf_weights, matched, open_gguf, read_four_bit
 
 FORMAT = 2  # bump when what the folder holds changes (2: Q4_K blocks kept too)
 MANIFEST = "specui_gguf.json"
@@ -163,13 +163,13 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
     except Exception as e:  # noqa: BLE001 - loading the file directly says what is wrong with it
         return GGUFSource(path, problem=_first_line(e))
     source = GGUFSource(path, types=block_types(reader), reader=reader)
-    size = 4 * sum(int(t.n_elements) for t in reader.tensors)
+    size = 4 * gguf_weights(reader)
     if size > MAX_CONVERTED:
         source.problem = (f"not converted: its weights are {size / 2**30:.1f} GiB in float32 "
                           f"(converted up to {MAX_CONVERTED / 2**30:.0f} GiB)")
         return source
     room = free_memory(torch.device("cpu"))
-    if room is not None and size * CONVERT_PEAK > 0.9 * room:  # loaded directly, where the load's own check applies
+    if room is not None and size * CONVERT_PEAK > LOAD_SHARE * room:  # loaded directly, where its own check applies
         source.problem = (f"not converted: converting holds its weights in float32 ({size / 2**30:.1f} GiB), more "
                           f"than the {room / 2**30:.1f} GiB of memory available allow")
         return source

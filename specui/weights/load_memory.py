@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.host_memory import free_memory
+from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.errors import SpecUIError
+from specui.weights.gguf_blocks import gguf_weights
 from specui.weights.sources import CPU_KERNELS, ROUNDS_ACTIVATIONS
 
 MAPPED = {"none": 0.4, "int8": 2.5, "int4": 2.5, "w8a8": 1.9, "w4a8": 1.9}  # none: besides the dtype's bytes
@@ -41,7 +42,6 @@ GGUF = {"none": 0.7, "int8": 5.4, "int4": 5.4, "w8a8": 7.2, "w4a8": 7.2}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # what a refusal suggests instead, where it fits: the quantizations that hold the least
 OTHERS = (("w4a8", torch.float32, "auto"), ("int4", torch.bfloat16, "auto"), ("none", torch.bfloat16, "bfloat16"))
-SHARE = 0.9  # of the memory available, the most a load may plan to take (as a stand-in's)
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
@@ -90,11 +90,6 @@ def folder_weights(folder: Path) -> tuple[int, torch.dtype | None] | None:
     return sum(by_dtype.values()), SAFETENSORS_DTYPES.get(stored)
 
 
-def gguf_weights(reader) -> int:
-    """Parameters of a GGUF, from its header (the reader's tensor table)."""
-    return sum(int(t.n_elements) for t in reader.tensors)
-
-
 def peak_bytes(quantization: str, built: torch.dtype, stored: torch.dtype | None, gguf: bool,
                measures_dtype: bool) -> float:
     """Bytes a parameter at the load's peak (the table above)."""
@@ -114,15 +109,15 @@ def check_load(what: str, params: int, per_param: float, how: str, device: torch
     if device.type != "cpu" or params <= 0:
         return
     need, have = params * per_param, free_memory(device)
-    if have is None or need <= SHARE * have:
+    if have is None or need <= LOAD_SHARE * have:
         return
-    fits = sorted((per, flags) for flags, per in (others or {}).items() if params * per <= SHARE * have)
+    fits = sorted((per, flags) for flags, per in (others or {}).items() if params * per <= LOAD_SHARE * have)
     advice = (f"{fits[0][1]} would need about {params * fits[0][0] / 2**30:.1f} GiB" if fits
               else "choose a smaller model or close other programs")
     count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
     raise SpecUIError(f"'{what}' ({count} parameters) needs about {need / 2**30:.1f} GiB of memory to "
                       f"load {how}, and this machine has {have / 2**30:.1f} GiB available (a load may plan on "
-                      f"{SHARE:.0%} of it; a pair already loaded counts until the new one replaces it); {advice}")
+                      f"{LOAD_SHARE:.0%} of it; a pair already loaded counts until the new one replaces it); {advice}")
 
 
 def describe(quantization: str, built: torch.dtype, stored: torch.dtype | None, gguf: bool,

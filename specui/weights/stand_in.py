@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from specui.engine.host_memory import free_memory
+from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.errors import SpecUIError
 from specui.weights.quantize import replace_module
 
@@ -127,7 +127,7 @@ def check_memory(shape: StandIn, bytes_per_param: float, device: torch.device, w
     """Refuse, before anything is allocated, a stand-in that will not fit (needed vs available)."""
     need = shape.params * bytes_per_param
     have, where = free_memory(device), "GPU memory free" if device.type == "cuda" else "memory available"
-    if have is not None and need > 0.9 * have:
+    if have is not None and need > LOAD_SHARE * have:
         raise SpecUIError(f"the {shape.size} stand-in needs about {need / 2**30:.1f} GiB {what} and this machine has "
                           f"{have / 2**30:.1f} GiB {where}; choose a smaller size, bfloat16 or int4")
 
