@@ -61,7 +61,7 @@ def test_it_times_again_the_depth_timed_longest_ago_less_often_while_it_loses():
 
 
 def test_a_re_timing_that_wins_resets_the_wait():
-    record = DepthRecord(ms={0: 10.0, 1: 20.0}, timings={0: [10.0] * 5, 1: [20.0]}, timed_at={0: 40, 1: 1}, steps=40,
+    record = DepthRecord(timings={0: [10.0] * 5, 1: [20.0]}, timed_at={0: 40, 1: 1}, steps=40,
                          gap=32)
     policy = DepthPolicy(1, record, probe_every=4)
     g, why = policy.choose(8)
@@ -71,7 +71,7 @@ def test_a_re_timing_that_wins_resets_the_wait():
 
 
 def test_a_step_that_fed_the_catch_up_counts_its_first_draft_forward_at_the_usual_time():
-    record = DepthRecord(ms={0: 10.0, 1: 20.0}, timings={0: [10.0] * 5, 1: [20.0] * 5}, timed_at={0: 1, 1: 2}, steps=2)
+    record = DepthRecord(timings={0: [10.0] * 5, 1: [20.0] * 5}, timed_at={0: 1, 1: 2}, steps=2)
     policy = DepthPolicy(1, record)
     policy.observe(1, 500.0, 1, 1, root_ms=485.0, behind=True)  # the draft read 60 tokens it had missed
     assert record.ms[1] == 20.0 and record.owed == 1  # the usual first forward is not known yet
@@ -85,7 +85,7 @@ def test_a_step_that_fed_the_catch_up_counts_its_first_draft_forward_at_the_usua
 
 
 def test_one_slow_step_does_not_move_a_depth_and_a_slow_first_one_does_not_stay():
-    record = DepthRecord(ms={0: 10.0}, timings={0: [10.0, 11.0, 10.0, 9.0, 10.0]}, timed_at={0: 1}, steps=1)
+    record = DepthRecord(timings={0: [10.0, 11.0, 10.0, 9.0, 10.0]}, timed_at={0: 1}, steps=1)
     policy = DepthPolicy(0, record)
     policy.observe(0, 1000.0, 0, 0)
     assert record.ms[0] == 10.0

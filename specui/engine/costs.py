@@ -6,7 +6,9 @@ actually sees). Plain objects owned by the Engine; no module state."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from specui.engine.profile import CostProfile
 
@@ -122,22 +124,47 @@ class ChainProbes:
 @dataclass
 class DepthRecord:
     """What DSBD's steps on one pair have measured at one configuration, for its adaptive depth
-    (specui.engine.methods.dsbd_depth): each depth's running step time (ms), its last timings
-    and the step count when it was last timed, the per-layer pass rate, the running time of a
-    step's first draft forward, a depth whose timing is owed (its step fed the draft's catch-up
-    before that time was known), the wait between re-timings (None: the policy's own) and the
-    depth being re-timed."""
+    (specui.engine.methods.dsbd_depth): each depth's last step times (ms) and the step count when
+    it was last timed, the per-layer pass rate, the last times of a step's first draft forward, a
+    depth whose timing is owed (its step fed the draft's catch-up before that time was known), the
+    wait between re-timings (None: the policy's own) and the depth being re-timed. A depth's step
+    time (`ms`) and the first forward's (`root_ms`) are read from those timings (`running_time`)."""
 
-    ms: dict[int, float] = field(default_factory=dict)
     timings: dict[int, list[float]] = field(default_factory=dict)  # each depth's last step times
     timed_at: dict[int, int] = field(default_factory=dict)
     passes: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(decay=0.98))  # layers passed
     steps: int = 0
-    root_ms: float | None = None
     roots: list[float] = field(default_factory=list)  # the last times of a step's first draft forward
     owed: int | None = None
     gap: int | None = None
     probe: int | None = None
+
+    WINDOW: ClassVar[int] = 5  # timings kept of each
+
+    @property
+    def ms(self) -> dict[int, float]:
+        """Each timed depth's step time."""
+        return {g: running_time(t) for g, t in self.timings.items()}
+
+    @property
+    def root_ms(self) -> float | None:
+        return running_time(self.roots) if self.roots else None
+
+    def time(self, gamma: int, ms: float) -> None:
+        self.timings[gamma] = (self.timings.get(gamma, []) + [ms])[-self.WINDOW:]
+
+    def time_root(self, ms: float) -> None:
+        self.roots = (self.roots + [ms])[-self.WINDOW:]
+
+
+def running_time(timings: list[float]) -> float:
+    """A step time from its last timings. Noise on a CPU is upward (a page fault, the other
+    process on the core): the least of the first two, then their median, which one slow step does
+    not move (a running mean did: one 56 ms step among 37s turned a reply that paid at depth 1 to
+    depth 0 for the rest of it)."""
+    if len(timings) <= 2:
+        return min(timings)
+    return statistics.median(timings)
 
 
 @dataclass

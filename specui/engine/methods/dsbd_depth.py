@@ -26,12 +26,9 @@ engine's costs across replies (`DepthRecord`, one per configuration and sampling
 from __future__ import annotations
 
 import math
-import statistics
 
 from specui.engine.costs import DepthRecord
 from specui.engine.methods.chain_rate import chain_tokens
-
-WINDOW = 5  # a depth's step time: the median of its last WINDOW timings
 
 
 class DepthPolicy:
@@ -100,28 +97,16 @@ class DepthPolicy:
             return
         if gamma > 0 and root_ms is not None:
             if not behind:
-                record.roots = (record.roots + [root_ms])[-WINDOW:]
-                record.root_ms = _running(record.roots)
+                record.time_root(root_ms)
             elif record.root_ms is not None:
                 ms += record.root_ms - root_ms
             else:
                 record.owed = gamma
                 return
         record.owed = None
-        record.timings[gamma] = (record.timings.get(gamma, []) + [ms])[-WINDOW:]
-        record.ms[gamma] = _running(record.timings[gamma])
+        record.time(gamma, ms)
         record.timed_at[gamma] = record.steps
         if record.probe == gamma:  # a re-timing that left the best where it was: wait twice as long
             won = max(record.ms, key=self.rate) == gamma
             record.gap = self.probe_every if won else min(8 * self.probe_every, 2 * (record.gap or self.probe_every))
             record.probe = None
-
-
-def _running(timings: list[float]) -> float:
-    """A depth's step time from its last timings. Noise on a CPU is upward (a page fault, the
-    other process on the core): the least of the first two, then the median of the last
-    WINDOW, which one slow step does not move (a running mean did: one 56 ms step among 37s
-    turned a reply that paid at depth 1 to depth 0 for the rest of it)."""
-    if len(timings) <= 2:
-        return min(timings)
-    return statistics.median(timings)
