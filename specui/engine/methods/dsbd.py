@@ -112,13 +112,13 @@ class DSBD(Method):
         if self.depth is not None:
             gamma, why = self.depth.choose(cap)
             notes.append(why)
+            behind = max(len(b.d_fresh) for b in self.running) > 2  # the draft first catches up (depth 0 ran)
+            # a step's time stands for its depth's where the usual beams run it (any count under dynamic width),
+            # not the reply's first step from its one prompt beam
+            typical = before > 0 and (self.threshold is not None
+                                      or len(self.running) == (1 if self.memory_mode else self.beam_width))
         else:
             gamma = max(0, min(self.gamma, cap))
-        behind = max(len(b.d_fresh) for b in self.running) > 2  # the draft first catches up (depth 0 ran)
-        # a step's time stands for its depth's where the usual beams run it (any count under dynamic width),
-        # not the reply's first step from its one prompt beam
-        typical = before > 0 and (self.threshold is not None
-                                  or len(self.running) == (1 if self.memory_mode else self.beam_width))
         self.root_ms = None
         with ctx.timer.phase("draft"):
             roots, layers = self._draft_forest(ctx, gamma)
@@ -152,9 +152,10 @@ class DSBD(Method):
             return roots, []
         began = time.perf_counter()
         logits = self.draft.forward([[(t, i - 1) for i, t in enumerate(b.d_fresh)] for b in self.running])
-        if logits and logits[0].is_cuda:  # a GPU's forward returns before it ran
-            torch.cuda.synchronize(logits[0].device)
-        self.root_ms = 1000 * (time.perf_counter() - began)
+        if self.depth is not None:  # timed for the depth policy only
+            if logits and logits[0].is_cuda:  # a GPU's forward returns before it ran
+                torch.cuda.synchronize(logits[0].device)
+            self.root_ms = 1000 * (time.perf_counter() - began)
         for root, b, rows in zip(roots, self.running, logits):
             root.d_idx, root.q_logits = len(b.d_fresh) - 1, rows[-1]
         layers, parents = [], roots
