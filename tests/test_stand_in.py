@@ -17,6 +17,7 @@ from transformers import GPT2Config
 from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
 from specui.weights import stand_in
+from specui.weights.load_memory import PACKED_BYTES
 from specui.weights.quantize import dequantize_groups, quantize_groups, quantize_model
 from specui.weights.stand_in import RealModel, build, pad_groups, plan
 
@@ -179,7 +180,7 @@ def test_the_memory_check_counts_matrices_taken_from_a_ggufs_blocks_as_packed(ti
     assert "built in float32" in said[False] and "packed one by one from the GGUF's 4-bit blocks" in said[True]
     shape = plan(tiny_llama(0, layers=2, hidden=64).config, tiny_size)
     matrices = stand_in.matrix_params(shape)
-    need = (4.5 * (shape.params - matrices) + concrete.LAZY_BYTES * matrices) / 2**30
+    need = (4.5 * (shape.params - matrices) + PACKED_BYTES * matrices) / 2**30
     assert f"needs about {need:.1f} GiB" in said[True]
 
 

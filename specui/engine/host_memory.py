@@ -4,6 +4,8 @@ MemAvailable, or less where the process runs in a control group with a memory li
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from pathlib import Path
 
 import torch
@@ -85,3 +87,11 @@ def _room(group: tuple[Path, str, str, str]) -> int | None:
     except (OSError, ValueError):
         cache = 0  # no statistics: the limit still holds, with nothing counted as reclaimable
     return max(0, int(text) - usage + cache)
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing to
+    do). Freed memory otherwise stays resident: a load that packs matrix after matrix leaves each
+    one's transients as holes between the packed weights it keeps."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

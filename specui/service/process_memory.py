@@ -3,10 +3,10 @@ pages back to the system."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import sys
+
+from specui.engine.host_memory import trim_heap
 
 
 def rss_bytes(pid: int | str = "self") -> int | None:
@@ -28,5 +28,4 @@ def release_freed_memory() -> None:
     torch = sys.modules.get("torch")  # no torch imported, no CUDA memory to give back (the web server's process)
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl, Windows): nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trim_heap()

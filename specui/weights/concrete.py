@@ -18,7 +18,8 @@ from specui.weights.bnb_logs import NOTE, quiet_int8_cast
 from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_blocks import four_bit_tensors
 from specui.weights.gguf_cache import GGUFSource
-from specui.weights.load_memory import check_plain_load
+from specui.weights.gguf_packed import load_packed, packed_params
+from specui.weights.load_memory import PACKED_BYTES, check_plain_load
 from specui.weights.native import has_native, native, native_unavailable
 from specui.weights.quantize import int4_unavailable, quantize_model, use_long_path
 from specui.weights.sources import (
@@ -100,9 +101,12 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     quant = _quantization_config(spec.quantization, dtype)
     lazy = spec.quantization == "w4a8" and covers_matrices(source)  # matrices from the GGUF's blocks alone
     shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant, lazy) if spec.stand_in else None
+    direct = source.reader if source is not None and source.folder is None else None  # a GGUF read as it is
+    packed = packed_params(direct) if direct is not None and device.type == "cpu" else 0
     if shape is None:  # refused here, with the figures, rather than killed by the kernel halfway through
-        check_plain_load(spec.source, where, gguf, local, source.reader if source is not None else None,
-                         spec.quantization, built, device, measures_dtype(spec, device))
+        check_plain_load(spec.source, where, gguf, local, direct, spec.quantization, built, device,
+                         measures_dtype(spec, device), packed)
+    packs = packed and shape is None and spec.quantization in ("int4", "w4a8")  # its 4-bit matrices never in float
     tokenizer = load_tokenizer(spec, (where, gguf, local))
     kwargs = dict(gguf_file=gguf, dtype=torch.float32 if shape else built, trust_remote_code=spec.trust_remote_code,
                   local_files_only=local)
@@ -110,7 +114,13 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         kwargs.update(quantization_config=quant, device_map={"": device})
     say(0.0, f"{role}: reading {spec.source}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        if packs:
+            model, groups = load_packed(where, gguf, direct, built, spec.trust_remote_code, lambda done, total: say(
+                0.4 * done / total, f"{role}: reading {spec.source} (tensor {done + 1} of {total})"))
+        else:
+            model, groups = AutoModelForCausalLM.from_pretrained(where, **kwargs), None
+    except SpecUIError:
+        raise
     except torch.cuda.OutOfMemoryError:
         raise SpecUIError(
             f"out of GPU memory loading '{spec.source}'; try --quantization 4bit or a smaller model"
@@ -119,7 +129,12 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         hint = " (no internet? use a local folder or the bundled model)" if not local else ""
         raise SpecUIError(f"could not load model '{spec.source}'{hint}: {short_error(e)}") from None
     notes: tuple[str, ...] = given
-    blocks = source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
+    if packs:
+        why = f" ({source.problem})" if source.problem else ""
+        notes += (f"{role}: read from the GGUF directly{why}, its {len(groups)} 4-bit matrices packed from the "
+                  "file's blocks one by one, never dequantized",)
+    blocks = groups if packs else \
+        source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
     if shape is not None and lazy and not blocks:  # the header promised blocks the file did not give
         stand_in.check_memory(shape, 4.5, device, "(built in float32: this GGUF's 4-bit blocks could not be read)")
     if shape is not None:  # the source, exactly as loaded (float32), zero-padded to the stand-in's cost
@@ -163,12 +178,6 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, label=label, notes=notes)
 
 
-# a w4a8 weight from a GGUF's blocks at the load's peak: 4 bits and 2 float16 scales a group of 32 kept,
-# each matrix's padded groups and self-check while it is packed, the allocator's share (a 7b stand-in of
-# the bundled GGUF peaked at 7.9 GiB resident, 2026-12-05: this estimates 7.6 beside the rest's 4.5 a weight)
-LAZY_BYTES = 1.15
-
-
 def covers_matrices(source: GGUFSource | None) -> bool:
     """Whether a GGUF holds its every decoder matrix as 4-bit blocks SpecUI reads (Q4_0 / Q4_1: the
     header's counts against 7 matrices a layer of its layer count), so w4a8 needs no float copy of them."""
@@ -195,7 +204,7 @@ def plan_stand_in(spec: ModelSpec, where: str, gguf: str | None, local: bool, dt
         per_param, what = (0.5 if spec.quantization == "4bit" else 1.0), f"in bitsandbytes {spec.quantization}"
     elif lazy:  # float32 for the rest, the matrices packed from the GGUF's blocks one at a time
         matrices = stand_in.matrix_params(shape)
-        per_param = (4.5 * (shape.params - matrices) + LAZY_BYTES * matrices) / shape.params
+        per_param = (4.5 * (shape.params - matrices) + PACKED_BYTES * matrices) / shape.params
         what = ("(the rest in float32, the decoder matrices packed one by one from the GGUF's 4-bit blocks "
                 "on the w4a8 kernel)")
     elif spec.quantization in ROUNDS_ACTIVATIONS:  # float32 matrices replaced one by one by int8 / int4 ones

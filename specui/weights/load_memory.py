@@ -43,6 +43,11 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 # what a refusal suggests instead, where it fits: the quantizations that hold the least
 OTHERS = (("w4a8", torch.float32, "auto"), ("int4", torch.bfloat16, "auto"), ("none", torch.bfloat16, "bfloat16"))
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header
+# a decoder matrix packed straight from a GGUF's 4-bit blocks (w4a8 / int4: specui.weights.gguf_packed, and
+# a stand-in's padded groups), at the load's peak: 4 bits and a float16 scale a group of 32 kept, one
+# matrix's int4 groups while it is packed and self-checked, the allocator's share (a 7b stand-in of the
+# bundled GGUF peaked at 7.9 GiB resident, 2026-12-05: this estimates 7.6 beside the rest's 4.5 a weight)
+PACKED_BYTES = 1.15
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -101,6 +106,13 @@ def peak_bytes(quantization: str, built: torch.dtype, stored: torch.dtype | None
     return per + (2.0 if measures_dtype else 0.0)  # the bfloat16 copy --dtype auto times
 
 
+def packed_peak(params: int, packed: int, built: torch.dtype) -> float:
+    """Bytes a parameter at the peak of a GGUF load whose `packed` decoder parameters come straight from
+    its 4-bit blocks and the rest are dequantized into `built` as read."""
+    rest = torch.finfo(built).bits / 8 + 0.5
+    return (rest * (params - packed) + PACKED_BYTES * packed) / params
+
+
 def check_load(what: str, params: int, per_param: float, how: str, device: torch.device,
                others: dict[str, float] | None = None) -> None:
     """Refuse, before any weight is read, a load that will not fit in this machine's memory;
@@ -121,9 +133,12 @@ def check_load(what: str, params: int, per_param: float, how: str, device: torch
 
 
 def describe(quantization: str, built: torch.dtype, stored: torch.dtype | None, gguf: bool,
-             measures_dtype: bool = False) -> str:
+             measures_dtype: bool = False, packed: bool = False) -> str:
     """How the load holds its weights, for the refusal."""
     dtype = str(built).removeprefix("torch.")
+    if packed:
+        return (f"on the {quantization} kernel (its 4-bit decoder matrices packed one by one from the GGUF's "
+                f"blocks, the rest dequantized into {dtype} as read)")
     if gguf:
         source = "(a GGUF is dequantized as it is read"
     elif stored == built:
@@ -139,9 +154,10 @@ def describe(quantization: str, built: torch.dtype, stored: torch.dtype | None, 
 
 
 def check_plain_load(what: str, where: str, gguf: str | None, local: bool, reader, quantization: str,
-                     built: torch.dtype, device: torch.device, measures_dtype: bool) -> None:
+                     built: torch.dtype, device: torch.device, measures_dtype: bool, packed: int = 0) -> None:
     """The check for a load that is not a stand-in (a stand-in plans its own): a local folder of
-    safetensors or a GGUF read directly (`reader`: its open reader); anything else passes."""
+    safetensors or a GGUF read directly (`reader`: its open reader; `packed`: the parameters of its
+    4-bit decoder matrices, where w4a8 / int4 pack them straight from its blocks); anything else passes."""
     if device.type != "cpu" or quantization not in MAPPED:
         return
     if gguf:
@@ -155,8 +171,14 @@ def check_plain_load(what: str, where: str, gguf: str | None, local: bool, reade
         params, stored = found
     else:
         return
-    per = peak_bytes(quantization, built, stored, bool(gguf), measures_dtype)
-    others = {f"--quantization {q} --dtype {name}": peak_bytes(q, dtype, stored, bool(gguf), False)
+
+    def per(q: str, dtype: torch.dtype, measures: bool) -> float:
+        if packed and q in ("w4a8", "int4"):
+            return packed_peak(params, packed, dtype)
+        return peak_bytes(q, dtype, stored, bool(gguf), measures)
+
+    others = {f"--quantization {q} --dtype {name}": per(q, dtype, False)
               for q, dtype, name in OTHERS if (q, dtype) != (quantization, built)}
-    check_load(what, params, per, describe(quantization, built, stored, bool(gguf), measures_dtype), device,
-               others)
+    how = describe(quantization, built, stored, bool(gguf), measures_dtype, bool(packed and quantization in
+                                                                                 ("w4a8", "int4")))
+    check_load(what, params, per(quantization, built, measures_dtype), how, device, others)

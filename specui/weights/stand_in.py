@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.errors import SpecUIError
-from specui.weights.quantize import replace_module
+from specui.weights.quantize import replace_module, unbuilt  # noqa: F401 (stand_in.unbuilt)
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # same module names: q/k/v/o, gate/up/down, two RMSNorms
 MULTIPLE = 64  # intermediate sizes rounded to this (4-bit groups of 32 along every input)
@@ -144,11 +144,6 @@ def matrix_params(shape: StandIn) -> int:
     head_dim = shape.hidden // shape.heads
     attention = 2 * shape.hidden * shape.heads * head_dim + 2 * shape.hidden * shape.kv_heads * head_dim
     return shape.layers * (attention + 3 * shape.hidden * shape.intermediate)
-
-
-def unbuilt(weight: torch.Tensor) -> bool:
-    """Whether a stand-in's weight was left unbuilt (`build(..., lazy=...)`): one zero, broadcast."""
-    return weight.dim() > 0 and all(stride == 0 for stride in weight.stride())
 
 
 def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,

@@ -29,12 +29,12 @@ from specui.weights.q8a8 import Q8A8Linear, grouped_forward
 from specui.weights.quantize import (
     GROUP,
     batch_invariant,
+    build_from_groups,
     dequantize_groups,
     quantize_groups,
     self_checked,
     swap_linears,
 )
-from specui.weights.stand_in import unbuilt
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, full_range_exact, has_w8a8_kernel
 
 ROWS = 16  # output rows a packed block (the kernel's vector of 16 float32 sums)
@@ -145,8 +145,8 @@ def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
         given = groups.get(name)
         fast = W4A8Linear.from_groups(*(given or quantize_groups(module.weight)), module.bias)
         counts["from_file"] += int(fast is not None and given is not None)
-        if fast is None and given is not None and unbuilt(module.weight):  # a stand-in's matrix never built in
-            module.weight = torch.nn.Parameter(dequantize_groups(*given), requires_grad=False)  # float: its values
+        if fast is None:  # a matrix never built in float (a stand-in's, a packed GGUF's): its values
+            build_from_groups(module, given)
         return fast, "w4a8"
 
     return swap_linears(model, make, counts, progress)

@@ -1,0 +1,115 @@
+"""A GGUF of 4-bit blocks loads onto w4a8 / int4 without a float copy of its matrices
+(specui/weights/gguf_packed.py): the model equals the one transformers builds from the file,
+tensor for tensor, and decodes the same tokens, in less memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specui.bench.synthetic_gguf import write
+from specui.errors import SpecUIError
+from specui.settings import ModelSpec
+from specui.weights import load_memory
+from specui.weights.concrete import load_concrete
+from specui.weights.gguf_blocks import block_types, open_gguf
+from specui.weights.gguf_cache import GGUFSource
+from specui.weights.gguf_packed import load_packed, packed_params
+from specui.weights.quantize import dequantize_groups, unbuilt
+from specui.weights.sources import bundled_gguf_path
+from specui.weights.stand_in import RealModel
+
+pytestmark = pytest.mark.bundled
+CPU = torch.device("cpu")
+# grouped-query attention (4 query heads over 2 KV heads: llama's key rows permuted by KV head), untied head
+TINY = RealModel("tiny", 0, 64, 128, 2, 4, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_0.gguf"
+    write(TINY, False, path, bundled_gguf_path(), seed=3)
+    return path
+
+
+def assert_same_model(packed, groups, reference) -> None:
+    """Every tensor transformers loads, equal: the matrices as the file's groups dequantized."""
+    ours = dict(packed.named_parameters(remove_duplicate=False))
+    theirs = dict(reference.named_parameters(remove_duplicate=False))
+    assert set(ours) == set(theirs)
+    assert groups, "no matrix was packed from the file's blocks"
+    for name, weight in theirs.items():
+        module = name.removesuffix(".weight")
+        if module in groups:
+            assert unbuilt(ours[name]), name  # never held in float
+            assert torch.equal(dequantize_groups(*groups[module]), weight), name
+        else:
+            assert torch.equal(ours[name], weight), name
+    for (name, buffer), (_, other) in zip(packed.named_buffers(), reference.named_buffers(), strict=True):
+        assert torch.equal(buffer, other), name
+
+
+def test_the_bundled_gguf_loads_packed_as_transformers_loads_it():
+    path = bundled_gguf_path()
+    model, groups = load_packed(str(path.parent), path.name, open_gguf(path), torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    assert len(groups) == 210  # 30 layers x 7 Q4_1 matrices, q and k rows un-permuted
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as transformers ties it
+    assert_same_model(model, groups, reference)
+
+
+def test_a_grouped_query_gguf_with_its_own_head_loads_packed(tiny_gguf):
+    reader = open_gguf(tiny_gguf)
+    model, groups = load_packed(str(tiny_gguf.parent), tiny_gguf.name, reader, torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
+                                                     dtype=torch.float32)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert len(groups) == 14 and packed_params(reader) == sum(w.numel() for w in
+                                                              (dequantize_groups(*groups[n]) for n in groups))
+    assert_same_model(model, groups, reference)
+
+
+@pytest.mark.parametrize("quantization", ["w4a8", "int4"])
+def test_a_direct_gguf_decodes_as_the_converted_one(tiny_gguf, quantization):
+    """The app's load of a GGUF read directly (too large to convert) packs its matrices from the
+    file and answers as the same file loaded through transformers (its converted folder)."""
+    reader = open_gguf(tiny_gguf)
+    direct = GGUFSource(tiny_gguf, types=block_types(reader), reader=reader)
+    spec = ModelSpec(str(tiny_gguf), "auto", "cpu", quantization)
+    packed, converted = load_concrete(spec, "target", source=direct), load_concrete(spec, "target")
+    assert converted.model is not packed.model and "packed" not in " ".join(converted.notes)
+    assert "4-bit matrices packed from the file" in " ".join(packed.notes)
+    ids = torch.tensor([[1, 504, 3537, 314, 260, 1345, 30]])
+    with torch.inference_mode():
+        a = packed.model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        b = converted.model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert torch.equal(packed.model(a).logits, converted.model(a).logits)
+    assert torch.equal(a, b)
+
+
+def test_a_gguf_missing_a_weight_is_refused(tiny_gguf):
+    reader = open_gguf(tiny_gguf)
+
+    class Without:  # the file as read, less its last layer's down matrix
+        fields = reader.fields
+        tensors = [t for t in reader.tensors if t.name != "blk.1.ffn_down.weight"]
+
+    with pytest.raises(SpecUIError, match=r"the GGUF has no tensor for 1 of the model's weights.*down_proj"):
+        load_packed(str(tiny_gguf.parent), tiny_gguf.name, Without(), torch.float32)
+
+
+def test_the_memory_check_counts_packed_matrices_at_their_packed_size(tiny_gguf, monkeypatch):
+    reader = open_gguf(tiny_gguf)
+    params, packed = load_memory.gguf_weights(reader), packed_params(reader)
+    per = load_memory.packed_peak(params, packed, torch.float32)
+    assert per < load_memory.peak_bytes("w4a8", torch.float32, None, True, False)
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: int(params * per / 0.9) + 1024)
+    check = (str(tiny_gguf), str(tiny_gguf.parent), tiny_gguf.name, True, reader)
+    load_memory.check_plain_load(*check, "w4a8", torch.float32, CPU, False, packed)  # fits packed
+    with pytest.raises(SpecUIError, match=r"a GGUF is dequantized as it is read.*--quantization (w4a8|int4) --dtype auto "
+                                          r"would need about"):  # not dequantized: the refusal says what fits
+        load_memory.check_plain_load(*check, "none", torch.float32, CPU, False, packed)
+    monkeypatch.setattr(load_memory, "free_memory", lambda device: 1024)
+    with pytest.raises(SpecUIError, match=r"on the w4a8 kernel \(its 4-bit decoder matrices packed one by one"):
+        load_memory.check_plain_load(*check, "w4a8", torch.float32, CPU, False, packed)
