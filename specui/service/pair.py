@@ -18,7 +18,7 @@ from specui.heads.decision import DecisionModels, load_decision_models
 from specui.service.joint import choose_with_draft
 from specui.service.process_memory import release_freed_memory
 from specui.settings import PairChoice
-from specui.weights.draft import is_specui_draft, load_draft
+from specui.weights.draft import is_specui_draft, load_draft, misfit
 from specui.weights.dtypes import choice_key, choose_dtype
 from specui.weights.loading import (
     BUNDLED,
@@ -203,6 +203,12 @@ def _load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded, hea
     loaded_target = load_model(target, role="target", progress=progress, capture=capture)
     if on_target_loaded is not None:
         on_target_loaded()
+    if draft is not None and Path(draft.source).resolve() == SHIPPED_DRAFT.resolve():
+        why = misfit(SHIPPED_DRAFT, loaded_target.model, loaded_target.tokenizer)
+        if why:  # the default for every target, made for the bundled one: this target decodes without it
+            loaded_target.notes += (f"draft: none ({why}; the shipped draft fits only the bundled target: "
+                                    "--draft names another, e.g. a smaller model of this target's family)",)
+            draft = None
     pair = pair_with_draft(loaded_target, draft, head, decision)
     pair.capture = capture
     verdict = choose_with_draft(pair, draft, progress) if speculate and draft is not None else None

@@ -246,6 +246,21 @@ class CastEmbedding(torch.nn.Module):
         return self.embedding(ids).to(self.dtype)
 
 
+def misfit(folder: str | Path, target: PreTrainedModel, tokenizer=None, config=None) -> str | None:
+    """Why the SpecUI draft in `folder` cannot draft for `target` (it shares the target's
+    embeddings, so it fits only the vocabulary and width it was trained on), or None."""
+    config = config if config is not None else AutoConfig.from_pretrained(folder)
+    made_for = config.specui_draft.get("vocab_fingerprint")
+    if tokenizer is not None and made_for and made_for != vocab_fingerprint(tokenizer):
+        return (f"the draft in {folder} was trained for a target with another tokenizer "
+                "(vocabulary fingerprints differ); pick the target it was made for")
+    emb = draft_embeddings(target)  # a stand-in's source columns: the draft was made for the source
+    if config.vocab_size != emb.num_embeddings or config.hidden_size != emb.embedding_dim:
+        return (f"the draft in {folder} was made for a target with vocabulary {config.vocab_size} and hidden size "
+                f"{config.hidden_size}; this target has {emb.num_embeddings} and {emb.embedding_dim}")
+    return None
+
+
 def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
                kernels: bool = True, dtype: torch.dtype | None = None) -> SpecUIDraftForCausalLM:
     """Load a SpecUI draft and share the target's input embeddings with it. With the
@@ -255,16 +270,10 @@ def load_draft(folder: str | Path, target: PreTrainedModel, tokenizer=None,
     int4 / int8) unless `kernels` is False (then they are dequantized to float32)."""
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
-    made_for = config.specui_draft.get("vocab_fingerprint")
-    if tokenizer is not None and made_for and made_for != vocab_fingerprint(tokenizer):
-        raise SpecUIError(f"the draft in {folder} was trained for a target with another tokenizer "
-                          "(vocabulary fingerprints differ); pick the target it was made for")
+    why = misfit(folder, target, tokenizer, config)
+    if why:
+        raise SpecUIError(why)
     emb = draft_embeddings(target)  # a stand-in's source columns: the draft was made for the source
-    if config.vocab_size != emb.num_embeddings or config.hidden_size != emb.embedding_dim:
-        raise SpecUIError(
-            f"the draft in {folder} was made for a target with vocabulary {config.vocab_size} and hidden size "
-            f"{config.hidden_size}; this target has {emb.num_embeddings} and {emb.embedding_dim}"
-        )
     model = SpecUIDraftForCausalLM(config)
     model.model.embed_tokens = torch.nn.Embedding(1, 1)  # placeholder until the target's is attached
     stored = load_file(str(folder / "model.safetensors"))
