@@ -138,6 +138,20 @@ def test_mismatched_draft_tokenizer_is_refused(capsys, tiny_dirs):
         load_pair(ModelSpec(str(target)), ModelSpec(str(other)))
 
 
+def test_the_shipped_draft_is_left_out_for_a_target_it_was_not_made_for(capsys, tiny_dirs):
+    """The default draft shares the bundled target's embeddings: another target decodes without
+    it, and the load says why (not an error after the target has loaded)."""
+    from specui.service.pair import default_draft_source
+
+    target, _, _ = tiny_dirs
+    code, out, err = cli(capsys, "--cli", "--target", str(target), "--prompt", "w1", "--max-new-tokens", "3")
+    assert code == 0 and out.strip()
+    assert re.search(r"draft: none \(the draft in .*smollm2-135m-draft was trained for a target with another "
+                     r"tokenizer.*the shipped draft fits only the bundled target", err)
+    pair = load_pair(ModelSpec(str(target)), ModelSpec(default_draft_source()))
+    assert pair.draft is None and any(n.startswith("draft: none") for n in pair.target.notes)
+
+
 def test_method_needing_a_draft_without_one(capsys, tiny_dirs):
     target, _, _ = tiny_dirs
     code, _, err = cli(capsys, "--cli", "--target", str(target), "--draft", "none", "--method", "speculative",

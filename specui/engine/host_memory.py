@@ -1,14 +1,17 @@
 """How much memory this process may still take: free GPU memory on a GPU; on a CPU the system's
 MemAvailable, or less where the process runs in a control group with a memory limit (a container:
-/proc/meminfo shows the host's memory there, and the group's limit is what the kernel kills at)."""
+/proc/meminfo shows the host's memory there, and the group's limit is what the kernel kills at).
+Imports no torch (the web server's process hands its heap back too: trim_heap)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CGROUP = Path("/sys/fs/cgroup")
 LOAD_SHARE = 0.9  # of the memory free, the most a load (a model, a stand-in, a GGUF's conversion) may plan to take
@@ -18,6 +21,8 @@ UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
 def free_memory(device: torch.device, cgroup: Path = CGROUP) -> int | None:
     """Bytes that may still be allocated on `device` (None where it cannot be read)."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as info:
