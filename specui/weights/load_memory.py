@@ -10,7 +10,9 @@ Llama, 2-core AMD EPYC, torch 2.13, transformers 5, 2026-12-05), in bytes a para
 | a folder in the dtype loaded (mapped, not copied) | the dtype's bytes + 0.4 | 2.5 | 1.9 |
 | a folder in another dtype (converted as read) | the dtype's bytes + 0.4 | 4.3 / 3.6 | 5.4 |
 | a GGUF read directly (dequantized as read) | the dtype's bytes + 0.7 | 5.4 | 7.2 |
-| ... on int4 / w4a8, its 4-bit decoder matrices packed from its blocks (gguf_packed) | - | int4: PACKED_BYTES for those, the rest the dtype's bytes + 0.5 | w4a8: the same |
+| ... its 4-bit decoder matrices packed from its blocks (gguf_packed) | - | int4: packed* | w4a8: packed* |
+
+(*: PACKED_BYTES for those matrices, the dtype's bytes + 0.5 for the rest.)
 
 (the last row measured 2026-12-05 on a Zen 5 with random-weight Q4_0 files: Llama-2-7B's shape on
 w4a8, 7.3 GB anonymous at the peak for 6.88B parameters, 1.06 a parameter, where the row says 1.35;
