@@ -23,11 +23,13 @@ from specui.weights.stand_in import RealModel, build, pad_groups, plan
 
 # a "real model" a few times the tiny one's size: wider, deeper, more heads (the GQA group kept)
 TINY_BIG = RealModel("tiny-big", 1_500_000, 200, 400, 5, 10, 5)
+# ... and one with a KV head for every query head: the tiny one's KV heads repeated (stand_in.repeat_heads)
+TINY_MHA = RealModel("tiny-mha", 1_500_000, 192, 400, 5, 12, 12)
 
 
-@pytest.fixture()
-def tiny_size(monkeypatch):
-    monkeypatch.setitem(stand_in.SIZES, "tiny", TINY_BIG)
+@pytest.fixture(params=[TINY_BIG, TINY_MHA], ids=["grouped", "kv-repeated"])
+def tiny_size(monkeypatch, request):
+    monkeypatch.setitem(stand_in.SIZES, "tiny", request.param)
     return "tiny"
 
 
@@ -38,9 +40,11 @@ def _padded(model, size="tiny", dtype=torch.float64):
 def test_the_plan_matches_the_real_models_size_and_keeps_head_dim_and_group(tiny_size):
     model = tiny_llama(0, layers=2, hidden=64)
     shape = plan(model.config, tiny_size)
-    assert abs(shape.params - TINY_BIG.params) <= 0.1 * TINY_BIG.params
-    assert shape.hidden // shape.heads == 64 // 4 and shape.heads // shape.kv_heads == 4 // 2
-    assert shape.hidden >= TINY_BIG.hidden and shape.layers == TINY_BIG.layers and shape.intermediate % 64 == 0
+    real = stand_in.SIZES[tiny_size]
+    assert abs(shape.params - real.params) <= 0.1 * real.params
+    assert shape.hidden // shape.heads == 64 // 4  # head_dim kept
+    assert shape.heads // shape.kv_heads == real.heads // real.kv_heads  # the real model's KV heads (4 / 2 allows it)
+    assert shape.hidden >= real.hidden and shape.layers == real.layers and shape.intermediate % 64 == 0
     padded = build(model, shape, torch.float64)
     assert sum(p.numel() for p in padded.parameters()) == shape.params
     assert "not a better model" in shape.label
@@ -54,7 +58,10 @@ def test_the_shipped_sizes_are_within_ten_percent_of_the_real_models():
     for size, real in stand_in.SIZES.items():
         shape = plan(smollm2_135m, size)
         assert abs(shape.params - real.params) <= 0.1 * real.params, size
-        assert shape.hidden % 64 == 0 and shape.intermediate % 64 == 0 and shape.heads % 3 == 0
+        assert shape.hidden % 64 == 0 and shape.intermediate % 64 == 0 and shape.heads >= 9
+        # the KV cache a token reads: near the real model's (SmolLM2-1.7B, Llama-2-7B: a KV head for every query head)
+        kv, real_kv = shape.layers * shape.kv_heads * 64, real.layers * real.kv_heads * real.hidden // real.heads
+        assert 0.8 <= kv / real_kv <= 1.25, size
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -65,6 +72,7 @@ def test_padded_logits_equal_the_sources(tiny_size, tied):
         model.lm_head.weight = model.model.embed_tokens.weight
     padded = _padded(model)
     assert len(padded.model.layers) == TINY_BIG.layers  # zero layers appended: the identity
+    assert padded.config.num_key_value_heads == padded.stand_in.kv_heads
     ids = torch.tensor([[3, 9, 4, 22, 7, 15, 8]])
     with torch.no_grad():
         want, got = model(input_ids=ids).logits, padded(input_ids=ids).logits
@@ -93,11 +101,16 @@ def test_int4_padded_groups_are_exact_zeros_and_the_function_is_kept(tiny_size):
     groups = {name: quantize_groups(m.weight) for name, m in source.named_modules()
               if isinstance(m, torch.nn.Linear) and name != "lm_head"}
     padded = _padded(source, dtype=torch.bfloat16)
-    bigger = pad_groups(groups, padded)
+    bigger = pad_groups(groups, padded, source.config)
+    repeat = padded.stand_in.kv_heads // source.config.num_key_value_heads // (
+        padded.stand_in.heads // source.config.num_attention_heads)  # each source KV head's copies
     for name, (q, scale, low) in bigger.items():
         dense = dequantize_groups(q, scale, low)
-        n, k = groups[name][0].shape
-        assert torch.equal(dense[:n, :k], dequantize_groups(*groups[name]))
+        real = dequantize_groups(*groups[name])
+        if name.endswith(("k_proj", "v_proj")):
+            real = stand_in.repeat_heads(real, 16, repeat)
+        n, k = real.shape
+        assert torch.equal(dense[:n, :k], real)
         assert not dense[n:].any() and not dense[:, k:].any()
     quantize_model(source.to(torch.bfloat16), "int4", groups)
     counts = quantize_model(padded, "int4", bigger)
@@ -132,8 +145,8 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
     assert appended and all(torch.equal(a, b) for (n, a), (_, b) in zip(lazy.state_dict().items(),
                                                                          full.state_dict().items())
                             if n.removesuffix(".weight") not in groups)  # appended layers: zeros on both sides
-    quantize_w4a8(full, pad_groups(groups, full))
-    quantize_w4a8(lazy, pad_groups(groups, lazy))
+    quantize_w4a8(full, pad_groups(groups, full, source.config))
+    quantize_w4a8(lazy, pad_groups(groups, lazy, source.config))
     packed = [(name, m) for name, m in lazy.named_modules() if isinstance(m, W4A8Linear)]
     assert len(packed) == shape.layers * 7  # the appended layers' too (zeros, rounded from the broadcast)
     for name, module in packed:
@@ -144,15 +157,15 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
 
     again = build(source, shape, torch.float32, lazy=frozenset(groups))
     first = next(iter(groups))
-    refused = pad_groups(groups, again)[first][0]
+    refused = pad_groups(groups, again, source.config)[first][0]
     original = W4A8Linear.from_groups
     # the kernel refuses the first matrix: it stays a float matrix with the groups' values, not zeros
     monkeypatch.setattr(W4A8Linear, "from_groups", staticmethod(
         lambda q, *rest: None if q.shape == refused.shape and torch.equal(q, refused) else original(q, *rest)))
-    quantize_w4a8(again, pad_groups(groups, again))
+    quantize_w4a8(again, pad_groups(groups, again, source.config))
     kept = again.get_submodule(first)
     assert isinstance(kept, torch.nn.Linear) and not stand_in.unbuilt(kept.weight)
-    assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again)[first]))
+    assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again, source.config)[first]))
 
 
 def test_the_memory_check_counts_matrices_taken_from_a_ggufs_blocks_as_packed(tiny_size, tmp_path, monkeypatch):

@@ -141,7 +141,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
         padded = stand_in.build(model, shape, built, lambda done, total: say(
             0.2 + 0.2 * done / total, f"{role}: building stand-in {shape.size} ({done} of {total} tensors)"),
             frozenset(blocks or {}) if lazy else frozenset())  # (no blocks: nothing left unbuilt)
-        model, blocks = padded, stand_in.pad_groups(blocks or {}, padded)
+        model, blocks = padded, stand_in.pad_groups(blocks or {}, padded, model.config)
         notes += (f"{role} {shape.label}",)
         if quant is not None:
             notes += (stand_in.bitsandbytes(model, spec.quantization, dtype),)

@@ -3,8 +3,10 @@
 Speculation pays when a target forward is dear and nearly flat in k while the draft is cheap;
 the bundled 135M target is neither, and bigger weights cannot be fetched offline. A zero-padded
 copy of a Llama-family model computes the same function at a bigger model's cost: hidden size,
-intermediate size and head count widened (head_dim and the GQA group kept, so query head i still
-reads KV head i // group), the real weights in the top-left blocks and zeros elsewhere, every
+intermediate size and head count widened (head_dim kept; as many KV heads as the real model has for
+so many query heads, where the source's grouping allows: each of the source's KV heads repeated,
+so query head i still reads its source KV head's keys and values and the KV cache a token reads
+is the real model's), the real weights in the top-left blocks and zeros elsewhere, every
 RMSNorm weight scaled by sqrt(H / H') and its eps by H / H' (the padded zeros change the mean of
 squares), all-zero layers appended where the real model is deeper (a zero layer is the identity
 on the residual stream). The residual stream's first H entries are then the source model's, the
@@ -31,6 +33,7 @@ from specui.weights.quantize import replace_module, unbuilt  # noqa: F401 (stand
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # same module names: q/k/v/o, gate/up/down, two RMSNorms
 MULTIPLE = 64  # intermediate sizes rounded to this (4-bit groups of 32 along every input)
+KV_PROJECTIONS = ("k_proj", "v_proj")  # their rows: one block of head_dim a KV head (repeat_heads)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,20 @@ def count_params(vocab: int, hidden: int, intermediate: int, layers: int, heads:
     return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
 
 
+def repeat_heads(rows: torch.Tensor, head_dim: int, times: int) -> torch.Tensor:
+    """A key / value projection's rows (or their groups, scales, biases) with each KV head's block
+    of `head_dim` rows repeated `times` times in place: KV head j of the result is head j // times."""
+    if times == 1:
+        return rows
+    return rows.reshape(-1, head_dim, *rows.shape[1:]).repeat_interleave(times, 0).reshape(-1, *rows.shape[1:])
+
+
+def _kv_repeat(source_config, shape: StandIn) -> int:
+    """How many of the stand-in's KV heads repeat each of the source's (plan: the real model's group)."""
+    _, _, _, heads, kv, _ = _dims(source_config)
+    return (heads // kv) // (shape.heads // shape.kv_heads)
+
+
 def check_size(size: str) -> None:
     """A clear SpecUIError for a size that is not one of SIZES (before anything loads)."""
     if size not in SIZES:
@@ -105,16 +122,25 @@ def plan(config, size: str) -> StandIn:
                           f"'{getattr(config, 'model_type', type(config).__name__)}'")
     real = SIZES[size]
     hidden, inter, layers, heads, kv, head_dim = _dims(config)
-    group = heads // kv
     tied = bool(getattr(config, "tie_word_embeddings", False))
     source_params = count_params(config.vocab_size, hidden, inter, layers, heads, kv, head_dim, tied)
     if source_params >= 0.9 * real.params:
         raise SpecUIError(f"this target has {source_params / 1e6:.0f}M parameters: a {size} stand-in "
                           f"({real.name}, {real.params / 1e6:.0f}M) would not be larger; choose a bigger size")
-    unit = group * head_dim  # widths that keep head_dim and the GQA group
-    new_hidden = max(hidden, math.ceil(real.hidden / unit) * unit)
-    new_heads = new_hidden // head_dim
     new_layers = max(layers, real.layers)
+    # query heads a KV head serves: a divisor of the source's group (each source KV head then repeated: exact),
+    # the one whose KV cache per token is closest to the real model's (SmolLM2-1.7B, Llama-2-7B: one KV head a
+    # query head, so 1)
+    real_kv = real.layers * real.kv_heads * real.hidden // real.heads
+
+    def width(d: int) -> int:  # widths that keep head_dim and the group d, in whole 4-bit groups of inputs
+        unit = math.lcm(d * head_dim, MULTIPLE)
+        return max(hidden, math.ceil(real.hidden / unit) * unit)
+
+    group = min((d for d in range(1, heads // kv + 1) if (heads // kv) % d == 0),
+                key=lambda d: abs(math.log(new_layers * width(d) / d / real_kv)))  # KV entries a token
+    new_hidden = width(group)
+    new_heads = new_hidden // head_dim
     fixed = count_params(config.vocab_size, new_hidden, 0, new_layers, new_heads, new_heads // group, head_dim, tied)
     new_inter = max(inter, round((real.params - fixed) / (3 * new_hidden * new_layers) / MULTIPLE) * MULTIPLE)
     params = count_params(config.vocab_size, new_hidden, new_inter, new_layers, new_heads, new_heads // group,
@@ -168,6 +194,7 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
     source = model.state_dict()
     state = {}
     metas = padded.state_dict()
+    repeat, head_dim = _kv_repeat(model.config, shape), config.head_dim
     for done, (name, meta) in enumerate(metas.items()):
         if progress is not None:
             progress(done, len(metas))
@@ -179,6 +206,8 @@ def build(model: PreTrainedModel, shape: StandIn, dtype: torch.dtype,
             state[name] = torch.zeros(meta.shape, dtype=dtype)
         elif "norm" in name.rsplit(".", 2)[-2] and src.dim() == 1 and src.shape[0] == shape.source_hidden:
             state[name] = _pad(src, meta.shape, dtype, norm_scale)  # RMSNorm over the residual stream
+        elif name.rsplit(".", 1)[0].endswith(KV_PROJECTIONS):
+            state[name] = _pad(repeat_heads(src, head_dim, repeat), meta.shape, dtype)
         else:
             state[name] = _pad(src, meta.shape, dtype)
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in state:
@@ -205,11 +234,14 @@ class PaddedGroups(Mapping):
     Lazily: all of a 7b stand-in's padded groups at once would take about 8 GiB (a byte per
     weight for q, float32 scales and lows) beside the model they quantize."""
 
-    def __init__(self, groups: dict[str, Groups], padded: torch.nn.Module) -> None:
-        self.groups, self.padded = groups, padded
+    def __init__(self, groups: dict[str, Groups], padded: torch.nn.Module, repeat: int = 1) -> None:
+        self.groups, self.padded, self.repeat = groups, padded, repeat  # repeat: _kv_repeat
 
     def __getitem__(self, name: str) -> Groups:
         q, scale, low = self.groups[name]
+        if name.endswith(KV_PROJECTIONS):
+            head_dim = self.padded.config.head_dim
+            q, scale, low = (repeat_heads(t, head_dim, self.repeat) for t in (q, scale, low))
         n, k = self.padded.get_submodule(name).weight.shape
         q2 = torch.zeros((n, k), dtype=q.dtype)
         q2[: q.shape[0], : q.shape[1]] = q
@@ -226,9 +258,9 @@ class PaddedGroups(Mapping):
         return len(self.groups)
 
 
-def pad_groups(groups: dict[str, Groups], padded: torch.nn.Module) -> PaddedGroups:
+def pad_groups(groups: dict[str, Groups], padded: torch.nn.Module, source_config) -> PaddedGroups:
     """The GGUF's groups as the stand-in's quantization reads them, one matrix at a time."""
-    return PaddedGroups(groups, padded)
+    return PaddedGroups(groups, padded, _kv_repeat(source_config, padded.stand_in))
 
 
 def draft_embeddings(target: PreTrainedModel) -> torch.nn.Embedding:
