@@ -113,3 +113,19 @@ def test_the_memory_check_counts_packed_matrices_at_their_packed_size(tiny_gguf,
     monkeypatch.setattr(load_memory, "free_memory", lambda device: 1024)
     with pytest.raises(SpecUIError, match=r"on the w4a8 kernel \(its 4-bit decoder matrices packed one by one"):
         load_memory.check_plain_load(*check, "w4a8", torch.float32, CPU, False, packed)
+
+
+def test_a_target_of_the_bundled_family_gets_the_bundled_model_as_its_default_draft(tiny_gguf):
+    """The shipped draft fits the bundled target alone; another model of its vocabulary (here a
+    GGUF in another shape) drafts with the bundled SmolLM2-135M instead, and decodes losslessly."""
+    from specui.engine import GenerationRequest, make_method
+    from specui.service.pair import default_draft_source, load_pair
+
+    pair = load_pair(ModelSpec(str(tiny_gguf), "float32", "cpu", "none"),
+                     ModelSpec(default_draft_source(), "float32", "cpu", "none"), speculate=False)
+    assert pair.draft is not None and "bundled" in pair.draft.label
+    assert any(n.startswith("draft: the bundled SmolLM2-135M-Instruct") and "hidden size 576" in n
+               for n in pair.target.notes)
+    engine, prompt = pair.engine(capture="off"), [1, 504, 3537, 314, 260, 1345, 30]
+    plain = engine.generate(GenerationRequest(prompt, 10), make_method("autoregressive")).output_ids
+    assert engine.generate(GenerationRequest(prompt, 10), make_method("speculative", gamma=3)).output_ids == plain

@@ -18,10 +18,11 @@ from specui.heads.decision import DecisionModels, load_decision_models
 from specui.service.joint import choose_with_draft
 from specui.service.process_memory import release_freed_memory
 from specui.settings import PairChoice
-from specui.weights.draft import is_specui_draft, load_draft, misfit
+from specui.weights.draft import is_specui_draft, load_draft, made_for_vocabulary, misfit
 from specui.weights.dtypes import choice_key, choose_dtype
 from specui.weights.loading import (
     BUNDLED,
+    BUNDLED_GGUF,
     QUANTIZATIONS,
     LoadedModel,
     ModelSpec,
@@ -204,11 +205,7 @@ def _load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded, hea
     if on_target_loaded is not None:
         on_target_loaded()
     if draft is not None and Path(draft.source).resolve() == SHIPPED_DRAFT.resolve():
-        why = misfit(SHIPPED_DRAFT, loaded_target.model, loaded_target.tokenizer)
-        if why:  # the default for every target, made for the bundled one: this target decodes without it
-            loaded_target.notes += (f"draft: none ({why}; the shipped draft fits only the bundled target: "
-                                    "--draft names another, e.g. a smaller model of this target's family)",)
-            draft = None
+        draft = shipped_or_family_draft(loaded_target, draft)
     pair = pair_with_draft(loaded_target, draft, head, decision)
     pair.capture = capture
     verdict = choose_with_draft(pair, draft, progress) if speculate and draft is not None else None
@@ -234,6 +231,23 @@ def _load_pair(target: ModelSpec, draft: ModelSpec | None, on_target_loaded, hea
     pair = pair_with_draft(reloaded, draft, head, decision)
     pair.capture = capture
     return pair
+
+
+def shipped_or_family_draft(target: LoadedModel, draft: ModelSpec) -> ModelSpec | None:
+    """The draft for `target` where the shipped one (the default for every target) was asked for: the
+    shipped draft where it fits (the bundled target and its stand-ins); for another model of the
+    bundled one's vocabulary (SmolLM2's family, e.g. SmolLM2-1.7B: the smollm2-1.7b preset's pair)
+    the bundled SmolLM2-135M-Instruct itself; else none. Said in the target's notes."""
+    why = misfit(SHIPPED_DRAFT, target.model, target.tokenizer)
+    if not why:
+        return draft
+    if made_for_vocabulary(SHIPPED_DRAFT, target.tokenizer):
+        target.notes += (f"draft: the bundled {BUNDLED_GGUF}, the smallest model of this target's family (the "
+                         f"shipped draft was made for it alone: {why})",)
+        return replace(draft, source=BUNDLED)
+    target.notes += (f"draft: none ({why}; the shipped draft fits only the bundled target: --draft names another, "
+                     "e.g. a smaller model of this target's family)",)
+    return None
 
 
 def pair_with_draft(target: LoadedModel, draft: ModelSpec | None, head: str = "default",

@@ -246,6 +246,11 @@ class CastEmbedding(torch.nn.Module):
         return self.embedding(ids).to(self.dtype)
 
 
+def made_for_vocabulary(folder: str | Path, tokenizer) -> bool:
+    """Whether the SpecUI draft in `folder` was trained on `tokenizer`'s vocabulary."""
+    return AutoConfig.from_pretrained(folder).specui_draft.get("vocab_fingerprint") == vocab_fingerprint(tokenizer)
+
+
 def misfit(folder: str | Path, target: PreTrainedModel, tokenizer=None, config=None) -> str | None:
     """Why the SpecUI draft in `folder` cannot draft for `target` (it shares the target's
     embeddings, so it fits only the vocabulary and width it was trained on), or None."""
