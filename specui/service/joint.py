@@ -129,8 +129,8 @@ def default_cache_file() -> Path:
 
 
 def probe_key(options: list[OptionCost], draft: ModelSpec) -> str:
-    raw = json.dumps([[o.to_dict() for o in options], identity(draft), draft.dtype, cpu_signature(),
-                      torch.get_num_threads(), torch.__version__])
+    raw = json.dumps([[o.to_dict() for o in options], identity(draft), draft.dtype, draft.quantization,
+                      cpu_signature(), torch.get_num_threads(), torch.__version__])  # the draft as it runs
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 

@@ -244,7 +244,9 @@ def shipped_or_family_draft(target: LoadedModel, draft: ModelSpec) -> ModelSpec 
     if made_for_vocabulary(SHIPPED_DRAFT, target.tokenizer):
         target.notes += (f"draft: the bundled {BUNDLED_GGUF}, the smallest model of this target's family (the "
                          f"shipped draft was made for it alone: {why})",)
-        return replace(draft, source=BUNDLED)
+        # on its own 4-bit blocks where they serve (quantization auto, as when it is the target), unless asked
+        quantization = "auto" if draft.quantization == "none" else draft.quantization
+        return replace(draft, source=BUNDLED, quantization=quantization)
     target.notes += (f"draft: none ({why}; the shipped draft fits only the bundled target: --draft names another, "
                      "e.g. a smaller model of this target's family)",)
     return None
