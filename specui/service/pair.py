@@ -238,15 +238,18 @@ def shipped_or_family_draft(target: LoadedModel, draft: ModelSpec) -> ModelSpec 
     shipped draft where it fits (the bundled target and its stand-ins); for another model of the
     bundled one's vocabulary (SmolLM2's family, e.g. SmolLM2-1.7B: the smollm2-1.7b preset's pair)
     the bundled SmolLM2-135M-Instruct itself; else none. Said in the target's notes."""
-    why = misfit(SHIPPED_DRAFT, target.model, target.tokenizer)
-    if not why:
-        return draft
     if made_for_vocabulary(SHIPPED_DRAFT, target.tokenizer):
+        why = misfit(SHIPPED_DRAFT, target.model)  # its width (the vocabulary is the one it was made for)
+        if not why:
+            return draft
         target.notes += (f"draft: the bundled {BUNDLED_GGUF}, the smallest model of this target's family (the "
                          f"shipped draft was made for it alone: {why})",)
         # on its own 4-bit blocks where they serve (quantization auto, as when it is the target), unless asked
         quantization = "auto" if draft.quantization == "none" else draft.quantization
         return replace(draft, source=BUNDLED, quantization=quantization)
+    why = misfit(SHIPPED_DRAFT, target.model, target.tokenizer)  # another tokenizer: said so
+    if not why:  # (a draft that records no vocabulary, of the target's width)
+        return draft
     target.notes += (f"draft: none ({why}; the shipped draft fits only the bundled target: --draft names another, "
                      "e.g. a smaller model of this target's family)",)
     return None
