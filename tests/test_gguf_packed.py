@@ -55,6 +55,7 @@ def test_the_bundled_gguf_loads_packed_as_transformers_loads_it():
     model, groups = load_packed(str(path.parent), path.name, open_gguf(path), torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     assert len(groups) == 210  # 30 layers x 7 Q4_1 matrices, q and k rows un-permuted
+    assert model.name_or_path == str(path)  # its measurements are cached under its file
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as transformers ties it
     assert_same_model(model, groups, reference)
 

@@ -14,6 +14,7 @@ row indices through the processor, so the model equals the one transformers buil
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -122,4 +123,7 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
     unset = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if unset:
         raise SpecUIError(f"the GGUF has no tensor for {len(unset)} of the model's weights (e.g. {unset[0]})")
+    # the file it came from, as from_pretrained records its source: what its measurements are cached under
+    # (engine.measure.model_identity), so two files of one architecture never share a cost profile
+    model.name_or_path = model.config._name_or_path = str(Path(where) / gguf)
     return model, FileGroups(matrices)
