@@ -18,7 +18,7 @@ from specui.engine import Engine, GenerationRequest, make_method
 from specui.errors import SpecUIError
 from specui.weights import stand_in
 from specui.weights.load_memory import PACKED_BYTES
-from specui.weights.quantize import dequantize_groups, quantize_groups, quantize_model
+from specui.weights.quantize import dequantize_groups, quantize_groups, quantize_model, unbuilt
 from specui.weights.stand_in import RealModel, build, pad_groups, plan
 
 # a "real model" a few times the tiny one's size: wider, deeper, more heads (the GQA group kept)
@@ -140,7 +140,7 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
     appended = {f"model.layers.{i}" for i in range(source.config.num_hidden_layers, shape.layers)}
     for name, module in lazy.named_modules():
         if isinstance(module, torch.nn.Linear):
-            assert stand_in.unbuilt(module.weight) == (name in groups or name.rsplit(".", 2)[0] in appended), name
+            assert unbuilt(module.weight) == (name in groups or name.rsplit(".", 2)[0] in appended), name
             assert module.weight.shape == full.get_submodule(name).weight.shape
     assert appended and all(torch.equal(a, b) for (n, a), (_, b) in zip(lazy.state_dict().items(),
                                                                          full.state_dict().items())
@@ -164,7 +164,7 @@ def test_w4a8_matrices_from_blocks_are_never_built_and_give_the_same_model(tiny_
         lambda q, *rest: None if q.shape == refused.shape and torch.equal(q, refused) else original(q, *rest)))
     quantize_w4a8(again, pad_groups(groups, again, source.config))
     kept = again.get_submodule(first)
-    assert isinstance(kept, torch.nn.Linear) and not stand_in.unbuilt(kept.weight)
+    assert isinstance(kept, torch.nn.Linear) and not unbuilt(kept.weight)
     assert torch.equal(kept.weight, dequantize_groups(*pad_groups(groups, again, source.config)[first]))
 
 

@@ -78,18 +78,27 @@ def open_gguf(path: str | Path):
     return GGUFReader(str(path))
 
 
+def four_bit_matrix(tensor) -> bool:
+    """Whether a reader's tensor is a layer matrix in 4-bit blocks SpecUI decodes (blk.N.<matrix>.weight)."""
+    parts = tensor.name.split(".")
+    return (tensor.tensor_type.name in DECODED_BYTES and len(parts) == 4 and parts[0] == "blk"
+            and parts[2] in LAYER_NAMES and parts[3] == "weight")
+
+
+def decode_tensor(tensor) -> Groups:
+    """A four_bit_matrix's blocks, read from the (memory-mapped) file, as int4 groups, rows as stored."""
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+    kind = tensor.tensor_type.name
+    return decode_q4_k(raw) if kind == "Q4_K" else decode_blocks(raw, kind)
+
+
 def read_four_bit(reader) -> dict[str, Groups]:
     """The file's Q4_0 / Q4_1 / Q4_K layer matrices by transformers module name, as int4 groups
     (not yet matched to the loaded weights: see `matched`)."""
     found: dict[str, Groups] = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        parts = tensor.name.split(".")
-        if kind not in DECODED_BYTES or len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES:
-            continue
-        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        groups = decode_q4_k(raw) if kind == "Q4_K" else decode_blocks(raw, kind)
-        found[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = groups
+    for tensor in filter(four_bit_matrix, reader.tensors):
+        _, layer, matrix, _ = tensor.name.split(".")
+        found[f"model.layers.{layer}.{LAYER_NAMES[matrix]}"] = decode_tensor(tensor)
     return found
 
 

@@ -5,7 +5,7 @@ the model takes them: about 7 bytes a parameter at the peak once w4a8 repacks th
 (specui/weights/load_memory.py), so a 3B Q4_0 file wanted 21 GiB and a 7B one 50. Here the model
 is built empty (accelerate's `init_empty_weights`), each tensor that is not a decoder matrix
 (embeddings, norms, the head, biases) is dequantized and put in place one at a time, and every
-decoder matrix is left unbuilt (one zero broadcast to its shape, stand_in.unbuilt): its Q4_0 /
+decoder matrix is left unbuilt (one zero broadcast to its shape, quantize.unbuilt): its Q4_0 /
 Q4_1 / Q4_K blocks are decoded into int4 groups only when the kernel packs that matrix
 (FileGroups), then dropped. The names and the row order of each tensor are transformers' own
 (its GGUF name map and tensor processor: llama's query/key rows un-permuted), found by passing
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specui.errors import SpecUIError
-from specui.weights.gguf_blocks import DECODED_BYTES, LAYER_NAMES, Groups, decode_blocks, decode_q4_k
+from specui.weights.gguf_blocks import Groups, decode_tensor, four_bit_matrix
 
 
 class FileGroups(Mapping):
@@ -32,9 +32,7 @@ class FileGroups(Mapping):
 
     def __getitem__(self, name: str) -> Groups:
         tensor, rows = self._tensors[name]
-        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        kind = tensor.tensor_type.name
-        q, scale, low = decode_q4_k(raw) if kind == "Q4_K" else decode_blocks(raw, kind)
+        q, scale, low = decode_tensor(tensor)
         if rows is None:
             return q, scale, low
         order = torch.from_numpy(rows)
@@ -49,13 +47,7 @@ class FileGroups(Mapping):
 
 def packed_params(reader) -> int:
     """Parameters of a GGUF's 4-bit decoder matrices (the part this path never holds in float)."""
-    return sum(int(t.n_elements) for t in reader.tensors if _decoder_matrix(t))
-
-
-def _decoder_matrix(tensor) -> bool:
-    parts = tensor.name.split(".")
-    return (tensor.tensor_type.name in DECODED_BYTES and len(parts) == 4 and parts[0] == "blk"
-            and parts[2] in LAYER_NAMES and parts[3] == "weight")
+    return sum(int(t.n_elements) for t in reader.tensors if four_bit_matrix(t))
 
 
 def _processor(reader, config):
@@ -107,7 +99,7 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
         if name is None or name not in shapes:
             continue
         shape = shapes[name]
-        if _decoder_matrix(tensor) and len(shape) == 2 and tuple(reversed(tensor.shape.tolist())) == shape:
+        if four_bit_matrix(tensor) and len(shape) == 2 and tuple(reversed(tensor.shape.tolist())) == shape:
             matrices[name.removesuffix(".weight")] = (tensor, _row_order(processor, tensor, shape[0]))
             _put(model, name, torch.zeros((), dtype=dtype).expand(shape))
             continue

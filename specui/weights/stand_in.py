@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.errors import SpecUIError
-from specui.weights.quantize import replace_module, unbuilt  # noqa: F401 (stand_in.unbuilt)
+from specui.weights.quantize import replace_module
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # same module names: q/k/v/o, gate/up/down, two RMSNorms
 MULTIPLE = 64  # intermediate sizes rounded to this (4-bit groups of 32 along every input)
