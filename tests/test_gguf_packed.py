@@ -52,7 +52,7 @@ def assert_same_model(packed, groups, reference) -> None:
 
 def test_the_bundled_gguf_loads_packed_as_transformers_loads_it():
     path = bundled_gguf_path()
-    model, groups = load_packed(str(path.parent), path.name, open_gguf(path), torch.float32)
+    model, groups, _ = load_packed(str(path.parent), path.name, open_gguf(path), torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     assert len(groups) == 210  # 30 layers x 7 Q4_1 matrices, q and k rows un-permuted
     assert model.name_or_path == str(path)  # its measurements are cached under its file
@@ -62,7 +62,7 @@ def test_the_bundled_gguf_loads_packed_as_transformers_loads_it():
 
 def test_a_grouped_query_gguf_with_its_own_head_loads_packed(tiny_gguf):
     reader = open_gguf(tiny_gguf)
-    model, groups = load_packed(str(tiny_gguf.parent), tiny_gguf.name, reader, torch.float32)
+    model, groups, _ = load_packed(str(tiny_gguf.parent), tiny_gguf.name, reader, torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
                                                      dtype=torch.float32)
     assert model.lm_head.weight is not model.model.embed_tokens.weight

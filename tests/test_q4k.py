@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from specui.weights.gguf_blocks import decode_q4_k
-from specui.weights.quantize import dequantize_groups
+from specui.weights.quantize import GROUP, dequantize_groups
 
 
 def q4_k_bytes(rows: int, inputs: int, seed: int, scale: float = 1e-3) -> np.ndarray:
@@ -104,10 +104,89 @@ def test_a_q4_k_gguf_computes_with_its_own_blocks(tmp_path, quantization):
     assert float((a - b).norm() / a.norm()) < 0.05
 
 
-def test_quantization_auto_on_a_q4_k_file_says_what_an_explicit_one_would_do():
+def q6_k_bytes(rows: int, inputs: int, seed: int) -> np.ndarray:
+    """Random Q6_K super-blocks (ql 128, qh 64, 16 int8 scales, float16 d at byte 208): every
+    payload byte drawn, d of about 1e-3 / 64."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, inputs // 256 * 210), dtype=np.uint8)
+    blocks = raw.reshape(-1, 210)
+    blocks[:, 208:210] = rng.uniform(0.5e-5, 2e-5, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_q6_k_weights_on_8_bit_groups_stay_within_an_eighth_of_their_own_step(seed):
+    """What w4a8 does with a Q4_K_M file's Q6_K matrices (gguf_blocks.EIGHT_BIT): each weight moves
+    at most an eighth (and a little, for float16's d) of the coarser step of its two 16-input sub-blocks."""
+    from specui.weights.q8a8 import Q8A8Linear, quantize_q8
+
+    raw = q6_k_bytes(16, 512, seed)
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K)).float()
+    blocks = torch.from_numpy(raw.reshape(-1, 210).copy())
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()  # (blocks, 1)
+    step = (d * blocks[:, 192:208].contiguous().view(torch.int8).float().abs()).reshape(16, -1, 2)  # 16-input steps
+    coarser = step.amax(-1).repeat_interleave(GROUP, dim=1)  # each input's group of 32
+    assert Q8A8Linear.from_weight(weight) is not None  # the kernel takes them (its self-check passes)
+    q, groups = quantize_q8(weight)
+    moved = ((q.float().reshape(16, -1, GROUP) * groups[..., None]).reshape(16, 512) - weight).abs()
+    assert float((moved / coarser.clamp_min(1e-12)).max()) <= 0.127
+
+
+def _q4_k_m_gguf(path, layers: int = 2):
+    """A tiny Llama GGUF in llama.cpp's Q4_K_M mix (specui.bench.synthetic_gguf): Q4_K matrices, the
+    value and down matrices of its last layer Q6_K, embeddings and head Q6_K."""
+    from specui.bench.synthetic_gguf import write
+    from specui.weights.sources import bundled_gguf_path
+    from specui.weights.stand_in import RealModel
+
+    write(RealModel("tiny-k", 0, 256, 512, layers, 4, 2), False, path, bundled_gguf_path(), 5, "q4_k_m")
+    return path
+
+
+@pytest.mark.bundled
+def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path):
+    """Converted (small) and read directly (as a file too large to convert is): the same model, its
+    Q4_K blocks as they are and its two Q6_K layer matrices on 8-bit groups, near the dequantized file."""
+    from specui.weights.concrete import load_concrete
+    from specui.weights.gguf_blocks import block_types, open_gguf
+    from specui.weights.gguf_cache import GGUFSource
+    from specui.weights.loading import ModelSpec
+    from specui.weights.q8a8 import Q8A8Linear
+    from specui.weights.w4a8 import w4a8_vector
+
+    if not w4a8_vector():
+        pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
+    path = _q4_k_m_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    reader = open_gguf(path)
+    assert block_types(reader) == {"Q6_K": 4, "Q4_K": 12, "F32": 5}
+    spec = ModelSpec(str(path), "auto", "cpu", "w4a8")
+    converted = load_concrete(spec, "target")
+    direct = load_concrete(spec, "target", source=GGUFSource(path, types=block_types(reader), reader=reader))
+    dense = load_concrete(ModelSpec(str(path), "float32", "cpu", "none"), "target")
+    for loaded in (converted, direct):
+        said = " ".join(loaded.notes)
+        assert "12 of them from the GGUF's own 4-bit blocks, 2 the GGUF holds in more than 4 bits" in said, said
+        layer = loaded.model.model.layers[1]
+        assert isinstance(layer.self_attn.v_proj, Q8A8Linear) and isinstance(layer.mlp.down_proj, Q8A8Linear)
+    assert "(and its 2 in more bits put on 8-bit groups likewise)" in " ".join(direct.notes)
+    ids = torch.tensor([[1, 200, 3000, 45, 9, 17]])
+    with torch.inference_mode():
+        a, b, want = (m.model(input_ids=ids).logits.float() for m in (converted, direct, dense))
+    assert torch.equal(a, b)
+    assert float((a - want).norm() / want.norm()) < 0.05  # activations rounded to 8 bits, as for w4a8 anywhere
+
+
+def test_quantization_auto_on_a_q4_k_file_weighs_w4a8_where_its_kernel_runs(monkeypatch):
+    from specui.weights import sources
     from specui.weights.loading import ModelSpec, auto_candidates
 
-    candidates, note = auto_candidates(ModelSpec("x", quantization="auto"), torch.device("cpu"),
-                                       {"Q4_K": 150, "Q6_K": 20, "F32": 50}, "target")
-    assert candidates == ("none",) and "(Q4_K, Q6_K) are not all Q4_0 / Q4_1" in note
-    assert "--quantization w4a8 or int4 computes with its Q4_K blocks" in note
+    q4_k_m, cpu = {"Q4_K": 150, "Q6_K": 20, "F32": 50}, torch.device("cpu")
+    monkeypatch.setattr(sources, "_w4a8_vector", lambda: True)
+    candidates, note = auto_candidates(ModelSpec("x", quantization="auto"), cpu, q4_k_m, "target")
+    assert candidates == ("none", "w4a8") and "Q4_K blocks as they are and its Q6_K matrices on 8-bit groups" in note
+    candidates, note = auto_candidates(ModelSpec("x", quantization="auto"), cpu, {**q4_k_m, "Q3_K": 2}, "target")
+    assert candidates == ("none",) and "(Q3_K, Q4_K, Q6_K) are not all Q4_0 / Q4_1" in note
+    assert "--quantization w4a8 computes with its Q4_K blocks" in note
+    assert "rounding its Q3_K matrices to 4 bits" in note
+    monkeypatch.setattr(sources, "_w4a8_vector", lambda: False)  # the portable loop: not weighed
+    assert auto_candidates(ModelSpec("x", quantization="auto"), cpu, q4_k_m, "target")[0] == ("none",)

@@ -1,8 +1,8 @@
 """The 8-bit-group head of w4a8 (specui.weights.q8a8): llama.cpp's Q8_0 blocks times 8-bit
 activation groups. What makes it usable: the product is the arithmetic the kernel's header states,
-the AVX2 path and the portable loop give the same bits, a row's output does not depend on the rows
-scored with it, Q8_0 blocks come back exactly, and w4a8 puts the head on it where oneDNN would round
-the activations to 7 bits."""
+the vector paths (AVX512-VNNI, AVX2) and the portable loop give the same bits, a row's output does
+not depend on the rows scored with it, Q8_0 blocks come back exactly, and w4a8 puts the head on it
+where oneDNN would round the activations to 7 bits."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_the_vector_path_and_the_portable_loop_give_the_same_bits(dtype):
     kernels = native()[0]
     for n, k in ((64, 128), (50, 96), (13, 64), (300, 576)):
         packed, scales = pack_q8(*quantize_q8(_weight(n, k, seed=n)))
-        for rows in (1, 2, 3, 4, 5, 9):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 19):  # the VNNI path's passes of 8 rows and every remainder
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows), dtype=dtype)
             x[0, :GROUP] = 0
             x[-1, GROUP:2 * GROUP] = torch.arange(GROUP, dtype=dtype) - 15.5  # exact halves of a level

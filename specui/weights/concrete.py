@@ -4,7 +4,7 @@ dtype and attention. Every failure becomes a SpecUIError with a clear message.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -102,7 +102,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     lazy = spec.quantization == "w4a8" and covers_matrices(source)  # matrices from the GGUF's blocks alone
     shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant, lazy) if spec.stand_in else None
     direct = source.reader if source is not None and source.folder is None else None  # a GGUF read as it is
-    packed = packed_params(direct) if direct is not None and device.type == "cpu" else 0
+    wide = spec.quantization == "w4a8"  # a GGUF's matrices in more than 4 bits on 8-bit groups
+    packed = packed_params(direct, wide) if direct is not None and device.type == "cpu" else 0
     if shape is None:  # refused here, with the figures, rather than killed by the kernel halfway through
         check_plain_load(spec.source, where, gguf, local, direct, spec.quantization, built, device,
                          measures_dtype(spec, device), packed)
@@ -115,10 +116,10 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     say(0.0, f"{role}: reading {spec.source}")
     try:
         if packs:
-            model, groups = load_packed(where, gguf, direct, built, spec.trust_remote_code, lambda done, total: say(
-                0.4 * done / total, f"{role}: reading {spec.source} (tensor {done + 1} of {total})"))
+            model, groups, eight_bit = load_packed(where, gguf, direct, built, spec.trust_remote_code, lambda d, n: say(
+                0.4 * d / n, f"{role}: reading {spec.source} (tensor {d + 1} of {n})"), wide)
         else:
-            model, groups = AutoModelForCausalLM.from_pretrained(where, **kwargs), None
+            model, groups, eight_bit = AutoModelForCausalLM.from_pretrained(where, **kwargs), None, None
     except SpecUIError:
         raise
     except torch.cuda.OutOfMemoryError:
@@ -131,8 +132,11 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     notes: tuple[str, ...] = given
     if packs:
         why = f" ({source.problem})" if source.problem else ""
+        wider = f" (and its {len(eight_bit)} in more bits put on 8-bit groups likewise)" if eight_bit else ""
         notes += (f"{role}: read from the GGUF directly{why}, its {len(groups)} 4-bit matrices packed from the "
-                  "file's blocks one by one, never dequantized",)
+                  f"file's blocks one by one, never dequantized{wider}",)
+    elif wide and shape is None and source is not None:
+        eight_bit = source.eight_bit(model)
     blocks = groups if packs else \
         source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
     if shape is not None and lazy and not blocks:  # the header promised blocks the file did not give
@@ -158,7 +162,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             0.4 + 0.6 * done / total, f"{role}: w8a8, matrix {done + 1} of {total}")),)
         model = model.to(dtype)  # the rest of the model (norms, attention, cache) in the dtype asked for
     elif spec.quantization == "w4a8":
-        notes += (_quantize_w4a8(model, spec, role, source, blocks, progress=lambda done, total: say(
+        notes += (_quantize_w4a8(model, spec, role, source, blocks, eight_bit, progress=lambda done, total: say(
             0.4 + 0.6 * done / total, f"{role}: w4a8, matrix {done + 1} of {total}")),)
         model = model.to(dtype)
     elif spec.quantization in CPU_KERNELS:
@@ -266,11 +270,13 @@ def _quantize_w8a8(model: PreTrainedModel, spec: ModelSpec, role: str,
 
 
 def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSource | None,
-                   blocks: dict | None, progress: Callable[[int, int], None] | None = None) -> str:
+                   blocks: Mapping | None, eight_bit: Mapping | None,
+                   progress: Callable[[int, int], None] | None = None) -> str:
     """Put `model`'s matrices on the 4-bit x 8-bit kernel (specui.weights.w4a8; a GGUF's own
-    4-bit blocks where it has them) and its output head on w8a8's or 8-bit groups; the note of what went where.
-    Where the kernel serves none, refused: the user asked for it. The rest of the model: rest_dtype."""
-    counts = quantize_w4a8(model, blocks, progress)
+    4-bit blocks where it has them, its matrices in more bits on 8-bit groups) and its output head
+    on w8a8's or 8-bit groups; the note of what went where. Where the kernel serves none, refused:
+    the user asked for it. The rest of the model: rest_dtype."""
+    counts = quantize_w4a8(model, blocks, progress, eight_bit)
     if not counts["w4a8"]:
         why = w4a8_unavailable() or "every matrix failed its self-check (product or row independence) on this CPU"
         raise SpecUIError(f"--quantization w4a8: {why}; use int4, w8a8 or none")
@@ -280,6 +286,9 @@ def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: G
         said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
     elif source is not None and source.folder is None and source.reader is None:
         said.append(f"the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized")
+    if counts["eight_bit"]:
+        said.append(f"{counts['eight_bit']} the GGUF holds in more than 4 bits as 8-bit groups times 8-bit "
+                    "activation groups (Q8_0 blocks exactly, finer ones re-rounded within an eighth of their step)")
     if counts["w8a8"]:
         said.append("the output head on w8a8's int8 rows")
     if counts["q8a8"]:

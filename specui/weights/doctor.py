@@ -188,9 +188,10 @@ def check_q8a8() -> Check:
     if not torch.equal(kernels.q8a8_mm(x, module.packed, module.scales, 96),
                        kernels.q8a8_mm_portable(x, module.packed, module.scales, 96)):
         return Check(name, FAILED, "the vector path and the portable loop give different bits here")
-    used = "not used here: w8a8 takes 8-bit activations exactly" if w8a8.has_w8a8_kernel() and \
+    head = "a w4a8 head goes on w8a8 here (it takes 8-bit activations exactly)" if w8a8.has_w8a8_kernel() and \
         w8a8.full_range_exact() else "w4a8's output head goes on it"
-    path = "AVX2" if q8a8.q8a8_vector() else "the portable loop (no AVX2 here)"
+    used = f"{head}; so do a GGUF's Q6_K / Q8_0 decoder matrices on w4a8"
+    path = kernels.q8a8_path() if q8a8.q8a8_vector() else "the portable loop (no AVX2 here)"
     return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}; {used}")
 
 

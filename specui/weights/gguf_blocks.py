@@ -30,6 +30,13 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # what quantization auto counts as a GGU
 # what an explicit int4 / w4a8 takes from a file: also Q4_K (a super-block of 256 inputs, eight
 # groups of 32, each with its own 6-bit scale and minimum times the block's float16 d and dmin)
 DECODED_BYTES = {**BLOCK_BYTES, "Q4_K": 144}
+# what w4a8 holds on 8-bit groups (specui.weights.q8a8) rather than re-rounding to 4 bits: a file's decoder
+# matrices in more than 4 bits (a Q4_K_M file's Q6_K attention values and down matrices, its Q5_0 fallbacks
+# where a width is not a multiple of 256). Q8_0 blocks go there exactly; the others within an eighth of
+# their own rounding step (a Q6_K group of 32 spans at most 32 steps of its coarser 16: 32 / 127 of a step
+# apart, half that in error; tests/test_q4k.py)
+EIGHT_BIT = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
+FLOATS = ("F32", "F16", "BF16")  # a GGUF's unquantized tensors (norms; embeddings in some files)
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -83,6 +90,19 @@ def four_bit_matrix(tensor) -> bool:
     parts = tensor.name.split(".")
     return (tensor.tensor_type.name in DECODED_BYTES and len(parts) == 4 and parts[0] == "blk"
             and parts[2] in LAYER_NAMES and parts[3] == "weight")
+
+
+def eight_bit_matrix(tensor) -> bool:
+    """Whether a reader's tensor is a layer matrix in more than 4 bits that w4a8 holds on 8-bit groups."""
+    parts = tensor.name.split(".")
+    return (tensor.tensor_type.name in EIGHT_BIT and len(parts) == 4 and parts[0] == "blk"
+            and parts[2] in LAYER_NAMES and parts[3] == "weight")
+
+
+def eight_bit_names(reader) -> list[str]:
+    """The transformers module names of the file's eight_bit_matrix tensors (llama's layout)."""
+    return [f"model.layers.{t.name.split('.')[1]}.{LAYER_NAMES[t.name.split('.')[2]]}"
+            for t in filter(eight_bit_matrix, reader.tensors)]
 
 
 def decode_tensor(tensor) -> Groups:

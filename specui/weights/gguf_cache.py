@@ -6,7 +6,8 @@ weights, then maps and dequantizes every tensor: about 19 s for the bundled 98 M
 2-core CPU, each time the app starts. The first load of a GGUF writes what those parses yield
 into a folder under ~/.cache/specui/gguf/: the config, the tokenizer, the weights in float32
 (safetensors, exactly the dequantized values), the file's own 4-bit blocks already matched to
-their modules (specui/weights/gguf_blocks.py), and the file's tensor types. Later loads read the
+their modules (specui/weights/gguf_blocks.py), the file's tensor types and which of its matrices
+are in more than 4 bits. Later loads read the
 folder instead. The folder's name holds the file's path, size and mtime and the transformers
 version; it is built under a temporary name and renamed when complete, so an interrupted or
 concurrent build never leaves a half-written folder in use. Where it cannot be built (a full
@@ -27,9 +28,17 @@ import transformers
 
 from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.engine.measure import cache_root as specui_cache_root
-from specui.weights.gguf_blocks import Groups, block_types, gguf_weights, matched, open_gguf, read_four_bit
+from specui.weights.gguf_blocks import (
+    Groups,
+    block_types,
+    eight_bit_names,
+    gguf_weights,
+    matched,
+    open_gguf,
+    read_four_bit,
+)
 
-FORMAT = 2  # bump when what the folder holds changes (2: Q4_K blocks kept too)
+FORMAT = 3  # bump when what the folder holds changes (2: Q4_K blocks kept too; 3: its 8-bit matrices named)
 MANIFEST = "specui_gguf.json"
 FOUR_BIT = "four_bit.safetensors"
 # larger GGUFs load directly: a float32 copy would cost that much disk, and that much memory
@@ -61,6 +70,8 @@ class GGUFSource:
     types: dict[str, int] = field(default_factory=dict)  # tensors per GGML type, from the header
     reader: object | None = None
     problem: str = ""  # why the file could not be read or converted
+    # its decoder matrices in more than 4 bits, by module name (gguf_blocks.EIGHT_BIT), from the header
+    eight_bit_names: tuple[str, ...] = ()
 
     def location(self) -> tuple[str, str | None]:
         """(where, gguf file name or None) for transformers' from_pretrained."""
@@ -71,6 +82,12 @@ class GGUFSource:
         if self.folder is not None:
             return load_four_bit(self.folder / FOUR_BIT) if (self.folder / FOUR_BIT).is_file() else {}
         return matched(read_four_bit(self.reader), model) if self.reader is not None else {}
+
+    def eight_bit(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`model`'s weights of the matrices the file holds in more than 4 bits, by module name (for w4a8)."""
+        modules = dict(model.named_modules())
+        return {name: modules[name].weight for name in self.eight_bit_names
+                if isinstance(modules.get(name), torch.nn.Linear)}
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -137,7 +154,8 @@ def _convert(path: Path, reader, folder: Path, trust_remote_code: bool) -> None:
         groups = matched(read_four_bit(reader), model)
         if groups:
             save_four_bit(groups, tmp / FOUR_BIT)
-        (tmp / MANIFEST).write_text(json.dumps({"source": str(path), "types": types, "format": FORMAT}))
+        (tmp / MANIFEST).write_text(json.dumps({"source": str(path), "types": types, "format": FORMAT,
+                                                "eight_bit": eight_bit_names(reader)}))
         try:
             tmp.rename(folder)
         except OSError:  # another process finished first: use its folder
@@ -153,7 +171,8 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
     try:
         folder = folder_for(path)
         manifest = json.loads((folder / MANIFEST).read_text())
-        return GGUFSource(path, folder, {str(k): int(v) for k, v in manifest["types"].items()})
+        return GGUFSource(path, folder, {str(k): int(v) for k, v in manifest["types"].items()},
+                          eight_bit_names=tuple(str(name) for name in manifest.get("eight_bit", ())))
     except FileNotFoundError:
         pass  # not converted yet
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -162,7 +181,7 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
         reader = open_gguf(path)
     except Exception as e:  # noqa: BLE001 - loading the file directly says what is wrong with it
         return GGUFSource(path, problem=_first_line(e))
-    source = GGUFSource(path, types=block_types(reader), reader=reader)
+    source = GGUFSource(path, types=block_types(reader), reader=reader, eight_bit_names=tuple(eight_bit_names(reader)))
     size = 4 * gguf_weights(reader)
     if size > MAX_CONVERTED:
         source.problem = (f"not converted: its weights are {size / 2**30:.1f} GiB in float32 "
@@ -179,7 +198,7 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
         source.problem = _first_line(e)
         return source
     _drop_stale(path, folder_for(path))
-    return GGUFSource(path, folder_for(path), source.types)
+    return GGUFSource(path, folder_for(path), source.types, eight_bit_names=source.eight_bit_names)
 
 
 def _drop_stale(path: Path, keep: Path) -> None:

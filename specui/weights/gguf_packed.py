@@ -1,15 +1,17 @@
 """A GGUF of 4-bit blocks loaded onto the 4-bit kernels without a float copy of its matrices.
 
-transformers reads a GGUF by dequantizing every tensor to float32 and holding them all before
-the model takes them: about 7 bytes a parameter at the peak once w4a8 repacks them
-(specui/weights/load_memory.py), so a 3B Q4_0 file wanted 21 GiB and a 7B one 50. Here the model
-is built empty (accelerate's `init_empty_weights`), each tensor that is not a decoder matrix
+transformers reads a GGUF by dequantizing every tensor to float32 and holding them all before the
+model takes them: about 7 bytes a parameter at the peak once w4a8 repacks them
+(specui/weights/load_memory.py), so a 3B Q4_0 file wanted 21 GiB and a 7B one 50. Here the model is
+built empty (accelerate's `init_empty_weights`), each tensor that is not a decoder matrix
 (embeddings, norms, the head, biases) is dequantized and put in place one at a time, and every
-decoder matrix is left unbuilt (one zero broadcast to its shape, quantize.unbuilt): its Q4_0 /
-Q4_1 / Q4_K blocks are decoded into int4 groups only when the kernel packs that matrix
-(FileGroups), then dropped. The names and the row order of each tensor are transformers' own
-(its GGUF name map and tensor processor: llama's query/key rows un-permuted), found by passing
-row indices through the processor, so the model equals the one transformers builds."""
+decoder matrix is left unbuilt (one zero broadcast to its shape, quantize.unbuilt): its Q4_0 / Q4_1
+/ Q4_K blocks are decoded into int4 groups only when the kernel packs that matrix (FileGroups), then
+dropped; on w4a8 its matrices in more than 4 bits (a Q4_K_M file's Q6_K ones) are likewise
+dequantized one at a time as the kernel puts them on 8-bit groups (FileMatrices). The names and the
+row order of each tensor are transformers' own (its GGUF name map and tensor processor: llama's
+query/key rows un-permuted), found by passing row indices through the processor, so the model equals
+the one transformers builds."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from specui.errors import SpecUIError
-from specui.weights.gguf_blocks import Groups, decode_tensor, four_bit_matrix
+from specui.weights.gguf_blocks import Groups, decode_tensor, eight_bit_matrix, four_bit_matrix
 
 
 class FileGroups(Mapping):
@@ -45,9 +47,32 @@ class FileGroups(Mapping):
         return len(self._tensors)
 
 
-def packed_params(reader) -> int:
-    """Parameters of a GGUF's 4-bit decoder matrices (the part this path never holds in float)."""
-    return sum(int(t.n_elements) for t in reader.tensors if four_bit_matrix(t))
+class FileMatrices(Mapping):
+    """A GGUF's decoder matrices in more than 4 bits (gguf_blocks.EIGHT_BIT) by transformers module
+    name, each dequantized to float32 (rows in transformers' order) when read, from the memory-mapped
+    file, for w4a8 to put on 8-bit groups one at a time; nothing is held."""
+
+    def __init__(self, tensors: dict[str, tuple[object, np.ndarray | None]]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        tensor, rows = self._tensors[name]
+        weight = torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        return weight if rows is None else weight[torch.from_numpy(rows)].contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def packed_params(reader, wide: bool = False) -> int:
+    """Parameters of a GGUF's 4-bit decoder matrices (the part this path never holds in float), and
+    with `wide` (w4a8) those it holds on 8-bit groups too."""
+    return sum(int(t.n_elements) for t in reader.tensors if four_bit_matrix(t) or (wide and eight_bit_matrix(t)))
 
 
 def _processor(reader, config):
@@ -75,9 +100,11 @@ def _put(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_code: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> tuple[torch.nn.Module, FileGroups]:
-    """(the model, its decoder matrices unbuilt; their groups by module name) of the GGUF
-    `where`/`gguf` (`reader`: its open reader); the other tensors in `dtype`. `progress(done,
+                progress: Callable[[int, int], None] | None = None,
+                wide: bool = False) -> tuple[torch.nn.Module, FileGroups, FileMatrices]:
+    """(the model, its decoder matrices unbuilt; their groups by module name; its matrices in more than
+    4 bits, unbuilt too with `wide` (w4a8 holds them on 8-bit groups), else none: they are put in place)
+    of the GGUF `where`/`gguf` (`reader`: its open reader); the other tensors in `dtype`. `progress(done,
     total)` as each tensor starts. A file that leaves one of the model's tensors unset is refused."""
     from accelerate import init_empty_weights
     from gguf.quants import dequantize
@@ -92,6 +119,7 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
     names = get_gguf_hf_weights_map(model, processor)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     matrices: dict[str, tuple[object, np.ndarray | None]] = {}
+    eight_bit: dict[str, tuple[object, np.ndarray | None]] = {}
     for done, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(done, len(reader.tensors))
@@ -99,8 +127,9 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
         if name is None or name not in shapes:
             continue
         shape = shapes[name]
-        if four_bit_matrix(tensor) and len(shape) == 2 and tuple(reversed(tensor.shape.tolist())) == shape:
-            matrices[name.removesuffix(".weight")] = (tensor, _row_order(processor, tensor, shape[0]))
+        left = matrices if four_bit_matrix(tensor) else eight_bit if wide and eight_bit_matrix(tensor) else None
+        if left is not None and len(shape) == 2 and tuple(reversed(tensor.shape.tolist())) == shape:
+            left[name.removesuffix(".weight")] = (tensor, _row_order(processor, tensor, shape[0]))
             _put(model, name, torch.zeros((), dtype=dtype).expand(shape))
             continue
         processed = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
@@ -118,4 +147,4 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
     # the file it came from, as from_pretrained records its source: what its measurements are cached under
     # (engine.measure.model_identity), so two files of one architecture never share a cost profile
     model.name_or_path = model.config._name_or_path = str(Path(where) / gguf)
-    return model, FileGroups(matrices)
+    return model, FileGroups(matrices), FileMatrices(eight_bit)

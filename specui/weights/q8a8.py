@@ -1,16 +1,19 @@
-"""8-bit weight groups times 8-bit activation groups on a CPU: the output head of a w4a8 model
-where oneDNN's int8 product cannot take 8-bit activations exactly (AVX2 without VNNI).
+"""8-bit weight groups times 8-bit activation groups on a CPU: the output head of a w4a8 model where
+oneDNN's int8 product cannot take 8-bit activations exactly (AVX2 without VNNI).
 
-Why: w4a8 puts its output head (the bundled model's 49152 x 576, the largest matrix it has) on
-w8a8's int8 rows. Where the CPU sums pairs of int8 products in int16 (AVX2, no VNNI) oneDNN
-saturates, so w8a8 falls back to 7-bit activations, which the bundled head's outlier rows do not
-pass the self-check with, and the head stayed in float32: 113 MB read a token, 15 ms of a 35 ms
-token on a 2-core Zen 3. Here the weights are llama.cpp's Q8_0 blocks (w = d q per group of 32
-inputs, d float16, q in -127..127; the bundled GGUF stores its head so, and these are those
-blocks exactly) and each input row is rounded to int8 by groups of 32 as for w4a8, on SpecUI's
-kernel (specui/weights/kernels/q8a8.cpp: AVX2, or a portable loop with the same bits): 28 MB a
-token. Nothing mixes rows and every float operation runs in one fixed order, so a token's output is
-the same scored alone or with others."""
+Why: w4a8 puts its
+output head (the bundled model's 49152 x 576, the largest matrix it has) on w8a8's int8 rows. Where
+the CPU sums pairs of int8 products in int16 (AVX2, no VNNI) oneDNN saturates, so w8a8 falls back to
+7-bit activations, which the bundled head's outlier rows do not pass the self-check with, and the
+head stayed in float32: 113 MB read a token, 15 ms of a 35 ms token on a 2-core Zen 3. Here the
+weights are llama.cpp's Q8_0 blocks (w = d q per group of 32 inputs, d float16, q in -127..127; the
+bundled GGUF stores its head so, and these are those blocks exactly) and each input row is rounded
+to int8 by groups of 32 as for w4a8, on SpecUI's kernel (specui/weights/kernels/q8a8.cpp:
+AVX512-VNNI or AVX2, or a portable loop with the same bits): 28 MB a token. w4a8 also puts a GGUF's
+decoder matrices in more than 4 bits here (a Q4_K_M file's Q6_K ones: gguf_blocks.EIGHT_BIT).
+
+Nothing mixes rows and every float operation runs in one fixed order, so a token's output is the
+same scored alone or with others."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ LEVELS = 127
 
 
 def q8a8_vector() -> bool:
-    """Whether the kernel runs its AVX2 path here (else the portable loop: the same bits, scalar speed)."""
+    """Whether the kernel runs a vector path here (AVX512-VNNI or AVX2; else the portable loop: the same
+    bits, scalar speed)."""
     kernels = native()[0]
     return kernels is not None and bool(kernels.q8a8_vector())
 

@@ -20,7 +20,7 @@ speculation stays token for token equal to autoregressive decoding of this targe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -34,6 +34,7 @@ from specui.weights.quantize import (
     quantize_groups,
     self_checked,
     swap_linears,
+    unbuilt,
 )
 from specui.weights.w8a8 import FULL, REDUCED, W8A8Linear, full_range_exact, has_w8a8_kernel
 
@@ -126,20 +127,25 @@ class W4A8Linear(torch.nn.Module):
         return module
 
 
-def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+def quantize_w4a8(model: torch.nn.Module, groups: Mapping | None = None,
+                  progress: Callable[[int, int], None] | None = None,
+                  wide: Mapping[str, torch.Tensor] | None = None) -> dict[str, int]:
     """Swap every Linear of `model` for a W4A8Linear (from `groups[name]` where given, e.g. a GGUF's
-    own 4-bit blocks, else rounded from its weight), the output head for a W8A8Linear (int8 rows
-    times 8-bit activations on oneDNN) where that product is exact here, else for a Q8A8Linear
-    (8-bit groups, specui.weights.q8a8); counts "w4a8", "from_file", "w8a8" or "q8a8" (the head)
-    and "kept". `progress(done, total)` as each starts."""
+    own 4-bit blocks, else rounded from its weight), those in `wide` (a GGUF's matrices in more than
+    4 bits: name -> its float weight) for a Q8A8Linear (8-bit groups, specui.weights.q8a8), the output
+    head for a W8A8Linear (int8 rows times 8-bit activations on oneDNN) where that product is exact
+    here, else for a Q8A8Linear; counts "w4a8", "from_file", "eight_bit" (of wide), "w8a8" or "q8a8"
+    (the head) and "kept". `progress(done, total)` as each starts."""
     groups = groups if groups is not None else {}
+    wide = wide if wide is not None else {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    counts = {"w4a8": 0, "from_file": 0, "w8a8": 0, "q8a8": 0, "kept": 0}
+    counts = {"w4a8": 0, "from_file": 0, "eight_bit": 0, "w8a8": 0, "q8a8": 0, "kept": 0}
 
     def make(name: str, module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
         if module is head:
             return _head(module)
+        if name in wide:
+            return _eight_bit(module, wide[name])
         if module.in_features % GROUP:  # the kernel takes whole groups of inputs
             return None, "w4a8"
         given = groups.get(name)
@@ -150,6 +156,17 @@ def quantize_w4a8(model: torch.nn.Module, groups: dict | None = None,
         return fast, "w4a8"
 
     return swap_linears(model, make, counts, progress)
+
+
+def _eight_bit(module: torch.nn.Linear, weight: torch.Tensor) -> tuple[torch.nn.Module | None, str]:
+    """A matrix the file holds in more than 4 bits, on 8-bit groups; where the kernel cannot take it,
+    its float weight put in place (a matrix loaded unbuilt gets its values) and rounded to 4 bits."""
+    fast = Q8A8Linear.from_weight(weight.float(), module.bias)
+    if fast is not None:
+        return fast, "eight_bit"
+    if unbuilt(module.weight):
+        module.weight = torch.nn.Parameter(weight.to(module.weight.dtype), requires_grad=False)
+    return W4A8Linear.from_groups(*quantize_groups(module.weight), module.bias), "w4a8"
 
 
 def _head(module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:

@@ -15,6 +15,7 @@ std::string q4a8_path();                                                        
 torch::Tensor q8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);          // q8a8.cpp
 torch::Tensor q8a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N); // q8a8.cpp
 bool q8a8_vector();                                                                                 // q8a8.cpp
+std::string q8a8_path();                                                                            // q8a8.cpp
 torch::Tensor attend(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor allowed,
                      double scale);                                                                 // attend.cpp
 torch::Tensor row_stats(torch::Tensor rows, bool lse);                                              // logits.cpp
@@ -54,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8a8_mm", &q8a8_mm);
   m.def("q8a8_mm_portable", &q8a8_mm_portable);
   m.def("q8a8_vector", &q8a8_vector);
+  m.def("q8a8_path", &q8a8_path);
   m.def("attend", &attend);
   m.def("row_stats", &row_stats);
   m.def("softmax_stats", &softmax_stats);

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "groups.h"
 
@@ -97,9 +98,72 @@ inline void micro(const int8_t* wb, const at::Half* sb, const int8_t* a, const f
   for (int u = 0; u < T; ++u) store8(out + (t0 + u) * N + col, rows, acc[u]);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kWide = 8;  // activation rows a pass on VNNI: 8 sums + 8 accumulators of the 32 vector registers
+
+// VNNI's dot product takes unsigned x signed bytes: the weights as w + 128 (the sign bit flipped, once
+// per vector for every row), the activations as they are, and 128 * sum(a) (round_groups' sa, an exact
+// integer) taken off each group's int32 sum. That sum is then the portable loop's exactly, and every float
+// operation after it the same, so this path gives the same bits. On a 2-core Zen 5, a 2048 x 8192 matrix
+// (cache-warm) for 1 / 4 / 8 / 16 rows: 0.128 / 0.422 / 1.000 / 1.610 ms with AVX2's pairwise products.
+template <int T, typename O>
+inline void micro_vnni(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
+                       O* out, int64_t t0, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  __m256 acc[T];
+  const int32_t* at[T];
+#pragma GCC unroll 8
+  for (int u = 0; u < T; ++u) {
+    acc[u] = _mm256_setzero_ps();
+    at[u] = reinterpret_cast<const int32_t*>(a + (t0 + u) * K);
+  }
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < NG; ++g) {
+    const int8_t* wg = wb + g * kBytes;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead * kBytes + 64 * c), _MM_HINT_T0);
+    __m256i s[T];
+#pragma GCC unroll 8
+    for (int u = 0; u < T; ++u) s[u] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * j)), flip);
+#pragma GCC unroll 8
+      for (int u = 0; u < T; ++u) s[u] = _mm256_dpbusd_epi32(s[u], v, _mm256_set1_epi32(at[u][g * 8 + j]));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * kRows)));
+#pragma GCC unroll 8
+    for (int u = 0; u < T; ++u) {
+      const int64_t i = (t0 + u) * NG + g;
+      const __m256i exact = _mm256_sub_epi32(s[u], _mm256_set1_epi32(128 * static_cast<int32_t>(sa[i])));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(da[i]));
+      acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[u]);
+    }
+  }
+  const int64_t rows = std::min(kRows, N - col);
+#pragma GCC unroll 8
+  for (int u = 0; u < T; ++u) store8(out + (t0 + u) * N + col, rows, acc[u]);
+}
+
 template <typename O>
-void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, O* out, int64_t M,
-                  int64_t NG, int64_t K, int64_t N, int64_t col) {
+void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa, O* out,
+                  int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  int64_t t = 0;
+  for (; M - t >= kWide; t += kWide) micro_vnni<kWide, O>(wb, sb, a, da, sa, out, t, NG, K, N, col);
+  switch (M - t) {
+    case 7: micro_vnni<7, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 6: micro_vnni<6, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 5: micro_vnni<5, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 4: micro_vnni<4, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 3: micro_vnni<3, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 2: micro_vnni<2, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    case 1: micro_vnni<1, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
+    default: break;
+  }
+}
+constexpr const char* kPath = "AVX512-VNNI";
+#else
+template <typename O>
+void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float*, O* out,
+                  int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
   int64_t t = 0;
   for (; M - t >= kTile; t += kTile) micro<kTile, O>(wb, sb, a, da, out, t, NG, K, N, col);
   switch (M - t) {
@@ -109,23 +173,26 @@ void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const f
     default: break;
   }
 }
+constexpr const char* kPath = "AVX2";
+#endif
 #else
 constexpr bool kVector = false;
+constexpr const char* kPath = "portable loop";
 template <typename O>
-void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, O* out, int64_t M,
-                  int64_t NG, int64_t K, int64_t N, int64_t col) {
+void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float*, O* out,
+                  int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
   block_portable(wb, sb, a, da, out, 0, M, NG, K, N, col);
 }
 #endif
 
 template <typename O>
-void blocks(const int8_t* w, const at::Half* s, const int8_t* a, const float* da, O* o, int64_t M, int64_t N,
-            int64_t K, bool vector) {
+void blocks(const int8_t* w, const at::Half* s, const int8_t* a, const float* da, const float* sa, O* o, int64_t M,
+            int64_t N, int64_t K, bool vector) {
   const int64_t NG = K / kGroup, NB = (N + kRows - 1) / kRows;
   at::parallel_for(0, NB, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       if (vector) {
-        block_vector<O>(w + b * NG * kBytes, s + b * NG * kRows, a, da, o, M, NG, K, N, b * kRows);
+        block_vector<O>(w + b * NG * kBytes, s + b * NG * kRows, a, da, sa, o, M, NG, K, N, b * kRows);
       } else {
         block_portable<O>(w + b * NG * kBytes, s + b * NG * kRows, a, da, o, 0, M, NG, K, N, b * kRows);
       }
@@ -144,17 +211,19 @@ torch::Tensor product(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
               "weights packed for another shape");
   auto a = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto da = torch::empty({M, NG}, x.options().dtype(torch::kFloat32));
-  auto sa = torch::empty({M, NG}, x.options().dtype(torch::kFloat32));  // unused here (no offsets)
+  auto sa = torch::empty({M, NG}, x.options().dtype(torch::kFloat32));  // sum(a) a group: VNNI's offset
   auto out = torch::empty({M, N}, x.options());
   const int8_t* w = packed.data_ptr<int8_t>();
   const at::Half* s = reinterpret_cast<const at::Half*>(scales.data_ptr());
   if (x.scalar_type() == torch::kFloat64) {
     round_groups<double>(x.data_ptr<double>(), M, K, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>());
-    blocks<double>(w, s, a.data_ptr<int8_t>(), da.data_ptr<float>(), out.data_ptr<double>(), M, N, K, vector);
+    blocks<double>(w, s, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(), out.data_ptr<double>(), M, N,
+                   K, vector);
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32, "float32 or float64 input");
     round_groups<float>(x.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>());
-    blocks<float>(w, s, a.data_ptr<int8_t>(), da.data_ptr<float>(), out.data_ptr<float>(), M, N, K, vector);
+    blocks<float>(w, s, a.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(), out.data_ptr<float>(), M, N,
+                  K, vector);
   }
   return out;
 }
@@ -170,3 +239,5 @@ torch::Tensor q8a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Ten
 }
 
 bool q8a8_vector() { return kVector; }
+
+std::string q8a8_path() { return kPath; }
