@@ -132,14 +132,14 @@ def test_q6_k_weights_on_8_bit_groups_stay_within_an_eighth_of_their_own_step(se
     assert float((moved / coarser.clamp_min(1e-12)).max()) <= 0.127
 
 
-def _q4_k_m_gguf(path, layers: int = 2):
-    """A tiny Llama GGUF in llama.cpp's Q4_K_M mix (specui.bench.synthetic_gguf): Q4_K matrices, the
-    value and down matrices of its last layer Q6_K, embeddings and head Q6_K."""
+def _synthetic_gguf(path, layout: str = "q4_k_m"):
+    """A tiny Llama GGUF (specui.bench.synthetic_gguf) in llama.cpp's Q4_K_M mix (Q4_K matrices, the
+    value and down matrices of its last layer Q6_K, embeddings and head Q6_K) or all Q8_0."""
     from specui.bench.synthetic_gguf import write
     from specui.weights.sources import bundled_gguf_path
     from specui.weights.stand_in import RealModel
 
-    write(RealModel("tiny-k", 0, 256, 512, layers, 4, 2), False, path, bundled_gguf_path(), 5, "q4_k_m")
+    write(RealModel("tiny-k", 0, 256, 512, 2, 4, 2), False, path, bundled_gguf_path(), 5, layout)
     return path
 
 
@@ -156,7 +156,7 @@ def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path)
 
     if not w4a8_vector():
         pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
-    path = _q4_k_m_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
     reader = open_gguf(path)
     assert block_types(reader) == {"Q6_K": 4, "Q4_K": 12, "F32": 5}
     spec = ModelSpec(str(path), "auto", "cpu", "w4a8")
@@ -176,6 +176,31 @@ def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path)
     assert float((a - want).norm() / want.norm()) < 0.05  # activations rounded to 8 bits, as for w4a8 anywhere
 
 
+@pytest.mark.bundled
+def test_a_q8_0_gguf_on_w4a8_computes_with_its_8_bit_blocks(tmp_path):
+    """Every layer matrix of a Q8_0 file on 8-bit groups, its blocks exactly: nothing re-rounded, read
+    directly or converted; not refused for having no 4-bit matrix."""
+    from specui.weights.concrete import load_concrete
+    from specui.weights.gguf_blocks import block_types, open_gguf
+    from specui.weights.gguf_cache import GGUFSource
+    from specui.weights.loading import ModelSpec
+    from specui.weights.w4a8 import w4a8_vector
+
+    if not w4a8_vector():
+        pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
+    path = _synthetic_gguf(tmp_path / "tiny.Q8_0.gguf", "q8_0")
+    reader = open_gguf(path)
+    spec = ModelSpec(str(path), "auto", "cpu", "w4a8")
+    converted = load_concrete(spec, "target")
+    direct = load_concrete(spec, "target", source=GGUFSource(path, types=block_types(reader), reader=reader))
+    for loaded in (converted, direct):
+        said = " ".join(loaded.notes)
+        assert "target w4a8: 14 the GGUF holds in more than 4 bits as 8-bit groups" in said, said
+    ids = torch.tensor([[1, 200, 3000, 45, 9, 17]])
+    with torch.inference_mode():
+        assert torch.equal(converted.model(input_ids=ids).logits, direct.model(input_ids=ids).logits)
+
+
 def test_quantization_auto_on_a_q4_k_file_weighs_w4a8_where_its_kernel_runs(monkeypatch):
     from specui.weights import sources
     from specui.weights.loading import ModelSpec, auto_candidates
@@ -188,5 +213,8 @@ def test_quantization_auto_on_a_q4_k_file_weighs_w4a8_where_its_kernel_runs(monk
     assert candidates == ("none",) and "(Q3_K, Q4_K, Q6_K) are not all Q4_0 / Q4_1" in note
     assert "--quantization w4a8 computes with its Q4_K blocks" in note
     assert "rounding its Q3_K matrices to 4 bits" in note
+    candidates, note = auto_candidates(ModelSpec("x", quantization="auto"), cpu, {"Q8_0": 170, "F32": 50}, "target")
+    assert candidates == ("none", "w4a8")
+    assert note == "the GGUF's Q8_0 matrices on 8-bit groups, on SpecUI's w4a8 kernel"
     monkeypatch.setattr(sources, "_w4a8_vector", lambda: False)  # the portable loop: not weighed
     assert auto_candidates(ModelSpec("x", quantization="auto"), cpu, q4_k_m, "target")[0] == ("none",)

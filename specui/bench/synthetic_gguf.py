@@ -2,12 +2,13 @@
 a real 1.7B or 7B Q4_0 file costs here, where such files cannot be fetched.
 
 It keeps the bundled GGUF's metadata and tokenizer (so the app and llama.cpp load it as they load
-any llama GGUF), with the dimensions of the stand-in sizes' real models (specui.weights.stand_in.SIZES:
-SmolLM2-1.7B, Llama-2-7B), every decoder matrix as random Q4_0 blocks (llama.cpp's Q4_0 files hold
-exactly these), the embeddings and an untied head (the 7b) as random Q8_0 blocks, the norms ones; or,
-with `--layout q4_k_m`, as llama.cpp's Q4_K_M files hold them (Q4_K, the value and down matrices of
-some layers Q6_K, the embeddings and head Q6_K). Its replies are noise; its costs, bytes and shapes are
-the real model's. Written tensor by tensor (never more than one in memory):
+any llama GGUF), with the dimensions of the stand-in sizes' real models
+(specui.weights.stand_in.SIZES: SmolLM2-1.7B, Llama-2-7B), every decoder matrix as random Q4_0
+blocks (llama.cpp's Q4_0 files hold exactly these), the embeddings and an untied head (the 7b) as
+random Q8_0 blocks, the norms ones; or, with `--layout q4_k_m`, as llama.cpp's Q4_K_M files hold
+them (Q4_K, the value and down matrices of some layers Q6_K, the embeddings and head Q6_K), or with
+`--layout q8_0` all Q8_0. Its replies are noise; its costs, bytes and shapes are the real model's.
+Written tensor by tensor (never more than one in memory):
 
     python -m specui.bench.synthetic_gguf --size 7b --out /tmp/llama-7b-shape.Q4_0.gguf
     python -m specui.bench.synthetic_gguf --size 1.7b --layout q4_k_m --out /tmp/smollm2-1.7b-shape.Q4_K_M.gguf
@@ -23,12 +24,12 @@ import numpy as np
 from specui.weights.stand_in import SIZES, RealModel
 
 TIED = {"1.7b": True, "7b": False}  # SmolLM2-1.7B ties its head to the embeddings, Llama-2-7B does not
-LAYOUTS = {"q4_0": 2, "q4_k_m": 15}  # general.file_type: llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_K_M
+LAYOUTS = {"q4_0": 2, "q4_k_m": 15, "q8_0": 7}  # general.file_type: llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_0 / ...
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 # (inputs a block, bytes a block, offset of its float16 scale d, std of w / d for random payload bytes):
-# Q4_0 w = d (q - 8), q uniform in 0..15; Q8_0 w = d q, q in -128..127; Q4_K w = d sc q - dmin m with 6-bit
+# Q4_0 w = d (q - 8), q uniform in 0..15; Q8_0 w = d q, q in -127..127; Q4_K w = d sc q - dmin m with 6-bit
 # sc, m (its dmin set to 7.5 d: about zero mean); Q6_K w = d sc (q - 32), q in 0..63, sc int8
 BLOCKS = {"Q4_0": (32, 18, 0, 4.6), "Q8_0": (32, 34, 0, 73.0), "Q4_K": (256, 144, 0, 270.0),
           "Q6_K": (256, 210, 208, 1350.0)}
@@ -42,17 +43,20 @@ def _blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nda
     raw = rng.integers(0, 256, size=(blocks, size), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.5, size=blocks) / np.sqrt(cols) / spread).astype(np.float16)
     raw[:, at:at + 2] = d.view(np.uint8).reshape(blocks, 2)
+    if kind == "Q8_0":  # q in -127..127, as llama.cpp rounds (so the blocks come back exactly from their values)
+        payload = raw[:, 2:]
+        payload[payload == 128] = 129
     if kind == "Q4_K":  # dmin
         raw[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(blocks, 2)
     return raw.reshape(rows, -1)
 
 
 def _kinds(layout: str, layers: int, layer: int) -> dict[str, str]:
-    """Each decoder matrix's block kind in one layer: all Q4_0, or llama.cpp's Q4_K_M mix (Q4_K, with the
+    """Each decoder matrix's block kind in one layer: all Q4_0 (or Q8_0), or llama.cpp's Q4_K_M mix (Q4_K, with the
     value and down matrices in Q6_K in its `use_more_bits` layers: the first and last eighth, every third
     between)."""
-    if layout == "q4_0":
-        return dict.fromkeys(MATRICES, "Q4_0")
+    if layout in ("q4_0", "q8_0"):
+        return dict.fromkeys(MATRICES, layout.upper())
     more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
     return {m: "Q6_K" if more and m in ("attn_v", "ffn_down") else "Q4_K" for m in MATRICES}
 
@@ -65,7 +69,7 @@ def _tensors(real: RealModel, tied: bool, vocab: int,
               "attn_v": (real.kv_heads * head_dim, real.hidden), "attn_output": (real.hidden, real.heads * head_dim),
               "ffn_gate": (real.intermediate, real.hidden), "ffn_up": (real.intermediate, real.hidden),
               "ffn_down": (real.hidden, real.intermediate)}
-    wide = "Q8_0" if layout == "q4_0" else "Q6_K"  # embeddings and head
+    wide = "Q6_K" if layout == "q4_k_m" else "Q8_0"  # embeddings and head
     out: list[tuple[str, tuple[int, int] | int, str]] = [("token_embd.weight", (vocab, real.hidden), wide)]
     for layer in range(real.layers):
         out.append((f"blk.{layer}.attn_norm.weight", real.hidden, "F32"))
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="q4_0",
-                        help="q4_0: every decoder matrix Q4_0; q4_k_m: llama.cpp's Q4_K_M mix of Q4_K and Q6_K")
+                        help="q4_0 / q8_0: every decoder matrix Q4_0 / Q8_0; q4_k_m: llama.cpp's Q4_K_M mix of Q4_K "
+                        "and Q6_K")
     args = parser.parse_args(argv)
     params = write(SIZES[args.size], TIED[args.size], args.out, bundled_gguf_path(), args.seed, args.layout)
     print(f"wrote {args.out}: {params / 1e9:.2f}B parameters, {args.out.stat().st_size / 2**30:.2f} GiB")

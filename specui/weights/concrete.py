@@ -277,11 +277,12 @@ def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: G
     on w8a8's or 8-bit groups; the note of what went where. Where the kernel serves none, refused:
     the user asked for it. The rest of the model: rest_dtype."""
     counts = quantize_w4a8(model, blocks, progress, eight_bit)
-    if not counts["w4a8"]:
+    if not counts["w4a8"] and not counts["eight_bit"]:
         why = w4a8_unavailable() or "every matrix failed its self-check (product or row independence) on this CPU"
         raise SpecUIError(f"--quantization w4a8: {why}; use int4, w8a8 or none")
-    said = [f"{counts['w4a8']} matrices as 4-bit groups times 8-bit activation groups (SpecUI's kernel, "
-            f"{w4a8_path() if w4a8_vector() else 'portable loop: no AVX512-VNNI or AVX2 here'})"]
+    path = w4a8_path() if w4a8_vector() else "portable loop: no AVX512-VNNI or AVX2 here"
+    said = [f"{counts['w4a8']} matrices as 4-bit groups times 8-bit activation groups (SpecUI's kernel, {path})"
+            ] if counts["w4a8"] else []
     if counts["from_file"]:
         said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
     elif source is not None and source.folder is None and source.reader is None:

@@ -89,10 +89,10 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     bfloat16) and none (its weights dequantized), unless a dtype other than bfloat16 was asked
     for, and with dtype auto also w4a8 (the same blocks times 8-bit activation groups on SpecUI's
     kernel, llama.cpp's arithmetic for these blocks; the rest of the model row-exact) where that
-    kernel runs a vector path here (AVX512-VNNI or AVX2); for a GGUF of Q4_K blocks (llama.cpp's Q4_K_M /
-    Q4_K_S files) none and, on the same terms, w4a8 (its Q4_K blocks exactly, its Q6_K / Q5 / Q8_0
-    matrices on 8-bit groups: within an eighth of their own step, gguf_blocks.EIGHT_BIT), where it
-    holds no other kind; none otherwise. Between several,
+    kernel runs a vector path here (AVX512-VNNI or AVX2); for a GGUF of Q4_K, Q5, Q6_K or Q8_0 blocks
+    (llama.cpp's Q4_K_M, Q5_K_M, Q6_K, Q8_0 files) none and, on the same terms, w4a8 (Q4_K blocks
+    exactly, the others on 8-bit groups: Q8_0 exactly, the finer within an eighth of their own step,
+    gguf_blocks.EIGHT_BIT), where it holds no other kind; none otherwise. Between several,
     specui.weights.quant_choice measures, and with a draft specui.service.joint predicts which
     commits the most tokens per second."""
     if device.type != "cpu" or types is None or spec.dtype not in ("auto", "bfloat16"):
@@ -100,17 +100,18 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     four_bit = four_bit_tensors(types)
     if not four_bit:
         kinds = ", ".join(sorted(k for k in types if k not in FLOATS)) or "unquantized"
-        if any(kind in DECODED_BYTES for kind in types):  # Q4_K: its blocks are int4 groups
-            if spec.dtype == "auto" and _w4a8_vector() and set(types) <= {*DECODED_BYTES, *EIGHT_BIT, *FLOATS}:
-                return ("none", "w4a8"), (f"the GGUF's Q4_K blocks as they are and its {_wider(types)} matrices on "
-                                          "8-bit groups, on SpecUI's w4a8 kernel")
-            others = sorted(set(types) - {*DECODED_BYTES, *EIGHT_BIT, *FLOATS})
-            rounded = f", rounding its {', '.join(others)} matrices to 4 bits" if others else ""
-            return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) are not all Q4_0 / "
-                               "Q4_1, so it loads dequantized; --quantization w4a8 computes with its Q4_K blocks as "
-                               f"they are and its {_wider(types)} matrices on 8-bit groups{rounded}")
-        return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
-                           "kernel, so it loads dequantized")
+        ours = [kind for kind in (*DECODED_BYTES, *EIGHT_BIT) if kind in types]  # Q4_K: int4 groups; Q6_K, Q8_0: 8-bit
+        if not ours:
+            return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
+                               "kernel, so it loads dequantized")
+        wider = f"its {_wider(types)} matrices on 8-bit groups" if set(ours) & set(EIGHT_BIT) else ""
+        took = " and ".join(filter(None, ("its Q4_K blocks as they are" if "Q4_K" in ours else "", wider)))
+        others = sorted(set(types) - {*DECODED_BYTES, *EIGHT_BIT, *FLOATS})
+        if spec.dtype == "auto" and _w4a8_vector() and not others:
+            return ("none", "w4a8"), f"the GGUF's {took.removeprefix('its ')}, on SpecUI's w4a8 kernel"
+        rounded = f", rounding its {', '.join(others)} matrices to 4 bits" if others else ""
+        return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) are not all Q4_0 / "
+                           f"Q4_1, so it loads dequantized; --quantization w4a8 computes with {took}{rounded}")
     why = f"the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 kernel"
     if spec.dtype == "auto" and _w4a8_vector():
         return ("int4", "none", "w4a8"), why
