@@ -11,9 +11,10 @@ run), the same weight prepacked once into oneDNN's blocked layout
 w8a8`'s int8 x int8 product (specui/weights/w8a8.py: the weight rounded to int8 rows, each input
 row to 8 bits) and torch's int4 kernel on the weight rounded to 4-bit groups (`--quantization
 int4`, bfloat16 inputs) and SpecUI's 4-bit x 8-bit kernel on the same groups (`--quantization
-w4a8`, specui/weights/w4a8.py). Median ms of every matrix once, and each row count's cost against one
-row's. (The weights are re-read from the caches where they fit: a CPU with a large L3 shows
-fewer ms than a model's forward, whose weights stream from memory.)
+w4a8`, specui/weights/w4a8.py), and its 8-bit-group kernel on the weight in Q8_0 blocks (w4a8's
+home for a GGUF's Q6_K / Q8_0 matrices, specui/weights/q8a8.py). Median ms of every matrix once, and
+each row count's cost against one row's. (The weights are re-read from the caches where they fit: a
+CPU with a large L3 shows fewer ms than a model's forward, whose weights stream from memory.)
 Where SpecUI's kernels are built it also times their int8 dot-product instructions alone, on
 registers, on every thread (specui/weights/kernels/roof.cpp): the roof in multiply-adds a second
 that a product of many rows meets once its weights are read, and prints the int8 products' rate
@@ -29,12 +30,13 @@ import torch
 
 from specui.engine.measure import cpu_model
 from specui.engine.timing import median_ms
+from specui.weights.q8a8 import Q8A8Linear
 from specui.weights.quantize import Int4Linear, has_int4_kernel, quantize_groups
 from specui.weights.w4a8 import W4A8Linear, w4a8_unavailable
 from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
 
 REPEATS = 7  # timed calls per figure, after one warm-up call
-INT8_WAYS = ("w8a8", "w4a8")  # products on int8 dot products: their rate is printed against the roof
+INT8_WAYS = ("w8a8", "w4a8", "q8a8")  # products on int8 dot products: their rate is printed against the roof
 CPU = torch.device("cpu")
 
 
@@ -79,6 +81,9 @@ def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], obje
         w4 = [W4A8Linear.from_groups(*quantize_groups(w)) for w in weights]
         if all(m is not None for m in w4):
             out["w4a8"] = lambda x: [m(x) for m in w4]
+        q8 = [Q8A8Linear.from_weight(w) for w in weights]  # 8-bit groups: a GGUF's Q6_K / Q8_0 matrices on w4a8
+        if all(m is not None for m in q8):
+            out["q8a8"] = lambda x: [m(x) for m in q8]
     return out
 
 
