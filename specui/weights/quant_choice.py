@@ -201,9 +201,10 @@ def choice_note(role: str, chosen: str, reason: str, costs: list[OptionCost], ca
     others = ", ".join(f"{c.ms_token:.1f} ms with {c.quantization} ({c.dtype})" if c.ms_token is not None
                        else f"{c.quantization} cannot run here ({c.problem})" for c in costs if c is not mine)
     why = f" ({reason})" if reason and chosen == "int4" else ""
-    if chosen == "w4a8":
-        why = (" (the GGUF's own 4-bit blocks times 8-bit activation groups on SpecUI's kernel; "
-               f"the rest in {mine.dtype})")
+    if chosen == "w4a8":  # the reason names w4a8 where the file is not all 4-bit blocks (Q4_K_M, Q8_0 files)
+        blocks = reason if "w4a8" in reason else "the GGUF's own 4-bit blocks times 8-bit activation groups on " \
+            "SpecUI's kernel"
+        why = f" ({blocks}; the rest in {mine.dtype})"
     where = "read from the cache" if cached else "measured on this machine"
     return (f"{role} quantization auto -> {chosen}{why}: {mine.ms_token:.1f} ms per token vs {others or 'nothing else'}"
             f"; {where} (--quantization {' or '.join(c.quantization for c in costs if c is not mine) or 'none'}"
