@@ -130,3 +130,14 @@ def test_a_target_of_the_bundled_family_gets_the_bundled_model_as_its_default_dr
     engine, prompt = pair.engine(capture="off"), [1, 504, 3537, 314, 260, 1345, 30]
     plain = engine.generate(GenerationRequest(prompt, 10), make_method("autoregressive")).output_ids
     assert engine.generate(GenerationRequest(prompt, 10), make_method("speculative", gamma=3)).output_ids == plain
+
+
+def test_asking_whether_a_matrix_is_in_the_file_decodes_nothing():
+    """w4a8 asks `name in wide` of every matrix: answered from the names (Mapping's own `in` would
+    decode each matrix once more just to answer; a 7B Q4_K_M load spent 10% of its time so)."""
+    from specui.weights.gguf_packed import FileGroups, FileMatrices
+
+    for lazy in (FileGroups({"model.layers.0.mlp.down_proj": (object(), None)}),
+                 FileMatrices({"model.layers.0.mlp.down_proj": (object(), None)})):  # no .data: a decode raises
+        assert "model.layers.0.mlp.down_proj" in lazy and "model.layers.0.mlp.up_proj" not in lazy
+        assert list(lazy) == ["model.layers.0.mlp.down_proj"] and len(lazy) == 1

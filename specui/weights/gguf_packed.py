@@ -25,12 +25,25 @@ from specui.errors import SpecUIError
 from specui.weights.gguf_blocks import Groups, decode_tensor, eight_bit_matrix, four_bit_matrix
 
 
-class FileGroups(Mapping):
-    """A GGUF's 4-bit decoder matrices by transformers module name, each decoded into int4 groups
-    (rows in transformers' order) when read, from the memory-mapped file; nothing is held."""
+class _FromFile(Mapping):
+    """Tensors of a memory-mapped GGUF by transformers module name, decoded when read (nothing held):
+    module name -> (the reader's tensor, its row order or None). Membership never decodes."""
 
     def __init__(self, tensors: dict[str, tuple[object, np.ndarray | None]]) -> None:
-        self._tensors = tensors  # module name -> (the reader's tensor, its row order or None)
+        self._tensors = tensors
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would decode the tensor to answer
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+class FileGroups(_FromFile):
+    """A GGUF's 4-bit decoder matrices, each decoded into int4 groups (rows in transformers' order)."""
 
     def __getitem__(self, name: str) -> Groups:
         tensor, rows = self._tensors[name]
@@ -40,20 +53,10 @@ class FileGroups(Mapping):
         order = torch.from_numpy(rows)
         return q[order].contiguous(), scale[order].contiguous(), low[order].contiguous()
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
 
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-
-class FileMatrices(Mapping):
-    """A GGUF's decoder matrices in more than 4 bits (gguf_blocks.EIGHT_BIT) by transformers module
-    name, each dequantized to float32 (rows in transformers' order) when read, from the memory-mapped
-    file, for w4a8 to put on 8-bit groups one at a time; nothing is held."""
-
-    def __init__(self, tensors: dict[str, tuple[object, np.ndarray | None]]) -> None:
-        self._tensors = tensors
+class FileMatrices(_FromFile):
+    """A GGUF's decoder matrices in more than 4 bits (gguf_blocks.EIGHT_BIT), each dequantized to
+    float32 (rows in transformers' order), for w4a8 to put on 8-bit groups one at a time."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from gguf.quants import dequantize
@@ -61,12 +64,6 @@ class FileMatrices(Mapping):
         tensor, rows = self._tensors[name]
         weight = torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         return weight if rows is None else weight[torch.from_numpy(rows)].contiguous()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
 
 
 def packed_params(reader, wide: bool = False) -> int:
