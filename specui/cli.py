@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "measures faster, for target and draft separately; cached)")
     m.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     m.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="target quantization: auto (default: int4 for a GGUF of 4-bit blocks on a CPU, its own "
-                        "weights; else none), int8 / int4 (weight-only CPU kernels), w8a8 (int8 weights and "
+                   help="target quantization: auto (default: on a CPU, a GGUF's own blocks timed on int4 / w4a8 "
+                        "against none; else none), int8 / int4 (weight-only CPU kernels), w8a8 (int8 weights and "
                         "activations, CPU: flat to verify), w4a8 (4-bit weights, int8 activation groups, CPU: int4's "
                         "bytes, nearly flat to verify), 8bit / 4bit (bitsandbytes)")
     m.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS, help="draft quantization")

@@ -168,7 +168,7 @@ def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path)
         assert "12 of them from the GGUF's own 4-bit blocks, 2 the GGUF holds in more than 4 bits" in said, said
         layer = loaded.model.model.layers[1]
         assert isinstance(layer.self_attn.v_proj, Q8A8Linear) and isinstance(layer.mlp.down_proj, Q8A8Linear)
-    assert "(and its 2 in more bits put on 8-bit groups likewise)" in " ".join(direct.notes)
+    assert "its 2 in more bits dequantized one at a time for 8-bit groups" in " ".join(direct.notes)
     ids = torch.tensor([[1, 200, 3000, 45, 9, 17]])
     with torch.inference_mode():
         a, b, want = (m.model(input_ids=ids).logits.float() for m in (converted, direct, dense))
@@ -188,8 +188,15 @@ def test_a_q8_0_gguf_on_w4a8_computes_with_its_8_bit_blocks(tmp_path):
 
     if not w4a8_vector():
         pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
+    from specui.weights.q8a8 import quantize_q8
+
     path = _synthetic_gguf(tmp_path / "tiny.Q8_0.gguf", "q8_0")
     reader = open_gguf(path)
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    raw = torch.from_numpy(np.array(down.data, dtype=np.uint8)).reshape(-1, 34)
+    q, d = quantize_q8(torch.from_numpy(dequantize(down.data, GGMLQuantizationType.Q8_0)))  # what w4a8 packs
+    assert torch.equal(q.reshape(-1, 32), raw[:, 2:].contiguous().view(torch.int8))  # the file's blocks, exactly
+    assert torch.equal(d.reshape(-1), raw[:, :2].contiguous().view(torch.float16).float().reshape(-1))
     spec = ModelSpec(str(path), "auto", "cpu", "w4a8")
     converted = load_concrete(spec, "target")
     direct = load_concrete(spec, "target", source=GGUFSource(path, types=block_types(reader), reader=reader))

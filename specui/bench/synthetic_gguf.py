@@ -43,9 +43,10 @@ def _blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.nda
     raw = rng.integers(0, 256, size=(blocks, size), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.5, size=blocks) / np.sqrt(cols) / spread).astype(np.float16)
     raw[:, at:at + 2] = d.view(np.uint8).reshape(blocks, 2)
-    if kind == "Q8_0":  # q in -127..127, as llama.cpp rounds (so the blocks come back exactly from their values)
+    if kind == "Q8_0":  # q in -127..127 with one +-127 a block, as llama.cpp rounds (d = max |w| / 127)
         payload = raw[:, 2:]
         payload[payload == 128] = 129
+        payload[:, 0] = rng.choice(np.array([127, 129], dtype=np.uint8), size=blocks)  # 129: -127
     if kind == "Q4_K":  # dmin
         raw[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(blocks, 2)
     return raw.reshape(rows, -1)

@@ -132,9 +132,10 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     notes: tuple[str, ...] = given
     if packs:
         why = f" ({source.problem})" if source.problem else ""
-        wider = f" (and its {len(eight_bit)} in more bits put on 8-bit groups likewise)" if eight_bit else ""
-        notes += (f"{role}: read from the GGUF directly{why}, its {len(groups)} 4-bit matrices packed from the "
-                  f"file's blocks one by one, never dequantized{wider}",)
+        said = [f"its {len(groups)} 4-bit matrices packed from the file's blocks one by one, never dequantized"
+                ] if groups else []
+        said += [f"its {len(eight_bit)} in more bits dequantized one at a time for 8-bit groups"] if eight_bit else []
+        notes += (f"{role}: read from the GGUF directly{why}, " + "; ".join(said),)
     elif wide and shape is None and source is not None:
         eight_bit = source.eight_bit(model)
     blocks = groups if packs else \
@@ -289,7 +290,7 @@ def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: G
         said.append(f"the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized")
     if counts["eight_bit"]:
         said.append(f"{counts['eight_bit']} the GGUF holds in more than 4 bits as 8-bit groups times 8-bit "
-                    "activation groups (Q8_0 blocks exactly, finer ones re-rounded within an eighth of their step)")
+                    "activation groups (Q8_0 blocks exactly, Q6_K within an eighth of its step)")
     if counts["w8a8"]:
         said.append("the output head on w8a8's int8 rows")
     if counts["q8a8"]:

@@ -176,21 +176,21 @@ def check_w4a8() -> Check:
 
 
 def check_q8a8() -> Check:
-    name = "w4a8's head where oneDNN saturates: 8-bit x int8 groups (SpecUI's kernel)"
+    name = "8-bit x int8 groups (SpecUI's kernel): w4a8's Q6_K / Q8_0 matrices, its head where oneDNN saturates"
     why = w4a8.w4a8_unavailable()
     if why:
         return Check(name, UNAVAILABLE, f"{why}; a w4a8 head stays on w8a8 or in float")
-    module = q8a8.Q8A8Linear.from_weight(_matrix(96, 128, 11))
+    module = q8a8.Q8A8Linear.from_weight(_matrix(100, 128, 11))  # 12 full blocks of 8 rows and a partial one
     if module is None:
         return Check(name, FAILED, "its product differs from x W^T, or its rows depend on each other, here")
     kernels = native()[0]
     x = _matrix(7, 128, 12).double()
-    if not torch.equal(kernels.q8a8_mm(x, module.packed, module.scales, 96),
-                       kernels.q8a8_mm_portable(x, module.packed, module.scales, 96)):
+    if not torch.equal(kernels.q8a8_mm(x, module.packed, module.scales, 100),
+                       kernels.q8a8_mm_portable(x, module.packed, module.scales, 100)):
         return Check(name, FAILED, "the vector path and the portable loop give different bits here")
-    head = "a w4a8 head goes on w8a8 here (it takes 8-bit activations exactly)" if w8a8.has_w8a8_kernel() and \
-        w8a8.full_range_exact() else "w4a8's output head goes on it"
-    used = f"{head}; so do a GGUF's Q6_K / Q8_0 decoder matrices on w4a8"
+    head = "w4a8's output head goes on w8a8 here (oneDNN takes 8-bit activations exactly)" if \
+        w8a8.has_w8a8_kernel() and w8a8.full_range_exact() else "w4a8's output head goes on it"
+    used = f"a GGUF's decoder matrices in more than 4 bits go on it under w4a8; {head}"
     path = kernels.q8a8_path() if q8a8.q8a8_vector() else "the portable loop (no AVX2 here)"
     return Check(name, PASSED, f"product matches x W^T, each row computed alone, on {path}; {used}")
 

@@ -32,9 +32,9 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # what quantization auto counts as a GGU
 DECODED_BYTES = {**BLOCK_BYTES, "Q4_K": 144}
 # what w4a8 holds on 8-bit groups (specui.weights.q8a8) rather than re-rounding to 4 bits: a file's decoder
 # matrices in more than 4 bits (a Q4_K_M file's Q6_K attention values and down matrices, its Q5_0 fallbacks
-# where a width is not a multiple of 256). Q8_0 blocks go there exactly; the others within an eighth of
+# where a width is not a multiple of 256). Q8_0 blocks go there exactly; Q6_K and Q5_0 within an eighth of
 # their own rounding step (a Q6_K group of 32 spans at most 32 steps of its coarser 16: 32 / 127 of a step
-# apart, half that in error; tests/test_q4k.py)
+# apart, half that in error; tests/test_q4k.py); Q5_1 / Q5_K, offset from zero, within a few of theirs
 EIGHT_BIT = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
 FLOATS = ("F32", "F16", "BF16")  # a GGUF's unquantized tensors (norms; embeddings in some files)
 LAYER_NAMES = {

@@ -1,5 +1,6 @@
-"""8-bit weight groups times 8-bit activation groups on a CPU: the output head of a w4a8 model where
-oneDNN's int8 product cannot take 8-bit activations exactly (AVX2 without VNNI).
+"""8-bit weight groups times 8-bit activation groups on a CPU: a GGUF's decoder matrices in more than 4
+bits under w4a8, and a w4a8 model's output head where oneDNN's int8 product cannot take 8-bit
+activations exactly (AVX2 without VNNI).
 
 Why: w4a8 puts its
 output head (the bundled model's 49152 x 576, the largest matrix it has) on w8a8's int8 rows. Where

@@ -91,7 +91,7 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     kernel, llama.cpp's arithmetic for these blocks; the rest of the model row-exact) where that
     kernel runs a vector path here (AVX512-VNNI or AVX2); for a GGUF of Q4_K, Q5, Q6_K or Q8_0 blocks
     (llama.cpp's Q4_K_M, Q5_K_M, Q6_K, Q8_0 files) none and, on the same terms, w4a8 (Q4_K blocks
-    exactly, the others on 8-bit groups: Q8_0 exactly, the finer within an eighth of their own step,
+    exactly, the others on 8-bit groups: Q8_0 exactly, Q6_K within an eighth of its own step,
     gguf_blocks.EIGHT_BIT), where it holds no other kind; none otherwise. Between several,
     specui.weights.quant_choice measures, and with a draft specui.service.joint predicts which
     commits the most tokens per second."""

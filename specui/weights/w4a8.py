@@ -12,11 +12,13 @@ README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25 ms a ma
 / 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37.
 
 What it computes: w = d q + m per group of 32 inputs (a GGUF's Q4_0 / Q4_1 blocks exactly, else
-rounded at load as int4 rounds them), with d and m in float16; the output head on w8a8's int8 rows
-(as int4 puts it on int8). Nothing mixes rows and every float operation runs in one fixed order, so
-a token's output is the same scored alone or with others (`batch_invariant`, checked on every
-matrix at load); with the rest of the model in float64 (`--dtype auto`, as for w8a8) greedy
-speculation stays token for token equal to autoregressive decoding of this target."""
+rounded at load as int4 rounds them), with d and m in float16; a GGUF's matrices in more than 4 bits
+(a Q4_K_M file's Q6_K ones, a Q8_0 file's every one) on 8-bit groups instead (specui.weights.q8a8);
+the output head on w8a8's int8 rows (as int4 puts it on int8). Nothing mixes rows and every float
+operation runs in one fixed order, so a token's output is the same scored alone or with others
+(`batch_invariant`, checked on every matrix at load); with the rest of the model in float64
+(`--dtype auto`, as for w8a8) greedy speculation stays token for token equal to autoregressive
+decoding of this target."""
 
 from __future__ import annotations
 
@@ -166,6 +168,8 @@ def _eight_bit(module: torch.nn.Linear, weight: torch.Tensor) -> tuple[torch.nn.
         return fast, "eight_bit"
     if unbuilt(module.weight):
         module.weight = torch.nn.Parameter(weight.to(module.weight.dtype), requires_grad=False)
+    if module.in_features % GROUP:  # neither kernel takes it: left as it is, its values in place
+        return None, "w4a8"
     return W4A8Linear.from_groups(*quantize_groups(module.weight), module.bias), "w4a8"
 
 
