@@ -159,6 +159,10 @@ def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path)
     path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
     reader = open_gguf(path)
     assert block_types(reader) == {"Q6_K": 4, "Q4_K": 12, "F32": 5}
+    from specui.weights.gguf_packed import packed_params
+
+    # the memory check counts w4a8's 8-bit matrices (its last layer's value and down) as packed too, not int4's
+    assert packed_params(reader, wide=True) - packed_params(reader) == 128 * 256 + 256 * 512
     spec = ModelSpec(str(path), "auto", "cpu", "w4a8")
     converted = load_concrete(spec, "target")
     direct = load_concrete(spec, "target", source=GGUFSource(path, types=block_types(reader), reader=reader))

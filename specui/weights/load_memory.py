@@ -41,6 +41,7 @@ import torch
 from specui.engine.host_memory import LOAD_SHARE, free_memory
 from specui.errors import SpecUIError
 from specui.weights.gguf_blocks import gguf_weights
+from specui.weights.gguf_packed import packed_params
 from specui.weights.sources import CPU_KERNELS, ROUNDS_ACTIVATIONS
 
 MAPPED = {"none": 0.4, "int8": 2.5, "int4": 2.5, "w8a8": 1.9, "w4a8": 1.9}  # none: besides the dtype's bytes
@@ -144,7 +145,8 @@ def describe(quantization: str, built: torch.dtype, stored: torch.dtype | None, 
     """How the load holds its weights, for the refusal."""
     dtype = str(built).removeprefix("torch.")
     if packed:
-        return (f"on the {quantization} kernel (its 4-bit decoder matrices packed one by one from the GGUF's "
+        wider = " (on w4a8 its Q6_K / Q8_0 ones too)" if quantization == "w4a8" else ""
+        return (f"on the {quantization} kernel (its 4-bit decoder matrices{wider} packed one by one from the GGUF's "
                 f"blocks, the rest dequantized into {dtype} as read)")
     if gguf:
         source = "(a GGUF is dequantized as it is read"
@@ -180,8 +182,8 @@ def check_plain_load(what: str, where: str, gguf: str | None, local: bool, reade
         return
 
     def per(q: str, dtype: torch.dtype, measures: bool) -> float:
-        if packed and q in ("w4a8", "int4"):
-            return packed_peak(params, packed, dtype)
+        if packed and q in ("w4a8", "int4"):  # w4a8 packs the file's 8-bit kinds too, int4 dequantizes them
+            return packed_peak(params, packed_params(reader, q == "w4a8"), dtype)
         return peak_bytes(q, dtype, stored, bool(gguf), measures)
 
     others = {f"--quantization {q} --dtype {name}": per(q, dtype, False)
