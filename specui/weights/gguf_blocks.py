@@ -63,16 +63,15 @@ def decode_q4_k(raw: torch.Tensor) -> Groups:
     block's 32 bytes j // 2."""
     rows = raw.shape[0]
     stored = raw.reshape(-1, 144)
-    blocks = stored.to(torch.int32)
     d = stored[:, 0:2].contiguous().view(torch.float16).float()
     dmin = stored[:, 2:4].contiguous().view(torch.float16).float()
-    packed = blocks[:, 4:16]
+    packed = stored[:, 4:16].to(torch.int32)
     low, high = packed[:, 0:4], packed[:, 4:8]  # scales[j], j < 4; scales[j + 4]
     tail = packed[:, 8:12]  # scales[j + 4] for j >= 4
     sc = torch.cat([low & 63, (tail & 0xF) | ((low >> 6) << 4)], dim=1)  # (blocks, 8)
     mn = torch.cat([high & 63, (tail >> 4) | ((high >> 6) << 4)], dim=1)
-    qs = blocks[:, 16:].reshape(-1, 4, 32)
-    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(rows, -1).to(torch.uint8)  # chunk c: groups 2c, 2c + 1
+    qs = stored[:, 16:].reshape(-1, 4, 32)  # bytes as they are: nibbles need no wider type
+    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(rows, -1)  # chunk c: groups 2c, 2c + 1
     scale = (d * sc).reshape(rows, -1)
     return q, scale, (-dmin * mn).reshape(rows, -1)
 
