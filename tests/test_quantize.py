@@ -217,8 +217,10 @@ def test_quantization_auto_weighs_int4_against_none_for_a_4bit_gguf_on_a_cpu_and
     assert candidates == with_w4a8 and "own 4-bit blocks (1 matrices)" in note
     as_bfloat16 = ModelSpec("x", dtype="bfloat16", quantization="auto")  # w4a8's rest runs in float64: not then
     assert auto_candidates(as_bfloat16, cpu, four, "target")[0] == ("int4", "none")
-    candidates, note = auto_candidates(spec, cpu, eight, "target")
-    assert candidates == ("none",) and "(Q8_0) have no SpecUI kernel" in note
+    candidates, note = auto_candidates(spec, cpu, eight, "target")  # Q8_0 blocks: 8-bit groups on w4a8's kernels
+    assert candidates == (("none", "w4a8") if w4a8_vector() else ("none",)) and "Q8_0 matrices on 8-bit groups" in note
+    candidates, note = auto_candidates(spec, cpu, {"F16": 3, "F32": 2}, "target")  # unquantized
+    assert candidates == ("none",) and "have no SpecUI kernel" in note
     as_float32 = ModelSpec("x", dtype="float32", quantization="auto")
     for args in ((spec, cpu, None), (spec, cuda, four), (as_float32, cpu, four)):
         assert auto_candidates(*args, "target") == (("none",), None)  # a folder, a GPU, float32 asked for

@@ -145,3 +145,22 @@ def test_load_model_w4a8_says_what_it_did(tmp_path):
         assert "target attention: SpecUI's row-exact kernel" in " ".join(loaded.notes)
     fp32 = load_model(ModelSpec(str(folder), dtype="float32"))
     assert loaded.memory_bytes < fp32.memory_bytes
+
+
+def test_a_large_matrix_is_self_checked_on_rows_spread_over_it():
+    """Past CHECKED_ROWS outputs the load compares a spread of rows (first and last included), not
+    a dense copy of the whole weight; a wrong sampled row still fails the check."""
+    from specui.weights.quantize import CHECKED_ROWS, quantize_groups, sample_rows, self_checked
+
+    assert torch.equal(sample_rows(300), torch.arange(300))
+    rows = sample_rows(11008)
+    assert len(rows) == CHECKED_ROWS and int(rows[0]) == 0 and int(rows[-1]) == 11007
+    assert int(rows.diff().max()) <= 11008 // CHECKED_ROWS + 1  # no stretch of the matrix left out
+    groups = quantize_groups(torch.randn(1000, 64, generator=torch.Generator().manual_seed(3)) * 0.05)
+    module, w = W4A8Linear.from_groups(*groups), dequantize_groups(*groups)  # what it holds
+    assert module is not None
+    rows = sample_rows(1000)
+    wrong = w[rows].clone()
+    wrong[7] *= -1  # a sampled row the kernel does not hold
+    assert self_checked(module, w[rows], None, rows=rows) is module
+    assert self_checked(module, wrong, None, rows=rows) is None
