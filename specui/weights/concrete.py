@@ -136,8 +136,6 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
                 ] if groups else []
         said += [f"its {len(eight_bit)} in more bits dequantized one at a time for 8-bit groups"] if eight_bit else []
         notes += (f"{role}: read from the GGUF directly{why}, " + "; ".join(said),)
-    elif wide and shape is None and source is not None:
-        eight_bit = source.eight_bit(model)
     blocks = groups if packs else \
         source.four_bit(model) if source is not None and spec.quantization in ("int4", "w4a8") else None
     if shape is not None and lazy and not blocks:  # the header promised blocks the file did not give
@@ -152,6 +150,8 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
             notes += (stand_in.bitsandbytes(model, spec.quantization, dtype),)
     elif spec.quantization == "8bit":
         notes += (f"{role} {NOTE}",)
+    if wide and not packs and source is not None:  # a converted GGUF's (or its stand-in's) 8-bit-kind matrices
+        eight_bit = source.eight_bit(model)
     if quant is None or shape is not None:  # bitsandbytes layers quantize as they move to the device
         model = model.to(device)
     model.eval()
@@ -290,7 +290,7 @@ def _quantize_w4a8(model: PreTrainedModel, spec: ModelSpec, role: str, source: G
         said.append(f"the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized")
     if counts["eight_bit"]:
         said.append(f"{counts['eight_bit']} the GGUF holds in more than 4 bits as 8-bit groups times 8-bit "
-                    "activation groups (Q8_0 blocks exactly, Q6_K within an eighth of its step)")
+                    "activation groups (Q8_0 blocks exactly, Q6_K / Q5_0 within an eighth of their step)")
     if counts["w8a8"]:
         said.append("the output head on w8a8's int8 rows")
     if counts["q8a8"]:
