@@ -229,3 +229,26 @@ def test_quantization_auto_on_a_q4_k_file_weighs_w4a8_where_its_kernel_runs(monk
     assert note == "the GGUF's Q8_0 matrices on 8-bit groups, on SpecUI's w4a8 kernel"
     monkeypatch.setattr(sources, "_w4a8_vector", lambda: False)  # the portable loop: not weighed
     assert auto_candidates(ModelSpec("x", quantization="auto"), cpu, q4_k_m, "target")[0] == ("none",)
+
+
+@pytest.mark.bundled
+def test_a_stand_in_of_a_q4_k_m_gguf_keeps_its_8_bit_matrices_on_8_bit_groups(tmp_path, monkeypatch):
+    """A stand-in costs what the file's layout costs at the larger size: its Q6_K matrices, zero-padded,
+    on 8-bit groups as auto's note for such a file says, the Q4_K ones on 4-bit groups."""
+    from specui.weights import stand_in
+    from specui.weights.concrete import load_concrete
+    from specui.weights.loading import ModelSpec
+    from specui.weights.q8a8 import Q8A8Linear
+    from specui.weights.stand_in import RealModel
+    from specui.weights.w4a8 import W4A8Linear, w4a8_vector
+
+    if not w4a8_vector():
+        pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
+    monkeypatch.setitem(stand_in.SIZES, "k", RealModel("k", 42_000_000, 384, 768, 2, 6, 3))
+    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    loaded = load_concrete(ModelSpec(str(path), "auto", "cpu", "w4a8", stand_in="k"), "target")
+    said = " ".join(loaded.notes)
+    assert "stand-in k" in said and "2 the GGUF holds in more than 4 bits as 8-bit groups" in said, said
+    layer = loaded.model.model.layers[1]
+    assert isinstance(layer.mlp.down_proj, Q8A8Linear) and layer.mlp.down_proj.in_features > 512  # padded
+    assert isinstance(layer.self_attn.v_proj, Q8A8Linear) and isinstance(layer.mlp.up_proj, W4A8Linear)
