@@ -8,17 +8,16 @@
   (specui/weights/gguf_blocks.py). The output head stays on int8 rows, as llama.cpp's quantizers keep
   the output layer at higher precision.
 
-A decode step of a small model on a CPU is bound by reading its weights: int8 reads a quarter
-of float32's bytes, int4 groups about a sixth. `--quantization int8 | int4` apply them to the
-target at load time; every matrix passes a numerical self-check on this machine first, and
-one the kernel refuses stays as it was. The quantized target is the model the methods are
-then lossless against.
+A decode step of a small model on a CPU is bound by reading its weights: int8 reads a quarter of float32's
+bytes, int4 groups about a sixth. `--quantization int8 | int4` apply them to the target at load time; every
+matrix passes a numerical self-check on this machine first, and one the kernel refuses stays as it was. The
+quantized target is the model the methods are then lossless against.
 
-Long inputs (a prompt's prefill): the kernels are built for a few rows; from some hundreds of
-rows a float32 matrix multiply is faster on many CPUs, so use_long_path measures, per model,
-whether a forward of LONG_ROWS tokens a row computes faster with each matrix dequantized on the
-fly (the same weights, in float32) and turns that on where it is. It only ever serves forwards
-that long (prefills), never the few-token steps and verifications the methods compare."""
+Long inputs (a prompt's prefill): the kernels are built for a few rows; from some hundreds of rows a float32
+matrix multiply is faster on many CPUs, so use_long_path measures, per model, whether a forward of LONG_ROWS
+tokens a row computes faster with each matrix dequantized on the fly (the same weights, in float32) and turns
+that on where it is. It only ever serves forwards that long (prefills), never the few-token steps and
+verifications the methods compare."""
 
 from __future__ import annotations
 
@@ -98,16 +97,14 @@ AGREE = 0.02  # of the largest magnitude: the kernels' bfloat16 rounding, or 8-b
 
 
 def agrees(got: torch.Tensor, want: torch.Tensor, tolerance: float = AGREE) -> bool:
-    """Whether a product matches the one it stands for, within the kernels' rounding (`tolerance`
-    of the largest magnitude): the self-check of every kernel module and of the long path."""
+    """Whether a product matches the one it stands for within `tolerance` of its largest magnitude (self-checks)."""
     return bool((got - want).abs().max() <= tolerance * want.abs().max() + 1e-6)
 
 
 def self_checked(module: torch.nn.Module, want_weight: torch.Tensor, bias: torch.Tensor | None,
                  tolerance: float = AGREE, rows: torch.Tensor | None = None) -> torch.nn.Module | None:
-    """`module` if its product with a random input matches x W^T (+ b) for the weight it
-    should hold (`rows`: only those outputs compared, `want_weight` holding just those rows);
-    None where the kernel refuses it or gets it wrong on this machine."""
+    """`module` if its product with a random input matches x W^T (+ b) for the weight it should hold
+    (`rows`: only those outputs, `want_weight` those rows); None where the kernel refuses or errs here."""
     x = torch.randn(5, want_weight.shape[1], generator=torch.Generator().manual_seed(0))
     try:
         got = module(x)
@@ -121,11 +118,9 @@ def self_checked(module: torch.nn.Module, want_weight: torch.Tensor, bias: torch
 
 def sample_rows(n: int) -> torch.Tensor:
     """The output rows a packed kernel's self-check compares: all of a small matrix, else CHECKED_ROWS
-    spread evenly over it, the first and last included (every block of rows is packed and multiplied by
-    the same code; building the whole dense reference cost a 7B load about a sixth of its time)."""
-    if n <= CHECKED_ROWS:
-        return torch.arange(n)
-    return torch.linspace(0, n - 1, CHECKED_ROWS).round().long().unique()
+    spread over it, first and last included (each block of rows runs the same code; a whole dense copy
+    cost a 7B load a sixth of its time)."""
+    return torch.arange(n) if n <= CHECKED_ROWS else torch.linspace(0, n - 1, CHECKED_ROWS).round().long().unique()
 
 
 def batch_invariant(module: torch.nn.Module, x: torch.Tensor) -> bool:
