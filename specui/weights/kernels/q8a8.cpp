@@ -104,52 +104,15 @@ constexpr int kWide = 8;  // activation rows a pass on VNNI: 8 sums + 8 accumula
 // VNNI's dot product takes unsigned x signed bytes: the weights as w + 128 (the sign bit flipped, once
 // per vector for every row), the activations as they are, and 128 * sum(a) (round_groups' sa, an exact
 // integer) taken off each group's int32 sum. That sum is then the portable loop's exactly, and every float
-// operation after it the same, so this path gives the same bits. On a 2-core Zen 5, a 2048 x 8192 matrix
+// operation after it the same, so this path gives the same bits. Two neighbouring blocks (16 rows) go in one
+// 512-bit register; a block without a neighbour in this thread's range goes as its own pair (`second`
+// false: the upper half computed on it again and not stored). On a 2-core Zen 5, a 2048 x 8192 matrix
 // (cache-warm) for 1 / 4 / 8 / 16 rows: 0.128 / 0.422 / 1.000 / 1.610 ms with AVX2's pairwise products,
-// 0.120 / 0.235 / 0.426 / 0.833 here a block at a time, 0.106 / 0.177 / 0.270 / 0.511 two at a time (micro_pair).
+// 0.120 / 0.235 / 0.426 / 0.833 here a block at a time in 256-bit registers, 0.106 / 0.177 / 0.270 / 0.511 so.
 template <int T, typename O>
-inline void micro_vnni(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
-                       O* out, int64_t t0, int64_t NG, int64_t K, int64_t N, int64_t col) {
-  __m256 acc[T];
-  const int32_t* at[T];
-#pragma GCC unroll 8
-  for (int u = 0; u < T; ++u) {
-    acc[u] = _mm256_setzero_ps();
-    at[u] = reinterpret_cast<const int32_t*>(a + (t0 + u) * K);
-  }
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = 0; g < NG; ++g) {
-    const int8_t* wg = wb + g * kBytes;
-    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead * kBytes + 64 * c), _MM_HINT_T0);
-    __m256i s[T];
-#pragma GCC unroll 8
-    for (int u = 0; u < T; ++u) s[u] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * j)), flip);
-#pragma GCC unroll 8
-      for (int u = 0; u < T; ++u) s[u] = _mm256_dpbusd_epi32(s[u], v, _mm256_set1_epi32(at[u][g * 8 + j]));
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + g * kRows)));
-#pragma GCC unroll 8
-    for (int u = 0; u < T; ++u) {
-      const int64_t i = (t0 + u) * NG + g;
-      const __m256i exact = _mm256_sub_epi32(s[u], _mm256_set1_epi32(128 * static_cast<int32_t>(sa[i])));
-      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(da[i]));
-      acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[u]);
-    }
-  }
-  const int64_t rows = std::min(kRows, N - col);
-#pragma GCC unroll 8
-  for (int u = 0; u < T; ++u) store8(out + (t0 + u) * N + col, rows, acc[u]);
-}
-
-// Two neighbouring blocks (16 rows) at once in 512-bit registers: each lane's integer sum and float
-// operations are micro_vnni's, so the same bits, at twice the products an instruction.
-template <int T, typename O>
-inline void micro_pair(const int8_t* wb, const int8_t* wb2, const at::Half* sb, const at::Half* sb2, const int8_t* a,
-                       const float* da, const float* sa, O* out, int64_t t0, int64_t NG, int64_t K, int64_t N,
-                       int64_t col) {
+inline void micro_pair(const int8_t* wb, const int8_t* wb2, const at::Half* sb, const at::Half* sb2, bool second,
+                       const int8_t* a, const float* da, const float* sa, O* out, int64_t t0, int64_t NG, int64_t K,
+                       int64_t N, int64_t col) {
   __m512 acc[T];
   const int32_t* at[T];
 #pragma GCC unroll 8
@@ -189,32 +152,34 @@ inline void micro_pair(const int8_t* wb, const int8_t* wb2, const at::Half* sb, 
       acc[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[u]);
     }
   }
-  const int64_t rows2 = std::min(kRows, N - col - kRows);
+  const int64_t rows = std::min(kRows, N - col), rows2 = second ? std::min(kRows, N - col - kRows) : 0;
 #pragma GCC unroll 8
   for (int u = 0; u < T; ++u) {
-    store8(out + (t0 + u) * N + col, kRows, _mm512_castps512_ps256(acc[u]));
-    store8(out + (t0 + u) * N + col + kRows, rows2, _mm256_castsi256_ps(_mm512_extracti64x4_epi64(
-        _mm512_castps_si512(acc[u]), 1)));
+    store8(out + (t0 + u) * N + col, rows, _mm512_castps512_ps256(acc[u]));
+    if (rows2 > 0)
+      store8(out + (t0 + u) * N + col + kRows, rows2,
+             _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(acc[u]), 1)));
   }
 }
 
 #define SPECUI_Q8A8_PAIRED 1
 
+// Blocks wb and the next one (`second`), or wb alone, against every activation row, kWide rows a pass.
 template <typename O>
-void block_pair(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa, O* out,
-                int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
-  const int8_t* wb2 = wb + NG * kBytes;  // the next block's groups
-  const at::Half* sb2 = sb + NG * kRows;
+void block_pair(const int8_t* wb, const at::Half* sb, bool second, const int8_t* a, const float* da, const float* sa,
+                O* out, int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
+  const int8_t* wb2 = second ? wb + NG * kBytes : wb;  // the next block's groups, or this one's again
+  const at::Half* sb2 = second ? sb + NG * kRows : sb;
   int64_t t = 0;
-  for (; M - t >= kWide; t += kWide) micro_pair<kWide, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col);
+  for (; M - t >= kWide; t += kWide) micro_pair<kWide, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col);
   switch (M - t) {
-    case 7: micro_pair<7, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
-    case 6: micro_pair<6, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
-    case 5: micro_pair<5, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
-    case 4: micro_pair<4, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
-    case 3: micro_pair<3, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
-    case 2: micro_pair<2, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
-    case 1: micro_pair<1, O>(wb, wb2, sb, sb2, a, da, sa, out, t, NG, K, N, col); break;
+    case 7: micro_pair<7, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
+    case 6: micro_pair<6, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
+    case 5: micro_pair<5, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
+    case 4: micro_pair<4, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
+    case 3: micro_pair<3, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
+    case 2: micro_pair<2, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
+    case 1: micro_pair<1, O>(wb, wb2, sb, sb2, second, a, da, sa, out, t, NG, K, N, col); break;
     default: break;
   }
 }
@@ -222,18 +187,7 @@ void block_pair(const int8_t* wb, const at::Half* sb, const int8_t* a, const flo
 template <typename O>
 void block_vector(const int8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa, O* out,
                   int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
-  int64_t t = 0;
-  for (; M - t >= kWide; t += kWide) micro_vnni<kWide, O>(wb, sb, a, da, sa, out, t, NG, K, N, col);
-  switch (M - t) {
-    case 7: micro_vnni<7, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    case 6: micro_vnni<6, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    case 5: micro_vnni<5, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    case 4: micro_vnni<4, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    case 3: micro_vnni<3, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    case 2: micro_vnni<2, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    case 1: micro_vnni<1, O>(wb, sb, a, da, sa, out, t, NG, K, N, col); break;
-    default: break;
-  }
+  block_pair<O>(wb, sb, false, a, da, sa, out, M, NG, K, N, col);
 }
 constexpr const char* kPath = "AVX512-VNNI";
 #else
@@ -269,7 +223,7 @@ void blocks(const int8_t* w, const at::Half* s, const int8_t* a, const float* da
     for (int64_t b = b0; b < b1; ++b) {
 #if defined(SPECUI_Q8A8_PAIRED)
       if (vector && b + 1 < b1) {  // two blocks at once (both in this thread's range)
-        block_pair<O>(w + b * NG * kBytes, s + b * NG * kRows, a, da, sa, o, M, NG, K, N, b * kRows);
+        block_pair<O>(w + b * NG * kBytes, s + b * NG * kRows, true, a, da, sa, o, M, NG, K, N, b * kRows);
         ++b;
         continue;
       }
