@@ -84,24 +84,32 @@ def open_gguf(path: str | Path):
     return GGUFReader(str(path))
 
 
-def four_bit_matrix(tensor) -> bool:
-    """Whether a reader's tensor is a layer matrix in 4-bit blocks SpecUI decodes (blk.N.<matrix>.weight)."""
+def _layer_matrix(tensor, kinds) -> bool:
+    """Whether a reader's tensor is a layer matrix (blk.N.<matrix>.weight) in one of `kinds`."""
     parts = tensor.name.split(".")
-    return (tensor.tensor_type.name in DECODED_BYTES and len(parts) == 4 and parts[0] == "blk"
+    return (tensor.tensor_type.name in kinds and len(parts) == 4 and parts[0] == "blk"
             and parts[2] in LAYER_NAMES and parts[3] == "weight")
+
+
+def four_bit_matrix(tensor) -> bool:
+    """Whether a reader's tensor is a layer matrix in 4-bit blocks SpecUI decodes."""
+    return _layer_matrix(tensor, DECODED_BYTES)
 
 
 def eight_bit_matrix(tensor) -> bool:
     """Whether a reader's tensor is a layer matrix in more than 4 bits that w4a8 holds on 8-bit groups."""
-    parts = tensor.name.split(".")
-    return (tensor.tensor_type.name in EIGHT_BIT and len(parts) == 4 and parts[0] == "blk"
-            and parts[2] in LAYER_NAMES and parts[3] == "weight")
+    return _layer_matrix(tensor, EIGHT_BIT)
+
+
+def module_name(tensor) -> str:
+    """A layer matrix's transformers module (llama's layout): blk.3.ffn_down.weight -> model.layers.3.mlp.down_proj."""
+    _, layer, matrix, _ = tensor.name.split(".")
+    return f"model.layers.{layer}.{LAYER_NAMES[matrix]}"
 
 
 def eight_bit_names(reader) -> list[str]:
-    """The transformers module names of the file's eight_bit_matrix tensors (llama's layout)."""
-    return [f"model.layers.{t.name.split('.')[1]}.{LAYER_NAMES[t.name.split('.')[2]]}"
-            for t in filter(eight_bit_matrix, reader.tensors)]
+    """The transformers module names of the file's eight_bit_matrix tensors."""
+    return [module_name(t) for t in filter(eight_bit_matrix, reader.tensors)]
 
 
 def decode_tensor(tensor) -> Groups:
@@ -114,11 +122,7 @@ def decode_tensor(tensor) -> Groups:
 def read_four_bit(reader) -> dict[str, Groups]:
     """The file's Q4_0 / Q4_1 / Q4_K layer matrices by transformers module name, as int4 groups
     (not yet matched to the loaded weights: see `matched`)."""
-    found: dict[str, Groups] = {}
-    for tensor in filter(four_bit_matrix, reader.tensors):
-        _, layer, matrix, _ = tensor.name.split(".")
-        found[f"model.layers.{layer}.{LAYER_NAMES[matrix]}"] = decode_tensor(tensor)
-    return found
+    return {module_name(tensor): decode_tensor(tensor) for tensor in filter(four_bit_matrix, reader.tensors)}
 
 
 def gguf_weights(reader) -> int:

@@ -2,9 +2,8 @@
 bits under w4a8, and a w4a8 model's output head where oneDNN's int8 product cannot take 8-bit
 activations exactly (AVX2 without VNNI).
 
-Why: w4a8 puts its
-output head (the bundled model's 49152 x 576, the largest matrix it has) on w8a8's int8 rows. Where
-the CPU sums pairs of int8 products in int16 (AVX2, no VNNI) oneDNN saturates, so w8a8 falls back to
+Why: w4a8 puts its output head (the bundled model's 49152 x 576, the largest matrix it has) on w8a8's
+int8 rows. Where the CPU sums pairs of int8 products in int16 (AVX2, no VNNI) oneDNN saturates, so w8a8 falls back to
 7-bit activations, which the bundled head's outlier rows do not pass the self-check with, and the
 head stayed in float32: 113 MB read a token, 15 ms of a 35 ms token on a 2-core Zen 3. Here the
 weights are llama.cpp's Q8_0 blocks (w = d q per group of 32 inputs, d float16, q in -127..127; the
@@ -50,6 +49,14 @@ def grouped_forward(module: torch.nn.Module, x: torch.Tensor, op) -> torch.Tenso
     out = mm(flat, module.packed, module.scales, module.out_features)
     out = out.view(*x.shape[:-1], module.out_features).to(x.dtype)
     return out if module.bias is None else out + module.bias.to(x.dtype)
+
+
+def checked(module: torch.nn.Module, bias: torch.Tensor | None) -> bool:
+    """The load-time checks of a group kernel's module (its dense(rows), in / out_features): its product
+    matches x W^T on sampled rows, and each row comes out the same scored alone or with others."""
+    x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
+    rows = sample_rows(module.out_features)
+    return self_checked(module, module.dense(rows), bias, rows=rows) is not None and batch_invariant(module, x.double())
 
 
 def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +118,7 @@ class Q8A8Linear(torch.nn.Module):
         if native()[0] is None or weight.shape[1] % GROUP or weight.device.type != "cpu":
             return None
         module = cls(*quantize_q8(weight), bias)
-        x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
-        rows = sample_rows(module.out_features)
-        if self_checked(module, module.dense(rows), bias, rows=rows) is None or not batch_invariant(module, x.double()):
+        if not checked(module, bias):
             return None
         module.groups = None
         return module

@@ -104,7 +104,8 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
         if not ours:
             return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) have no SpecUI "
                                "kernel, so it loads dequantized")
-        wider = f"its {_wider(types)} matrices on 8-bit groups" if set(ours) & set(EIGHT_BIT) else ""
+        eight = [kind for kind in ours if kind in EIGHT_BIT]
+        wider = f"its {' / '.join(eight)} matrices on 8-bit groups" if eight else ""
         took = " and ".join(filter(None, ("its Q4_K blocks as they are" if "Q4_K" in ours else "", wider)))
         others = sorted(set(types) - {*DECODED_BYTES, *EIGHT_BIT, *FLOATS})
         if spec.dtype == "auto" and _w4a8_vector() and not others:
@@ -116,11 +117,6 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
     if spec.dtype == "auto" and _w4a8_vector():
         return ("int4", "none", "w4a8"), why
     return ("int4", "none"), why
-
-
-def _wider(types: dict[str, int]) -> str:
-    """The file's kinds in more than 4 bits, in words ("Q6_K", "Q6_K / Q8_0")."""
-    return " / ".join(kind for kind in EIGHT_BIT if kind in types) or "other"
 
 
 def _w4a8_vector() -> bool:
