@@ -260,7 +260,7 @@ def run_cli(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     service = ChatService(load_from_args(args))
     service.engine.profile_dir = args.profile_dir
-    if make_method(settings.method, **method_params(settings)).needs_profile and service.engine.draft is not None:
+    if make_method(settings.method, **method_params(settings)).wants_profile(service.engine.draft is not None):
         service.engine.ensure_profile(progress=print_progress)
     if len(args.prompt) > 1:
         return run_prompts(service, settings, args)

@@ -74,14 +74,14 @@ def test_chain_probe_waits_carry_over_to_the_next_reply(tiny_target, tiny_draft)
     """Where chains do not pay, the wait between chain probes keeps doubling across replies
     (the engine's EngineCosts.chains) instead of starting over at probe_every each reply."""
     engine = engine_with(tiny_target, tiny_draft, synthetic(t1=10.0, slope=0.3, draft=1.0))
-    run(engine, PROMPTS[0], 60, "auto", probe_every=4, calibrate=False, trees=False)
+    run(engine, PROMPTS[0], 60, "auto", lookup=False, probe_every=4, calibrate=False, trees=False)
     assert engine.costs.acceptance.alpha < 0.5
     engine.costs.chains.since, engine.costs.chains.gap = 0, 32
-    second = run(engine, PROMPTS[1], 20, "auto", probe_every=4, calibrate=False, trees=False)
+    second = run(engine, PROMPTS[1], 20, "auto", lookup=False, probe_every=4, calibrate=False, trees=False)
     assert set(choices(second)) == {"autoregressive"}  # a fresh wait of 4 would have probed by now
     assert engine.costs.chains.since == len(choices(second)) and engine.costs.chains.gap == 32
     engine.costs.chains.since, engine.costs.chains.gap = 7, 8
-    third = run(engine, PROMPTS[0], 4, "auto", probe_every=4, calibrate=False, trees=False)
+    third = run(engine, PROMPTS[0], 4, "auto", lookup=False, probe_every=4, calibrate=False, trees=False)
     assert "speculative:1" in choices(third) and engine.costs.chains.gap == 16  # the failed probe doubled it
 
 
@@ -108,9 +108,10 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
     probe burst of OPT-Tree steps wins, auto keeps trees (a chain between runs refreshes
     alpha), commits more per step than chains alone, and the reply is the target's greedy one."""
     draft = near_copy(tiny_target, 0.2, 7)
-    chains = run(engine_with(tiny_target, draft, flat()), PROMPTS[0], 60, "auto", trees=False, calibrate=False)
+    chains = run(engine_with(tiny_target, draft, flat()), PROMPTS[0], 60, "auto", lookup=False, trees=False,
+                 calibrate=False)
     engine = engine_with(tiny_target, draft, flat())
-    gen = run(engine, PROMPTS[0], 60, "auto", probe_every=8, calibrate=False)
+    gen = run(engine, PROMPTS[0], 60, "auto", lookup=False, probe_every=8, calibrate=False)
     c = choices(gen)
     trees = [i for i, x in enumerate(c) if x.startswith("opt-tree:")]
     assert len(trees) > len(c) // 3 and len(gen.steps) < len(chains.steps), c
@@ -186,9 +187,9 @@ def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay():
 def test_the_tree_verdict_carries_over_to_the_next_reply(tiny_target):
     draft = near_copy(tiny_target, 0.2, 7)
     engine = engine_with(tiny_target, draft, flat())
-    first = run(engine, PROMPTS[0], 60, "auto", probe_every=8, calibrate=False)
+    first = run(engine, PROMPTS[0], 60, "auto", lookup=False, probe_every=8, calibrate=False)
     assert engine.costs.trees.win and any(c.startswith("opt-tree") for c in choices(first))
-    second = run(engine, PROMPTS[1], 20, "auto", probe_every=8, calibrate=False)
+    second = run(engine, PROMPTS[1], 20, "auto", lookup=False, probe_every=8, calibrate=False)
     assert choices(second)[0].startswith("opt-tree")
     assert any("(measured)" in n for n in second.steps[0].notes)
     assert second.output_ids == run(engine, PROMPTS[1], 20, "autoregressive").output_ids
@@ -204,7 +205,7 @@ def test_auto_measures_the_profile_on_first_use(tiny_target, tiny_draft, tmp_pat
 
 def test_auto_without_a_draft_decodes_autoregressively_with_a_note(tiny_target):
     engine = Engine(tiny_target, TinyTokenizer(), eos_ids=[EOS])
-    gen = run(engine, PROMPTS[0], 10, "auto")
+    gen = run(engine, PROMPTS[0], 10, "auto", lookup=False)  # with lookup: test_auto_lookup.py
     assert set(choices(gen)) == {"autoregressive"}
     assert "no draft model loaded" in gen.steps[0].notes[0]
     assert gen.output_ids == run(engine, PROMPTS[0], 10, "autoregressive").output_ids

@@ -249,11 +249,13 @@ PARAM_OF = {"speculative": ("gamma", int), "beam": ("width", int), "dsbd": ("wid
 def parse_method(spec: str) -> tuple[str, dict]:
     """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4;
     'opt-tree:25@adaptive': a node budget chosen per step from the cost profile, at most 25;
-    'dsbd:2@adaptive': W_L = 2, each forest's depth chosen per step by measurement (0..gamma)."""
+    'dsbd:2@adaptive': W_L = 2, each forest's depth chosen per step by measurement (0..gamma);
+    'auto@nolookup': auto without its prompt-lookup candidate."""
     spec, _, extra = spec.partition("@")  # 'auto@0.2' has no ':'
     name, _, value = spec.partition(":")
     switch = "adaptive_gamma" if name == "dsbd" else "adaptive_nodes"
-    params: dict = {switch: True} if extra == "adaptive" else {"confidence": float(extra)} if extra else {}
+    params: dict = {switch: True} if extra == "adaptive" else {"lookup": False} if extra == "nolookup" else \
+        {"confidence": float(extra)} if extra else {}
     if value and name in PARAM_OF:
         key, kind = PARAM_OF[name]
         params[key] = kind(value)

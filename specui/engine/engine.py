@@ -282,7 +282,7 @@ class Engine:
         self, request: GenerationRequest, method: Method, cancel: threading.Event | None = None,
     ) -> Generation:
         request = self.check(request, method)
-        if method.needs_profile and self.draft is not None:
+        if method.wants_profile(self.draft is not None):
             self.ensure_profile()
         return Generation(
             method, request, self.target, self.draft, self.decode, self.eos_ids, self.context_len, cancel,

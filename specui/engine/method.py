@@ -123,6 +123,11 @@ class Method(ABC):
     draft_optional: ClassVar[bool] = False  # uses a draft when one is loaded, decodes without one
     needs_profile: ClassVar[bool] = False  # reads the engine's cost profile
 
+    def wants_profile(self, has_draft: bool) -> bool:
+        """Whether the engine measures (or reads) its cost profile before this method's first
+        step: a method that reads it, where a draft is loaded (what it weighs is drafting)."""
+        return self.needs_profile and has_draft
+
     def begin(self, ctx: DecodeContext) -> None:
         """Prefill: cache the prompt (all but its last token) in every model used."""
         ctx.target.prefill(ctx.ids)

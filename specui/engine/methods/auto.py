@@ -15,12 +15,14 @@ ends after the first token the draft itself gave less than that probability (as 
 assisted generation does): long where the draft is sure, short where it is not, but not shorter
 than the drafts that pay even after an unsure one (chain_rate.stop_floor: late in the chain, or
 all g, where verifying is flat and a draft cheap). How far past g
-is the profile's choice too (`extended`): the length that maximises the expected rate when the
-drafts past g are accepted at the rate measured for such drafts (EngineCosts.sure, never taken
-below alpha). Where verification is flat that is up to G; where it grows steeply (a CPU whose
-GEMM costs 3x for 4 rows what it does for 1) the chain stays at g: unbounded, such chains
-cost 768 ms a step to verify against 437 for gamma 1 and ran at 0.91x autoregressive. The stop
-depends on the draft alone, so verification stays lossless.
+is the profile's choice too (`extended`): the length of the best expected rate when the drafts
+past g are accepted at the rate measured for such drafts (EngineCosts.sure, never below alpha): up
+to G where verification is flat, g where it grows steeply (unbounded, such chains ran at 0.91x
+autoregressive on such a CPU). The stop depends on the draft alone: verification stays lossless.
+
+With `lookup` (default on) the conversation's own continuation is a candidate too, weighed each
+step against the chains and plain decoding by its measured rightness (auto_lookup.py): where a
+reply copies its prompt one such step commits many tokens for one target forward, no draft.
 
 With a node budget (`nodes`, the UI's and CLI's; `trees=False` turns it off) OPT-Tree with an
 adaptive budget is a candidate too. A tree's yield cannot be predicted from alpha alone, so
@@ -34,8 +36,8 @@ far that probe fell short of it, so a probe is only repeated early where alpha o
 have moved enough to make up for it. The verdict (and the steps since the last tree) is the
 engine's (EngineCosts.trees), so it carries over to the next reply as alpha does.
 
-Each step is one lossless step of its sub-method (both verify against the target), so
-the reply is the target's greedy reply, and sampling stays distributed as the target."""
+Each step is one lossless step of its sub-method: the reply is the target's greedy reply,
+and sampling stays distributed as the target."""
 
 from __future__ import annotations
 
@@ -43,32 +45,18 @@ import time
 
 from specui.engine.costs import ChainProbes, EngineCosts, TreeVerdict, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
+from specui.engine.methods.auto_lookup import LookupChoice
 from specui.engine.methods.autoregressive import Autoregressive
-from specui.engine.methods.chain_rate import HORIZON, catch_up_per_token, chain_tokens, stop_floor
+from specui.engine.methods.chain_rate import HORIZON, catch_up, catch_up_per_token, chain_tokens, stop_floor, unread
 from specui.engine.methods.speculative import Speculative
 from specui.engine.methods.tree import OptTree
-from specui.engine.methods.tree_budget import step_ms
+from specui.engine.methods.tree_budget import optimistic_rate, step_ms
 from specui.errors import SpecUIError
 
 AR = "autoregressive"
 TREE = -1  # choose(): an OPT-Tree step
+LOOKUP = -2  # choose(): a prompt-lookup step (auto_lookup.py)
 PROBE_BURST = 4  # tree steps a probe runs before trees are judged
-
-
-def catch_up(ctx: DecodeContext) -> None:
-    """Feed the draft what it has not read of the reply, where that is more than the step's own
-    first draft forward feeds anyway (the token before the last, the last: after a chain whose
-    drafts were all accepted, its last draft and the bonus token). Fed apart, those two took a
-    draft forward of their own every such step (2-core Xeon, bundled pair on w4a8: 101 extra
-    forwards of about 4 ms in 3 replies of 64 tokens, 15% of `auto`'s time under cProfile)."""
-    if unread(ctx) > 1:
-        ctx.draft.prefill(ctx.ids)
-
-
-def unread(ctx: DecodeContext) -> int:
-    """Tokens of the reply before its last that the draft has not read (the last is always fed
-    by the step's first draft forward)."""
-    return len(ctx.ids) - 1 - ctx.draft.length
 
 
 class Auto(Method):
@@ -79,7 +67,7 @@ class Auto(Method):
 
     def __init__(self, max_gamma: int = 6, margin: float = 0.05, probe_every: int = 16,
                  gamma: int = 2, calibrate: bool = True, confidence: float | None = 0.4,
-                 nodes: int = 25, trees: bool = True) -> None:
+                 nodes: int = 25, trees: bool = True, lookup: bool = True) -> None:
         if max_gamma < 1:
             raise SpecUIError(f"max_gamma must be >= 1, got {max_gamma}")
         if gamma < 1:
@@ -107,6 +95,10 @@ class Auto(Method):
         self.verdict = TreeVerdict()  # the engine's (EngineCosts.trees) once begin() sees it
         self.tree_run = 0  # tree steps since the last other step
         self.burst = 0  # tree steps left in the current probe
+        self.lookup = LookupChoice() if lookup else None  # the conversation's own continuation as a candidate
+
+    def wants_profile(self, has_draft: bool) -> bool:
+        return has_draft or self.lookup is not None  # without a draft: lookup steps against plain ones
 
     def begin(self, ctx: DecodeContext) -> None:
         ctx.target.prefill(ctx.ids)  # the draft catches up only when a chain runs (its advance feeds what it lacks)
@@ -114,7 +106,8 @@ class Auto(Method):
         if costs is not None:
             self.probes, self.verdict = costs.chains, costs.trees
         if ctx.draft is None:
-            self.pending.append("no draft model loaded: auto decodes autoregressively")
+            self.pending.append("no draft model loaded: auto decodes autoregressively" + (
+                ", and verifies the conversation's own continuation where that pays" if self.lookup else ""))
         elif costs is None or costs.profile is None:
             why = costs.note if costs is not None and costs.note else "no cost profile"
             self.pending.append(f"{why}: auto uses the fixed default, speculative gamma {self.fallback_gamma}")
@@ -129,7 +122,7 @@ class Auto(Method):
         assert profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         rates = {0: 1.0 / (profile.target(1, context) * costs.ratio(AR).value)}
-        t_draft = profile.draft(1, context)
+        t_draft = profile.draft(1, context) if profile.has_draft else None
         if t_draft is not None:
             spec = costs.ratio("speculative")  # until a chain is timed, the profile is off as for AR
             r = spec.value if spec.seen else costs.ratio(AR).value
@@ -173,14 +166,17 @@ class Auto(Method):
         return gamma * (profile.draft(1, context) or 0.0) + profile.target(gamma + 1, context)
 
     def choose(self, ctx: DecodeContext) -> tuple[int, str]:
-        """(gamma, why); gamma 0 = autoregressive, TREE = an OPT-Tree step."""
+        """(gamma, why); gamma 0 = autoregressive, TREE = an OPT-Tree step, LOOKUP a prompt-lookup one."""
         costs = ctx.costs
+        if costs is None or costs.profile is None:
+            return (self.fallback_gamma, "fixed default (no profile)") if ctx.draft else (0, "no draft")
+        behind = unread(ctx) if ctx.draft else 0
+        rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
+        lookup_why = self.lookup.choice(ctx, max(rates.values()), self.margin) if self.lookup else None
+        if lookup_why:
+            return LOOKUP, lookup_why
         if ctx.draft is None:
             return 0, "no draft"
-        if costs is None or costs.profile is None:
-            return self.fallback_gamma, "fixed default (no profile)"
-        behind = unread(ctx)
-        rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
         best = max((g for g in rates if g > 0), key=lambda g: rates[g], default=0)
         alpha = costs.acceptance.alpha
         # the draft would not first have to read a long prompt (no probe of chains or trees then)
@@ -215,21 +211,11 @@ class Auto(Method):
         return 1.0
 
     def tree_bound(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> tuple[float, int]:
-        """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most the budget): m/2
-        layers (at most OPT-Tree's max depth and the reply's remaining tokens but one) of two
-        candidates, each layer passed with probability 1 - (1 - alpha)^2; and the node count
-        that reaches it."""
+        """tree_budget.optimistic_rate for this tree's budget and the running alpha."""
         assert self.tree is not None and costs.profile is not None
-        alpha = min(costs.acceptance.alpha, 0.999)
-        passed = 1.0 - (1.0 - alpha) ** 2
         cap = self.tree.budget.cap if self.tree.budget else self.tree.nodes
-        ratio, best, best_m, m = self.tree_ratio(costs), 0.0, 2, 2
-        while m <= cap:
-            depth = max(1, min(m // 2, self.tree.max_depth, remaining - 1))
-            rate = chain_tokens(passed, depth) / (step_ms(costs.profile, m, depth, context) * ratio)
-            best, best_m = (rate, m) if rate > best else (best, best_m)
-            m *= 2
-        return best, best_m
+        return optimistic_rate(costs.profile, costs.acceptance.alpha, cap, min(self.tree.max_depth, remaining - 1),
+                               context, self.tree_ratio(costs))
 
     def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True,
                     remaining: int = 1 << 30) -> str | None:
@@ -274,9 +260,17 @@ class Auto(Method):
 
     # -- stepping --------------------------------------------------------------------------
     def step(self, ctx: DecodeContext) -> StepResult:
+        result = self.chosen_step(ctx)
+        if self.lookup is not None:  # what this step's lookup proposal would have yielded
+            self.lookup.observe(result.tokens)
+        return result
+
+    def chosen_step(self, ctx: DecodeContext) -> StepResult:
         gamma, why = self.choose(ctx)
         gamma = min(gamma, max(0, ctx.remaining - 1), max(0, ctx.room))
         context = len(ctx.ids)
+        if gamma == LOOKUP:
+            return self.lookup_step(ctx, why)
         if gamma == TREE and min(ctx.remaining - 1, ctx.room) >= 1:
             return self.tree_step(ctx, why)
         if gamma == TREE:  # no room left for a tree: the last token(s) plainly
@@ -327,6 +321,14 @@ class Auto(Method):
         result.notes = self.pending + [f"auto: {choice} ({why})"] + result.notes
         self.pending = []
         return result
+
+    def lookup_step(self, ctx: DecodeContext, why: str) -> StepResult:
+        self.count_step(tree=False)
+        result = self.lookup.step(ctx, self.calibrate)
+        self.probes.since += 1  # no chain ran: as after a plain step
+        ctx.costs.acceptance.relax()
+        self.since_ar += 1
+        return self.labelled(result, f"lookup:{result.drafted}", why)
 
     def tree_step(self, ctx: DecodeContext, why: str) -> StepResult:
         assert self.tree is not None and ctx.costs is not None and ctx.costs.profile is not None

@@ -3,6 +3,11 @@ arithmetic `auto`, EMS-SD's gamma policy and the joint quantization/method choic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specui.engine.method import DecodeContext
+
 HORIZON = 64  # tokens over which a draft's catch-up is expected to pay back at most (replies often end early)
 
 
@@ -44,3 +49,19 @@ def stop_floor(alpha: float, unsure: float, t_draft: float, target_ms, longest: 
         else:
             return i
     return longest
+
+
+def catch_up(ctx: DecodeContext) -> None:
+    """Feed the draft what it has not read of the reply, where that is more than the step's own
+    first draft forward feeds anyway (the token before the last, the last: after a chain whose
+    drafts were all accepted, its last draft and the bonus token). Fed apart, those two took a
+    draft forward of their own every such step (2-core Xeon, bundled pair on w4a8: 101 extra
+    forwards of about 4 ms in 3 replies of 64 tokens, 15% of `auto`'s time under cProfile)."""
+    if unread(ctx) > 1:
+        ctx.draft.prefill(ctx.ids)
+
+
+def unread(ctx: DecodeContext) -> int:
+    """Tokens of the reply before its last that the draft has not read (the last is always fed
+    by the step's first draft forward)."""
+    return len(ctx.ids) - 1 - ctx.draft.length

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.profile import CostProfile
 
 
@@ -80,3 +81,19 @@ class NodeBudget:
         why = ", ".join(f"{m}: {1000 * r:.1f}" for m, r in sorted(rates.items()))
         return new, (f"node budget {current} -> {new} (predicted tokens per s by budget: {why}; "
                      f"accepted / expected {self.calibration:.2f})")
+
+
+def optimistic_rate(profile: CostProfile, alpha: float, cap: int, max_depth: int, context: int,
+                    ratio: float = 1.0) -> tuple[float, int]:
+    """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most `cap`): m/2 layers (at
+    most `max_depth`) of two candidates, each layer passed with probability 1 - (1 - alpha)^2, at
+    the profile's step time scaled by `ratio`; and the node count that reaches it (`auto` probes
+    trees only where this beats its chains)."""
+    passed = 1.0 - (1.0 - min(alpha, 0.999)) ** 2
+    best, best_m, m = 0.0, 2, 2
+    while m <= cap:
+        depth = max(1, min(m // 2, max_depth))
+        rate = chain_tokens(passed, depth) / (step_ms(profile, m, depth, context) * ratio)
+        best, best_m = (rate, m) if rate > best else (best, best_m)
+        m *= 2
+    return best, best_m
