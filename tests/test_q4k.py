@@ -254,3 +254,36 @@ def test_a_stand_in_of_a_q4_k_m_gguf_keeps_its_8_bit_matrices_on_8_bit_groups(tm
     layer = loaded.model.model.layers[1]
     assert isinstance(layer.mlp.down_proj, Q8A8Linear) and layer.mlp.down_proj.in_features > 512  # padded
     assert isinstance(layer.self_attn.v_proj, Q8A8Linear) and isinstance(layer.mlp.up_proj, W4A8Linear)
+
+
+@pytest.mark.bundled
+def test_int4_keeps_a_q4_k_m_files_q6_k_matrices_on_int8_rows(tmp_path):
+    """`--quantization int4` on a Q4_K_M file: its Q4_K matrices on the int4 kernel from their own
+    blocks, its Q6_K ones (the last layer's value and down) on int8 rows, not rounded to 4 bits;
+    converted or read directly."""
+    from specui.weights.concrete import load_concrete
+    from specui.weights.gguf_blocks import block_types, eight_bit_names, open_gguf
+    from specui.weights.gguf_cache import GGUFSource
+    from specui.weights.loading import ModelSpec
+    from specui.weights.quantize import Int4Linear, Int8Linear, has_int4_kernel
+
+    if not has_int4_kernel():
+        pytest.skip("no int4 kernel in this torch build")
+    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    reader = open_gguf(path)
+    spec = ModelSpec(str(path), "float32", "cpu", "int4")
+    dense = load_concrete(ModelSpec(str(path), "float32", "cpu", "none"), "target")
+    ids = torch.tensor([[1, 200, 3000, 45, 9, 17]])
+    with torch.inference_mode():
+        want = dense.model(input_ids=ids).logits.float()
+    for source in (None, GGUFSource(path, types=block_types(reader), reader=reader,
+                                    eight_bit_names=tuple(eight_bit_names(reader)))):
+        loaded = load_concrete(spec, "target", source=source)
+        said = " ".join(loaded.notes)
+        assert "2 the GGUF holds in more than 4 bits on int8 rows" in said, said
+        layer = loaded.model.model.layers[1]
+        assert isinstance(layer.self_attn.v_proj, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
+        assert isinstance(layer.self_attn.q_proj, Int4Linear)
+        with torch.inference_mode():
+            got = loaded.model(input_ids=ids).logits.float()
+        assert float((got - want).norm() / want.norm()) < 0.05  # activations in bfloat16

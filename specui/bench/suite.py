@@ -26,6 +26,7 @@ before any model loads."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -159,15 +160,25 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_workload(pair, specs: list[str], prompts: list[list[int]], args, bar: tqdm,
-                 runners: list[tuple[str, object]]) -> tuple[list[Row], bool]:
-    """Bench the rows on one workload; (rows, interrupted)."""
+def all_rows(pair, specs: list[str], args, runners: list[tuple[str, object]]) -> list[Row]:
+    """Every row of a quantization: made once and reused for each workload (`fresh`), since each of
+    ours holds its own engine: made again per workload, a 1.7b stand-in's rows held 24 GB of caches
+    and compiled forwards when the second workload began, and the kernel ended the process."""
     usable = [s for s in specs if not (parse_method(s)[0] == "specdec++" and pair.head.head is None)]
     rows = make_rows(pair, usable, 2, False) + ([] if args.no_peers else peer_rows(pair, 4))
-    rows += [runner_row(name, runner) for name, runner in runners]
+    return rows + [runner_row(name, runner) for name, runner in runners]
+
+
+def fresh(rows: list[Row]) -> list[Row]:
+    """The same rows (their runners and engines) with no rounds measured yet."""
+    return [dataclasses.replace(row, rounds=[]) for row in rows]
+
+
+def run_workload(rows: list[Row], prompts: list[list[int]], args, bar: tqdm, device) -> tuple[list[Row], bool]:
+    """Bench the rows on one workload; (rows, interrupted)."""
     try:
         bench(rows, prompts, args.max_new_tokens, args.repeats, say=bar.write, progress=lambda: bar.update(1),
-              meter=ReplyMeter(pair.target.device))
+              meter=ReplyMeter(device))
         return rows, False
     except KeyboardInterrupt:
         bar.write("interrupted: keeping the rounds measured so far")
@@ -207,12 +218,13 @@ def run_quantization(args, specs: list[str], workloads: dict[str, Path], first: 
     runners, why = llama_cpp_runners(pair) if first and not args.no_peers else ([], None)
     skipped += [why] if why else []
     results, interrupted, chat = [], False, prompts  # chat: the first workload's prompts (--quality)
+    made = all_rows(pair, specs, args, runners)
     for i, (workload, path) in enumerate(workloads.items()):
         if i:
             prompts = bench_prompts(pair.target.tokenizer, path, args.limit)
-        n_rows = len(specs) + (0 if args.no_peers else len(PEERS)) + len(runners)
-        with tqdm(total=n_rows * len(prompts) * args.repeats, desc=f"bench {workload} ({quant})", unit="reply") as bar:
-            rows, interrupted = run_workload(pair, specs, prompts, args, bar, runners)
+        total = len(made) * len(prompts) * args.repeats
+        with tqdm(total=total, desc=f"bench {workload} ({quant})", unit="reply") as bar:
+            rows, interrupted = run_workload(fresh(made), prompts, args, bar, pair.target.device)
         rows = complete_rounds(rows, len(prompts)) if interrupted else rows
         if rows and any(r.name == AR for r in rows):
             results += [dict(row, workload=workload, quantization=quant, settings=settings_of(row["method"]),

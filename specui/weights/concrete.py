@@ -236,7 +236,8 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     unread = ""
     if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
         unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"
-    counts = quantize_model(model, spec.quantization, blocks, progress)
+    wide = frozenset(source.eight_bit_names) if source is not None and spec.quantization == "int4" else frozenset()
+    counts = quantize_model(model, spec.quantization, blocks, progress, wide)
     if not counts["int8"] + counts["int4"] and chosen:
         return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"
     if not counts["int8"] + counts["int4"]:
@@ -245,6 +246,8 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     said = [f"{counts[k]} matrices on the weight-only {k} kernel" for k in ("int4", "int8") if counts[k]]
     if counts["from_file"]:
         said.append(f"{counts['from_file']} of them from the GGUF's own 4-bit blocks")
+    if counts["eight_bit"]:
+        said.append(f"{counts['eight_bit']} the GGUF holds in more than 4 bits on int8 rows (not rounded to 4 bits)")
     if counts["kept"]:
         said.append(f"{counts['kept']} left in {str(model.dtype).removeprefix('torch.')}")
     if spec.quantization == "int4" and not counts["int4"]:

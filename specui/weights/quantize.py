@@ -5,13 +5,12 @@
 - int4: every matrix of the decoder layers stored in 4-bit groups of 32 along the input, each
   group with its own scale and offset (`aten._weight_int4pack_mm_for_cpu`); a GGUF's Q4_0 /
   Q4_1 blocks are exactly such groups, so the file's own 4-bit weights are used as they are
-  (specui/weights/gguf_blocks.py). The output head stays on int8 rows, as llama.cpp's quantizers keep
-  the output layer at higher precision.
+  (specui/weights/gguf_blocks.py). The output head (and a GGUF's matrices in more than 4 bits, e.g. a
+  Q4_K_M file's Q6_K ones) stay on int8 rows, as llama.cpp's quantizers keep them at higher precision.
 
-A decode step of a small model on a CPU is bound by reading its weights: int8 reads a quarter of float32's
-bytes, int4 groups about a sixth. `--quantization int8 | int4` apply them to the target at load time; every
-matrix passes a numerical self-check on this machine first, and one the kernel refuses stays as it was. The
-quantized target is the model the methods are then lossless against.
+A decode step on a CPU is bound by reading its weights: int8 reads a quarter of float32's bytes, int4 about a
+sixth. `--quantization int8 | int4` apply them at load; every matrix passes a numerical self-check here first
+(one the kernel refuses stays as it was). The quantized target is what the methods are lossless against.
 
 Long inputs (a prompt's prefill): the kernels are built for a few rows; from some hundreds of rows a float32
 matrix multiply is faster on many CPUs, so use_long_path measures, per model, whether a forward of LONG_ROWS
@@ -233,8 +232,8 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
 
 def has_int4_kernel() -> bool:
     """Whether this torch build has the int4 CPU kernel and its packer."""
-    aten = torch.ops.aten
-    return hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")
+    ops = ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
+    return all(hasattr(torch.ops.aten, op) for op in ops)
 
 
 def int4_unavailable() -> str:
@@ -271,20 +270,21 @@ def build_from_groups(module: torch.nn.Linear, given: tuple[torch.Tensor, torch.
 
 def quantize_model(model: torch.nn.Module, kind: str = "int8",
                    groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
-    """Swap every Linear a kernel can serve for an Int8Linear (kind "int8", and the output
-    head under "int4") or an Int4Linear (kind "int4": the other matrices; from `groups[name]`
-    where given, e.g. a GGUF's own blocks, else from the module's weight). A tied output
-    head gets its own copy; the input embeddings stay. Returns counts: "int8", "int4",
-    "from_file" (of int4) and "kept" (left as they were). `progress(done, total)` as each
-    matrix starts (a stand-in's hundreds take a while)."""
+                   progress: Callable[[int, int], None] | None = None, wide: frozenset[str] = frozenset(),
+                   ) -> dict[str, int]:
+    """Swap every Linear a kernel can serve for an Int8Linear (kind "int8"; under "int4" the head and
+    `wide`'s matrices: a GGUF's in more than 4 bits, never re-rounded to 4) or an Int4Linear (kind
+    "int4": the rest; from `groups[name]`, e.g. a GGUF's own blocks, else from the weight). A tied head
+    gets its own copy. Counts: "int8", "int4", "from_file" (of int4), "eight_bit" (of int8, `wide`'s),
+    "kept". `progress(done, total)` as each matrix starts (a stand-in's hundreds take a while)."""
     groups = groups or {}
     learned: dict[tuple[int, int], torch.Tensor] = {}  # int4 packing orders learned on this machine, by shape
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    counts = {"int8": 0, "int4": 0, "from_file": 0, "kept": 0}
+    counts = {"int8": 0, "int4": 0, "from_file": 0, "eight_bit": 0, "kept": 0}
 
     def make(name: str, module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
-        if kind == "int4" and module is not head:
+        counts["eight_bit"] += int(kind == "int4" and name in wide)
+        if kind == "int4" and module is not head and name not in wide:
             given = groups.get(name)
             fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device,
                                           module.bias, learned)
