@@ -142,6 +142,8 @@ def peer_rows(pair, gamma: int) -> list[Row]:
 
 def llama_cpp_runners(pair) -> tuple[list[tuple[str, object]], str | None]:
     """llama.cpp's greedy and prompt-lookup runners on the target's GGUF, or why there are none."""
+    if pair.target.spec.stand_in:  # llama.cpp would run the source file at its own size, not at the stand-in's
+        return [], f"llama.cpp: no stand-in there (it would time the {pair.target.spec.source} file itself)"
     gguf = gguf_path(pair.target.spec)
     why = unavailable(gguf, pair.target.device)
     if why:
