@@ -374,3 +374,19 @@ def test_a_row_says_how_its_timed_replies_ran():
     assert Row("ar", "x", None, capture="auto", rounds=replies("off", "off")).ran_as() == "off"
     assert Row("ar", "x", None, capture="auto", rounds=replies("off", "auto")).ran_as() == "mixed"
     assert Row("peer", "x", None, capture="on", rounds=replies(None)).ran_as() == "on"  # peers say nothing
+
+
+def test_no_llama_cpp_rows_beside_a_stand_in():
+    """llama.cpp would time the source GGUF at its own size: beside a stand-in it is skipped, saying so."""
+    from types import SimpleNamespace
+
+    pair = SimpleNamespace(target=SimpleNamespace(spec=SimpleNamespace(stand_in="1.7b", source="bundled:smollm2")))
+    runners, why = suite.llama_cpp_runners(pair)
+    assert runners == [] and "no stand-in there" in why and "bundled:smollm2" in why
+
+
+def test_rows_are_made_once_and_measured_afresh_for_each_workload():
+    row = suite.Row("autoregressive", "float32", lambda prompt, n: None)
+    row.rounds.append([])
+    again = suite.fresh([row])[0]
+    assert again.run is row.run and again.rounds == [] and row.rounds == [[]]
