@@ -45,7 +45,7 @@ class ChatSettings:
     root_selection: str = "lossless"  # mcsd forks: lossless | approximate (the seed's; not distribution-preserving)
     decision: str = "entropy"  # mcsd forks: early-stop decision model: entropy (fastest measured) | hidden | none
     stop_threshold: float = 0.4  # mcsd forks: stop drafting when every chain's predicted acceptance is below
-    lookup_tokens: int = 10  # lookup: most tokens proposed per step from the conversation's own n-grams
+    lookup_tokens: int = 10  # lookup (and auto's lookup steps): most tokens proposed a step from the conversation
     adaptive_gamma: bool = True  # ems-sd: the batch's draft length per step from the cost profile; dsbd: the forest's
     # depth per step from its own timed steps (gamma: the most)
     replies: int = 1  # ems-sd: alternative replies to each message, decoded together in one batch

@@ -6,6 +6,7 @@ autoregressive, sampling keeps the target's distribution."""
 import itertools
 import random
 
+import pytest
 import torch
 from conftest import TinyTokenizer
 from test_auto import choices, engine_with
@@ -14,11 +15,12 @@ from test_profile import synthetic
 from test_sampling_distribution import RUNS, TV_BOUND, VOCAB, pair, tv  # noqa: F401  (fixture)
 
 from specui.bench.rows import parse_method
-from specui.engine import Engine, GenerationRequest, SamplingConfig
+from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.methods.auto import Auto
 from specui.engine.methods.auto_lookup import LookupChoice
 from specui.engine.methods.lookup import NgramIndex
 from specui.engine.sampling import warp
+from specui.errors import SpecUIError
 
 
 def scan(ids, ngram, limit):
@@ -113,3 +115,9 @@ def test_without_a_draft_auto_measures_the_target_and_weighs_lookup_steps(tiny_t
     assert "verifies the conversation's own continuation where that pays" in gen.steps[0].notes[0]
     assert gen.output_ids == run(engine, PROMPTS[2], 32, "autoregressive").output_ids
     assert set(choices(gen)) <= {"autoregressive"} | {f"lookup:{k}" for k in range(1, 11)}
+
+
+def test_auto_takes_the_users_lookup_tokens_and_refuses_bad_ones():
+    assert make_method("auto", lookup_tokens=4).lookup.tokens == 4
+    with pytest.raises(SpecUIError, match="lookup tokens"):
+        make_method("auto", lookup_tokens=0)

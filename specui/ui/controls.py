@@ -91,7 +91,7 @@ def settings_controls(defaults: ChatSettings, tree_presets: list[str], max_new_t
                                     label="mcsd stop threshold",
                                     info="mcsd forks: stop drafting when every chain's predicted acceptance is below"),
         "lookup_tokens": gr.Slider(1, 32, value=defaults.lookup_tokens, step=1, label="lookup tokens",
-                                   info="lookup: most tokens copied from the conversation per step"),
+                                   info="lookup (and auto's lookup steps): most tokens proposed a step"),
         "padding": gr.Radio(["unpad", "unpad-kv", "vanilla"], value=defaults.padding, label="batch padding",
                             info="ems-sd: unpad = EMS-SD (no padding in the cache or the inputs); unpad-kv = padded "
                                  "inputs; vanilla = padded cache and inputs (the comparison)"),

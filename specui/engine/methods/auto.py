@@ -67,7 +67,7 @@ class Auto(Method):
 
     def __init__(self, max_gamma: int = 6, margin: float = 0.05, probe_every: int = 16,
                  gamma: int = 2, calibrate: bool = True, confidence: float | None = 0.4,
-                 nodes: int = 25, trees: bool = True, lookup: bool = True) -> None:
+                 nodes: int = 25, trees: bool = True, lookup: bool = True, lookup_tokens: int = 10) -> None:
         if max_gamma < 1:
             raise SpecUIError(f"max_gamma must be >= 1, got {max_gamma}")
         if gamma < 1:
@@ -95,7 +95,7 @@ class Auto(Method):
         self.verdict = TreeVerdict()  # the engine's (EngineCosts.trees) once begin() sees it
         self.tree_run = 0  # tree steps since the last other step
         self.burst = 0  # tree steps left in the current probe
-        self.lookup = LookupChoice() if lookup else None  # the conversation's own continuation as a candidate
+        self.lookup = LookupChoice(tokens=lookup_tokens) if lookup else None  # the conversation's continuation
 
     def wants_profile(self, has_draft: bool) -> bool:
         return has_draft or self.lookup is not None  # without a draft: lookup steps against plain ones

@@ -24,9 +24,10 @@ from specui.engine.costs import AcceptanceEstimate, EngineCosts
 from specui.engine.method import DecodeContext, StepResult
 from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.methods.lookup import NgramIndex, lookup_step
+from specui.errors import SpecUIError
 
 NGRAM = 3  # the longest n-gram matched (as `lookup`'s default)
-TOKENS = 10  # the most tokens one step proposes (as `lookup`'s default)
+TOKENS = 10  # the most tokens one step proposes (as `lookup`'s default; the user's --lookup-tokens)
 
 
 def _prior() -> AcceptanceEstimate:
@@ -38,6 +39,8 @@ class LookupChoice:
     """The proposal for the current step, and how often proposals of each match length were right."""
 
     def __init__(self, ngram: int = NGRAM, tokens: int = TOKENS) -> None:
+        if not 1 <= tokens <= 64:
+            raise SpecUIError(f"lookup tokens must be 1 to 64, got {tokens}")
         self.index = NgramIndex(ngram)
         self.tokens = tokens
         self.right = {n: _prior() for n in range(1, ngram + 1)}
