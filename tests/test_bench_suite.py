@@ -386,7 +386,24 @@ def test_no_llama_cpp_rows_beside_a_stand_in():
 
 
 def test_rows_are_made_once_and_measured_afresh_for_each_workload():
-    row = suite.Row("autoregressive", "float32", lambda prompt, n: None)
+    """Each workload reuses the rows' engines, but measures from no rounds and from what a new
+    engine knows (its profile), not from the running estimates the last workload left."""
+    from types import SimpleNamespace
+
+    from test_profile import synthetic
+
+    from specui.engine.costs import EngineCosts
+
+    def run(prompt, n):
+        return None
+
+    run.engine = SimpleNamespace(costs=EngineCosts(profile=synthetic(), note="measured"))
+    run.engine.costs.acceptance.observe(4, 4)
+    run.engine.costs.ratio("autoregressive").observe(20.0, 10.0)
+    row = suite.Row("auto", "float32", run)
     row.rounds.append([])
-    again = suite.fresh([row])[0]
+    again = suite.fresh([row, suite.Row("transformers greedy", "float32", lambda prompt, n: None)])[0]
     assert again.run is row.run and again.rounds == [] and row.rounds == [[]]
+    costs = run.engine.costs
+    assert costs.profile == synthetic() and costs.note == "measured"
+    assert costs.acceptance.alpha == EngineCosts().acceptance.alpha and not costs.ratio("autoregressive").seen

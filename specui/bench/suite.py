@@ -58,6 +58,7 @@ from specui.bench.run import (
 from specui.bench.specdec import pareto_figure
 from specui.bench.suite_figures import write_figures
 from specui.engine import METHODS
+from specui.engine.costs import EngineCosts
 from specui.engine.profile import cpu_model
 from specui.engine.sampling import SamplingConfig
 from specui.errors import SpecUIError
@@ -172,7 +173,13 @@ def all_rows(pair, specs: list[str], args, runners: list[tuple[str, object]]) ->
 
 
 def fresh(rows: list[Row]) -> list[Row]:
-    """The same rows (their runners and engines) with no rounds measured yet."""
+    """The same rows (their runners and engines) with no rounds measured yet, each engine's running
+    estimates (alpha, time ratios, probe waits, DSBD's depths) back to what a new engine knows: its
+    cost profile, so no workload's figures depend on the workloads measured before it."""
+    for row in rows:
+        engine = getattr(row.run, "engine", None)
+        if engine is not None:
+            engine.costs = EngineCosts(profile=engine.costs.profile, note=engine.costs.note)
     return [dataclasses.replace(row, rounds=[]) for row in rows]
 
 

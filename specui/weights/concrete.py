@@ -16,7 +16,7 @@ from specui.weights import stand_in
 from specui.weights.attend import exact_attention_ready, use_exact_attention
 from specui.weights.bnb_logs import NOTE, quiet_int8_cast
 from specui.weights.dtypes import auto_dtype_model
-from specui.weights.gguf_blocks import four_bit_tensors
+from specui.weights.gguf_blocks import DECODED_BYTES, four_bit_tensors
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.gguf_packed import load_packed, packed_params
 from specui.weights.load_memory import PACKED_BYTES, check_plain_load
@@ -236,7 +236,10 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     unread = ""
     if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
         unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"
-    wide = frozenset(source.eight_bit_names) if source is not None and spec.quantization == "int4" else frozenset()
+    # a GGUF's matrices in more than 4 bits on int8 rows where it has 4-bit ones too (none: int4 rounds all, as asked)
+    wide = spec.quantization == "int4" and source is not None and bool(source.types) \
+        and any(source.types.get(kind) for kind in DECODED_BYTES)
+    wide = frozenset(source.eight_bit_names) if wide else frozenset()
     counts = quantize_model(model, spec.quantization, blocks, progress, wide)
     if not counts["int8"] + counts["int4"] and chosen:
         return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"

@@ -47,7 +47,15 @@ from specui.engine.costs import ChainProbes, EngineCosts, TreeVerdict, TreeYield
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.auto_lookup import LookupChoice
 from specui.engine.methods.autoregressive import Autoregressive
-from specui.engine.methods.chain_rate import HORIZON, catch_up, catch_up_per_token, chain_tokens, stop_floor, unread
+from specui.engine.methods.chain_rate import (
+    HORIZON,
+    catch_up,
+    catch_up_per_token,
+    chain_tokens,
+    extended_length,
+    stop_floor,
+    unread,
+)
 from specui.engine.methods.speculative import Speculative
 from specui.engine.methods.tree import OptTree
 from specui.engine.methods.tree_budget import optimistic_rate, step_ms
@@ -106,8 +114,9 @@ class Auto(Method):
         if costs is not None:
             self.probes, self.verdict = costs.chains, costs.trees
         if ctx.draft is None:
+            looks = self.lookup and costs is not None and costs.profile is not None
             self.pending.append("no draft model loaded: auto decodes autoregressively" + (
-                ", and verifies the conversation's own continuation where that pays" if self.lookup else ""))
+                ", and verifies the conversation's own continuation where that pays" if looks else ""))
         elif costs is None or costs.profile is None:
             why = costs.note if costs is not None and costs.note else "no cost profile"
             self.pending.append(f"{why}: auto uses the fixed default, speculative gamma {self.fallback_gamma}")
@@ -133,23 +142,8 @@ class Auto(Method):
         return rates
 
     def extended(self, costs: EngineCosts, context: int, gamma: int, limit: int) -> int:
-        """How many drafts a chain the profile chose at `gamma` may run to while the draft is
-        sure (at most `limit`): the length of the best expected rate, the first `gamma` drafts
-        accepted at alpha, later ones at the rate measured for drafts past the chosen length
-        (costs.sure, never below alpha: a draft sure of a token is right at least as often)."""
-        profile = costs.profile
-        assert profile is not None
-        alpha = min(costs.acceptance.alpha, 0.999)
-        sure = min(max(costs.sure.alpha, alpha), 0.999)
-        t_draft = profile.draft(1, context) or 0.0
-        best, best_rate, reach, tokens = gamma, -1.0, 1.0, 1.0
-        for g in range(1, max(gamma, limit) + 1):
-            reach *= alpha if g <= gamma else sure
-            tokens += reach
-            rate = tokens / (g * t_draft + profile.target(g + 1, context))
-            if g >= gamma and rate > best_rate:
-                best, best_rate = g, rate
-        return best
+        """chain_rate.extended_length: how far past `gamma` a chain may run while the draft is sure."""
+        return extended_length(costs.profile, costs.acceptance.alpha, costs.sure.alpha, context, gamma, limit)
 
     def floor(self, costs: EngineCosts, context: int, chosen: int) -> int:
         """The first draft of a chain the profile chose at `chosen` that may end it where the draft is unsure."""
@@ -172,7 +166,9 @@ class Auto(Method):
             return (self.fallback_gamma, "fixed default (no profile)") if ctx.draft else (0, "no draft")
         behind = unread(ctx) if ctx.draft else 0
         rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
-        lookup_why = self.lookup.choice(ctx, max(rates.values()), self.margin) if self.lookup else None
+        tree_rate = costs.trees.yield_.rate(self.tree_ratio(costs)) if self.tree and costs.trees.win else None
+        others = max(max(rates.values()), tree_rate or 0.0)  # a lookup step never cuts into a tree probe
+        lookup_why = self.lookup.choice(ctx, others, self.margin) if self.lookup and not self.burst else None
         if lookup_why:
             return LOOKUP, lookup_why
         if ctx.draft is None:
@@ -323,7 +319,7 @@ class Auto(Method):
         return result
 
     def lookup_step(self, ctx: DecodeContext, why: str) -> StepResult:
-        self.count_step(tree=False)
+        # (not counted for trees: a run of them, or a probe's burst, is judged as if this step were not there)
         result = self.lookup.step(ctx, self.calibrate)
         self.probes.since += 1  # no chain ran: as after a plain step
         ctx.costs.acceptance.relax()

@@ -65,3 +65,21 @@ def unread(ctx: DecodeContext) -> int:
     """Tokens of the reply before its last that the draft has not read (the last is always fed
     by the step's first draft forward)."""
     return len(ctx.ids) - 1 - ctx.draft.length
+
+
+def extended_length(profile, alpha: float, sure: float, context: int, gamma: int, limit: int) -> int:
+    """How many drafts a chain `auto`'s profile chose at `gamma` may run to while the draft is sure
+    (at most `limit`): the length of the best expected rate, the first `gamma` drafts accepted at
+    `alpha`, later ones at `sure`, the rate measured for drafts past the chosen length (never taken
+    below alpha: a draft sure of a token is right at least as often)."""
+    alpha = min(alpha, 0.999)
+    sure = min(max(sure, alpha), 0.999)
+    t_draft = profile.draft(1, context) or 0.0
+    best, best_rate, reach, tokens = gamma, -1.0, 1.0, 1.0
+    for g in range(1, max(gamma, limit) + 1):
+        reach *= alpha if g <= gamma else sure
+        tokens += reach
+        rate = tokens / (g * t_draft + profile.target(g + 1, context))
+        if g >= gamma and rate > best_rate:
+            best, best_rate = g, rate
+    return best
