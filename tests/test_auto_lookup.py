@@ -7,19 +7,17 @@ import itertools
 import random
 
 import pytest
-import torch
 from conftest import TinyTokenizer
 from test_auto import choices, engine_with
 from test_greedy_equivalence import PROMPTS, run
 from test_profile import synthetic
-from test_sampling_distribution import RUNS, TV_BOUND, VOCAB, pair, tv  # noqa: F401  (fixture)
+from test_sampling_distribution import RUNS, TV_BOUND, VOCAB, exact, pair, tv  # noqa: F401  (fixture)
 
 from specui.bench.rows import parse_method
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.methods.auto import Auto
 from specui.engine.methods.auto_lookup import LookupChoice
 from specui.engine.methods.lookup import NgramIndex
-from specui.engine.sampling import warp
 from specui.errors import SpecUIError
 
 
@@ -82,13 +80,7 @@ def test_auto_sampling_with_lookup_steps_matches_target_distribution(pair):  # n
     proposal 5 (one-hot q); the pair (x1, x2) stays distributed as the target."""
     target, draft = pair
     prompt, cfg = [3, 5, 3], SamplingConfig(temperature=1.0)
-    with torch.no_grad():
-        p1 = warp(target(torch.tensor([prompt])).logits[0, -1], cfg)
-        want = {}
-        for x1 in range(VOCAB):
-            p2 = warp(target(torch.tensor([prompt + [x1]])).logits[0, -1], cfg)
-            for x2 in range(VOCAB):
-                want[(x1, x2)] = float(p1[x1] * p2[x2])
+    want = exact(target, cfg, prompt)
     engine = engine_with(target, draft, synthetic(t1=10.0, slope=0.3, draft=1.0), alpha=0.1, eos_ids=())
     counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=2), 0)
     looked = 0

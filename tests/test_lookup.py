@@ -6,11 +6,10 @@ import itertools
 import pytest
 import torch
 from conftest import EOS, TinyTokenizer, tiny_llama
-from test_sampling_distribution import RUNS, TV_BOUND, VOCAB, tv
+from test_sampling_distribution import RUNS, TV_BOUND, VOCAB, exact, tv
 
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.methods.lookup import find_continuation
-from specui.engine.sampling import warp
 from specui.errors import SpecUIError
 
 
@@ -39,13 +38,7 @@ def test_lookup_sampling_matches_target_distribution():
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)
     prompt, cfg = [3, 5, 3], SamplingConfig(temperature=1.0)
-    with torch.no_grad():
-        p1 = warp(target(torch.tensor([prompt])).logits[0, -1], cfg)
-        exact = {}
-        for x1 in range(VOCAB):
-            p2 = warp(target(torch.tensor([prompt + [x1]])).logits[0, -1], cfg)
-            for x2 in range(VOCAB):
-                exact[(x1, x2)] = float(p1[x1] * p2[x2])
+    want = exact(target, cfg, prompt)
     engine = Engine(target, TinyTokenizer(), eos_ids=[])
     counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=2), 0)
     accepted = 0
@@ -55,7 +48,7 @@ def test_lookup_sampling_matches_target_distribution():
         counts[tuple(gen.output_ids)] += 1
         accepted += gen.steps[0].accepted
     assert 0 < accepted < RUNS
-    assert tv({k: v / RUNS for k, v in counts.items()}, exact) < TV_BOUND
+    assert tv({k: v / RUNS for k, v in counts.items()}, want) < TV_BOUND
 
 
 @pytest.mark.parametrize("params", [dict(lookup_tokens=0), dict(lookup_tokens=65), dict(ngram=0)])

@@ -27,13 +27,13 @@ def pair():
     return target, draft
 
 
-def exact(model, cfg):
+def exact(model, cfg, prompt=PROMPT):
     """P(x1, x2 | prompt) under the warped model, by enumeration."""
     with torch.no_grad():
-        p1 = warp(model(torch.tensor([PROMPT])).logits[0, -1], cfg)
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], cfg)
         table = {}
         for x1 in range(VOCAB):
-            p2 = warp(model(torch.tensor([PROMPT + [x1]])).logits[0, -1], cfg)
+            p2 = warp(model(torch.tensor([prompt + [x1]])).logits[0, -1], cfg)
             for x2 in range(VOCAB):
                 table[(x1, x2)] = float(p1[x1] * p2[x2])
     return table
