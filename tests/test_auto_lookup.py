@@ -70,6 +70,7 @@ def test_auto_takes_lookup_steps_where_they_pay_and_greedy_stays_autoregressive(
             steps = [s for s in gen.steps if s.choice.startswith("lookup:")]
             looked += len(steps)
             assert all(any("the conversation's continuation after a" in n for n in s.notes) for s in steps)
+            assert all(node.q == 1.0 for s in steps for node in s.nodes[:-1])  # point masses, shown as such
             off = run(engine, prompt, 48, "auto", calibrate=False, lookup=False)
             assert off.output_ids == reference and not any(c.startswith("lookup") for c in choices(off))
     assert looked > 0

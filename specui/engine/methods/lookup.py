@@ -66,14 +66,16 @@ def lookup_step(ctx: DecodeContext, drafts: list[int]) -> StepResult:
     with ctx.timer.phase("verify"):
         p_logits = ctx.target.advance(ctx.ids + drafts, need=len(drafts) + 1)
         p = warp(p_logits, cfg)
+        # q, the point masses, as rows only where sampling reads them (greedy compares argmaxes: at 64 tokens
+        # of a 150k vocabulary the rows would be 78 MB a step)
         q = torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), p.shape[-1]).to(p) \
-            if drafts else None
+            if drafts and not cfg.greedy else None
         verdict = verify_chain(drafts, q, p, cfg, ctx.generator)
     p_shown = shown_probs(p_logits, p, cfg)
     return StepResult(
         tokens=drafts[: verdict.accepted] + [verdict.next_token],
         from_draft=[True] * verdict.accepted + [False],
-        nodes=chain_nodes(drafts, verdict, q if drafts else p_shown, p_shown),
+        nodes=chain_nodes(drafts, verdict, None if drafts else p_shown, p_shown),
         drafted=len(drafts), accepted=verdict.accepted, gamma=len(drafts),
     )
 

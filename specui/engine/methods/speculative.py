@@ -93,14 +93,15 @@ def verify_chain(
 
 
 def chain_nodes(
-    drafts: list[int], verdict: ChainVerdict, q_shown: torch.Tensor, p_shown: torch.Tensor,
+    drafts: list[int], verdict: ChainVerdict, q_shown: torch.Tensor | None, p_shown: torch.Tensor,
 ) -> list[NodeTrace]:
     """The step's chain for the trace: accepted..., rejected, unverified..., then the
-    resampled or bonus token hanging under the last accepted draft."""
+    resampled or bonus token hanging under the last accepted draft. `q_shown` None: every draft
+    was proposed with certainty (a lookup step's point masses)."""
     a, n = verdict.accepted, len(drafts)
     scored_n = min(a + 1, n)  # the drafts verification reached (the rest: unverified, no p)
     steps = list(range(n))
-    q = read_entries(q_shown, steps, drafts)
+    q = read_entries(q_shown, steps, drafts) if q_shown is not None else [1.0] * n
     p = read_entries(p_shown, steps[:scored_n] + [a], drafts[:scored_n] + [verdict.next_token])
     nodes = []
     for t, x in enumerate(drafts):
