@@ -131,7 +131,7 @@ class Auto(Method):
         assert profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
         rates = {0: 1.0 / (profile.target(1, context) * costs.ratio(AR).value)}
-        t_draft = profile.draft(1, context) if profile.has_draft else None
+        t_draft = profile.draft(1, context)  # None without a draft
         if t_draft is not None:
             spec = costs.ratio("speculative")  # until a chain is timed, the profile is off as for AR
             r = spec.value if spec.seen else costs.ratio(AR).value

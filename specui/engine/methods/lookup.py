@@ -37,7 +37,7 @@ class NgramIndex:
         for end in range(len(self.seen) + 1, len(ids) + 1):
             for n in range(1, min(self.ngram, end) + 1):
                 self.first.setdefault(tuple(ids[end - n:end]), end - n)
-        self.seen = list(ids)
+        self.seen += ids[len(self.seen):]  # only what was added (not a copy of the whole context each step)
 
     def continuation(self, ids: list[int], limit: int) -> tuple[int, list[int]]:
         """(n, the up to `limit` tokens after the first earlier occurrence of ids' last n tokens),
