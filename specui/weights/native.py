@@ -27,7 +27,7 @@ ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q8a8.cpp",
                                              "attend.cpp", "logits.cpp", "entropy.cpp", "roof.cpp"))
-HEADERS = (KERNELS / "groups.h", KERNELS / "vexp.h", KERNELS / "q4a8_amx.h")  # included by the sources: part of the build's hash
+HEADERS = (KERNELS / "groups.h", KERNELS / "vexp.h")  # included by the sources: part of the build's hash
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway

@@ -12,7 +12,6 @@ torch::Tensor q4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
 torch::Tensor q4a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N); // q4a8.cpp
 bool q4a8_vector();                                                                                 // q4a8.cpp
 std::string q4a8_path();                                                                            // q4a8.cpp
-int64_t q4a8_amx_rows();                                                                            // q4a8.cpp
 torch::Tensor q8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);          // q8a8.cpp
 torch::Tensor q8a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N); // q8a8.cpp
 bool q8a8_vector();                                                                                 // q8a8.cpp
@@ -53,7 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4a8_mm_portable", &q4a8_mm_portable);
   m.def("q4a8_vector", &q4a8_vector);
   m.def("q4a8_path", &q4a8_path);
-  m.def("q4a8_amx_rows", &q4a8_amx_rows);
   m.def("q8a8_mm", &q8a8_mm);
   m.def("q8a8_mm_portable", &q8a8_mm_portable);
   m.def("q8a8_vector", &q8a8_vector);

@@ -22,7 +22,6 @@
 #include <string>
 
 #include "groups.h"
-#include "q4a8_amx.h"
 
 namespace {
 
@@ -159,56 +158,11 @@ void tile(int64_t T, const uint8_t* wb, const at::Half* sb, const int8_t* a, con
   }
 }
 
-#ifdef SPECUI_Q4A8_AMX
-template <int T, typename O>
-void amx_micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
-               O* out, int64_t t0, int64_t NG, int64_t K, int64_t N, int64_t col) {
-  specui_amx::micro<T, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col, kAhead, kFar,
-                          [](O* o, __mmask16 keep, __m512 v) { store(o, keep, v); });
-}
-
-// Rows [t0, t0 + T) on AMX's tiles (2 <= T <= 16; one row stays on the VNNI loop).
-template <typename O>
-void amx_tile(int64_t T, const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
-              O* out, int64_t t0, int64_t NG, int64_t K, int64_t N, int64_t col) {
-  switch (T) {
-    case 16: amx_micro<16, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 15: amx_micro<15, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 14: amx_micro<14, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 13: amx_micro<13, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 12: amx_micro<12, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 11: amx_micro<11, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 10: amx_micro<10, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 9: amx_micro<9, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 8: amx_micro<8, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 7: amx_micro<7, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 6: amx_micro<6, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 5: amx_micro<5, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 4: amx_micro<4, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 3: amx_micro<3, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    case 2: amx_micro<2, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-    default: micro<1, O>(wb, sb, a, da, sa, out, t0, NG, K, N, col); break;
-  }
-}
-#endif
-
-// The rows in as few passes over the block's weights as kTile allows (16 on AMX's tiles), the passes as
-// even as can be (a tree's 9 tokens are one pass, 16 are 8 + 8 on VNNI): every pass after the first
-// re-reads the block.
+// The rows in as few passes over the block's weights as kTile allows, the passes as even as can be
+// (a tree's 9 tokens are one pass, 16 are 8 + 8): every pass after the first re-reads the block.
 template <typename O>
 void block_vector(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* da, const float* sa,
                   O* out, int64_t M, int64_t NG, int64_t K, int64_t N, int64_t col) {
-#ifdef SPECUI_Q4A8_AMX
-  if (M >= specui_amx::kAmxMinRows && specui_amx::allowed()) {
-    const int64_t passes = (M + specui_amx::kAmxTile - 1) / specui_amx::kAmxTile;
-    for (int64_t p = 0, t = 0; p < passes; ++p) {
-      const int64_t T = (M - t) / (passes - p);
-      amx_tile<O>(T, wb, sb, a, da, sa, out, t, NG, K, N, col);
-      t += T;
-    }
-    return;
-  }
-#endif
   const int64_t passes = (M + kTile - 1) / kTile;
   for (int64_t p = 0, t = 0; p < passes; ++p) {
     const int64_t T = (M - t) / (passes - p);  // the rest shared evenly between the passes left
@@ -391,14 +345,5 @@ std::string q4a8_path() {
   return "AVX2";
 #else
   return "portable loop";
-#endif
-}
-
-// From how many rows AMX's int8 tiles compute the product here (0: not on this build or CPU, or SPECUI_AMX=0).
-int64_t q4a8_amx_rows() {
-#ifdef SPECUI_Q4A8_AMX
-  return specui_amx::allowed() ? specui_amx::kAmxMinRows : 0;
-#else
-  return 0;
 #endif
 }
