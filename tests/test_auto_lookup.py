@@ -114,3 +114,19 @@ def test_auto_takes_the_users_lookup_tokens_and_refuses_bad_ones():
     assert make_method("auto", lookup_tokens=4).lookup.tokens == 4
     with pytest.raises(SpecUIError, match="lookup tokens"):
         make_method("auto", lookup_tokens=0)
+
+
+def test_lookup_estimates_are_the_engines_and_carry_over_to_the_next_reply(tiny_target):
+    """What one reply learnt about proposals (by match length) is where the next one starts; a new
+    engine's estimates (the bench's fresh rows) start again from the prior."""
+    import copy
+
+    engine = engine_with(tiny_target, None, synthetic(t1=10.0, slope=0.3, draft=1.0), alpha=0.1)
+    run(engine, PROMPTS[0], 48, "auto", calibrate=False)
+    learnt = engine.costs.lookup
+    assert set(learnt) == {1, 2, 3} and any(e.alpha != LookupChoice().right[n].alpha for n, e in learnt.items())
+    before = copy.deepcopy(learnt)
+    method = make_method("auto", calibrate=False)
+    gen = engine.generate(GenerationRequest(list(PROMPTS[1]), 48), method).run()
+    assert method.lookup.right is engine.costs.lookup is learnt and gen.output_ids
+    assert learnt != before  # the second reply went on from the first one's counts

@@ -31,7 +31,7 @@ def test_every_way_and_row_count_is_timed(capsys):
     for line in rates:
         cells = re.findall(r"(\d+): +([\d.]+) \((\d+)%\)", line)
         # tiny matrices: a rate may print as 0.00 where a call's fixed cost dominates (oneDNN's, on a Xeon)
-            assert [int(n) for n, _, _ in cells] == [1, 3, 8] and all(float(r) >= 0 for _, r, _ in cells)
+        assert [int(n) for n, _, _ in cells] == [1, 3, 8] and all(float(r) >= 0 for _, r, _ in cells)
 
 
 def test_the_roof_computes_and_counts_every_threads_products():

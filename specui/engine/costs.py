@@ -181,6 +181,8 @@ class EngineCosts:
     trees: TreeVerdict = field(default_factory=TreeVerdict)  # auto's OPT-Tree probes
     chains: ChainProbes = field(default_factory=ChainProbes)  # auto's chain probes where chains do not pay
     depths: dict[str, DepthRecord] = field(default_factory=dict)  # DSBD's adaptive depth, by configuration
+    # auto's prompt-lookup proposals: how often one after an n-gram match was right, by n (auto_lookup.py)
+    lookup: dict[int, AcceptanceEstimate] = field(default_factory=dict)
 
     def ratio(self, kind: str) -> TimeRatio:
         return self.ratios.setdefault(kind, TimeRatio())

@@ -113,6 +113,8 @@ class Auto(Method):
         costs = ctx.costs
         if costs is not None:
             self.probes, self.verdict = costs.chains, costs.trees
+            if self.lookup is not None:
+                self.lookup.share(costs)
         if ctx.draft is None:
             looks = self.lookup and costs is not None and costs.profile is not None
             self.pending.append("no draft model loaded: auto decodes autoregressively" + (

@@ -43,9 +43,16 @@ class LookupChoice:
             raise SpecUIError(f"lookup tokens must be 1 to 64, got {tokens}")
         self.index = NgramIndex(ngram)
         self.tokens = tokens
-        self.right = {n: _prior() for n in range(1, ngram + 1)}
+        self.right = {n: _prior() for n in range(1, ngram + 1)}  # the engine's (EngineCosts.lookup) once shared
         self.n, self.drafts = 0, []  # this step's proposal (its match length, its tokens)
         self.k = 0  # how many of them a lookup step chosen on it verifies
+
+    def share(self, costs: EngineCosts) -> None:
+        """Measure in the engine's estimates, kept across replies (a conversation that copies its
+        prompt once tends to again); a match length not measured yet starts from the prior."""
+        for n, estimate in self.right.items():
+            costs.lookup.setdefault(n, estimate)
+        self.right = costs.lookup
 
     def propose(self, ids: list[int], limit: int) -> list[int]:
         """This step's proposal: at most `limit` (and TOKENS) tokens, [] where nothing matches."""
