@@ -237,8 +237,8 @@ def _quantize(model: PreTrainedModel, spec: ModelSpec, role: str, source: GGUFSo
     if source is not None and spec.quantization == "int4" and source.folder is None and source.reader is None:
         unread = f"; the GGUF's 4-bit blocks could not be read ({source.problem}), so its weights were re-quantized"
     # a GGUF's matrices in more than 4 bits on int8 rows where it has 4-bit ones too (none: int4 rounds all, as asked)
-    wide = spec.quantization == "int4" and source is not None and any(source.types.get(k) for k in DECODED_BYTES)
-    wide = frozenset(source.eight_bit_names) if wide else frozenset()
+    mixed = spec.quantization == "int4" and source is not None and any(source.types.get(k) for k in DECODED_BYTES)
+    wide = frozenset(source.eight_bit_names) if mixed else frozenset()
     counts = quantize_model(model, spec.quantization, blocks, progress, wide)
     if not counts["int8"] + counts["int4"] and chosen:
         return f"{role} {spec.quantization}: torch's kernels serve none of its matrices here, so it runs dequantized"

@@ -270,8 +270,8 @@ def build_from_groups(module: torch.nn.Linear, given: tuple[torch.Tensor, torch.
 
 def quantize_model(model: torch.nn.Module, kind: str = "int8",
                    groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                   progress: Callable[[int, int], None] | None = None, wide: frozenset[str] = frozenset(),
-                   ) -> dict[str, int]:
+                   progress: Callable[[int, int], None] | None = None,
+                   wide: frozenset[str] = frozenset()) -> dict[str, int]:
     """Swap every Linear a kernel can serve for an Int8Linear (kind "int8"; under "int4" the head and
     `wide`'s matrices: a GGUF's in more than 4 bits, never re-rounded to 4) or an Int4Linear (kind
     "int4": the rest; from `groups[name]`, e.g. a GGUF's own blocks, else from the weight). A tied head
@@ -283,7 +283,6 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
     counts = {"int8": 0, "int4": 0, "from_file": 0, "eight_bit": 0, "kept": 0}
 
     def make(name: str, module: torch.nn.Linear) -> tuple[torch.nn.Module | None, str]:
-        counts["eight_bit"] += int(kind == "int4" and name in wide)
         if kind == "int4" and module is not head and name not in wide:
             given = groups.get(name)
             fast = Int4Linear.from_groups(*(given or quantize_groups(module.weight)), module.weight.device,
@@ -292,8 +291,9 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8",
             if fast is not None:
                 return fast, "int4"
             build_from_groups(module, given)
-        rows, scale = quantize_rows(module.weight)
-        return Int8Linear.from_stored(rows, scale, module.weight.device, module.bias), "int8"
+        eight = Int8Linear.from_stored(*quantize_rows(module.weight), module.weight.device, module.bias)  # None: kept
+        counts["eight_bit"] += int(eight is not None and kind == "int4" and name in wide)
+        return eight, "int8"
 
     return swap_linears(model, make, counts, progress)
 
