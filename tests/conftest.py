@@ -125,6 +125,15 @@ def tiny_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_vocab_template(tmp_path_factory) -> Path:
+    """The bundled GGUF's metadata, its tokenizer cut to 4096 tokens (tests/small_vocab.py): synthetic
+    GGUFs written with it parse in a twelfth of the time."""
+    from small_vocab import write_small_vocab_template
+
+    return write_small_vocab_template(tmp_path_factory.mktemp("template") / "small-vocab.gguf")
+
+
+@pytest.fixture(scope="session")
 def bundled_pair():
     """The bundled SmolLM2-135M-Instruct (GGUF, float32) and the default draft."""
     from specui.service.pair import default_draft_source, load_pair

@@ -27,7 +27,16 @@ TINY = RealModel("tiny", 0, 64, 128, 2, 4, 2)
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
+def tiny_gguf(tmp_path_factory, small_vocab_template):
+    """TINY as a Q4_0 GGUF with the bundled tokenizer cut to 4096 tokens (tests/small_vocab.py)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_0.gguf"
+    write(TINY, False, path, small_vocab_template, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_bundled_vocab(tmp_path_factory):
+    """TINY with the bundled tokenizer whole: a target the bundled draft can draft for."""
     path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_0.gguf"
     write(TINY, False, path, bundled_gguf_path(), seed=3)
     return path
@@ -51,9 +60,16 @@ def assert_same_model(packed, groups, reference) -> None:
 
 
 def test_the_bundled_gguf_loads_packed_as_transformers_loads_it():
+    from app_process import bundled_converted
+
+    from specui.weights.gguf_cache import open_source
+
+    bundled_converted()  # once for every test process
     path = bundled_gguf_path()
     model, groups, _ = load_packed(str(path.parent), path.name, open_gguf(path), torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # transformers' own load of the file, as its converted folder holds it (test_gguf_cache.py checks the
+    # folder against a direct load): one parse and dequantization of the file fewer here
+    reference = AutoModelForCausalLM.from_pretrained(str(open_source(path).folder), dtype=torch.float32)
     assert len(groups) == 210  # 30 layers x 7 Q4_1 matrices, q and k rows un-permuted
     assert model.name_or_path == str(path)  # its measurements are cached under its file
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as transformers ties it
@@ -116,13 +132,13 @@ def test_the_memory_check_counts_packed_matrices_at_their_packed_size(tiny_gguf,
         load_memory.check_plain_load(*check, "w4a8", torch.float32, CPU, False, packed)
 
 
-def test_a_target_of_the_bundled_family_gets_the_bundled_model_as_its_default_draft(tiny_gguf):
+def test_a_target_of_the_bundled_family_gets_the_bundled_model_as_its_default_draft(tiny_gguf_bundled_vocab):
     """The shipped draft fits the bundled target alone; another model of its vocabulary (here a
     GGUF in another shape) drafts with the bundled SmolLM2-135M instead, and decodes losslessly."""
     from specui.engine import GenerationRequest, make_method
     from specui.service.pair import default_draft_source, load_pair
 
-    pair = load_pair(ModelSpec(str(tiny_gguf), "float32", "cpu", "none"),
+    pair = load_pair(ModelSpec(str(tiny_gguf_bundled_vocab), "float32", "cpu", "none"),
                      ModelSpec(default_draft_source(), "float32", "cpu", "none"), speculate=False)
     assert pair.draft is not None and "bundled" in pair.draft.label
     assert any(n.startswith("draft: the bundled SmolLM2-135M-Instruct") and "hidden size 576" in n

@@ -35,15 +35,13 @@ def test_q4_k_blocks_are_int4_groups_exactly(seed):
     assert torch.equal(dequantize_groups(q, scale, low), want)
 
 
-def _gguf_of_q4_k(path, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4, kv: int = 2):
-    """A small Llama GGUF: the bundled file's tokenizer and metadata, its own shape, every layer
-    matrix random Q4_K blocks."""
+def _gguf_of_q4_k(path, template, layers: int = 2, hidden: int = 256, inter: int = 512, heads: int = 4,
+                  kv: int = 2):
+    """A small Llama GGUF: `template`'s tokenizer and metadata (the bundled file's, its vocabulary
+    cut), its own shape, every layer matrix random Q4_K blocks."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    from specui.weights.sources import BUNDLED, locate
-
-    where, name, _ = locate(BUNDLED)
-    reader = GGUFReader(f"{where}/{name}")
+    reader = GGUFReader(str(template))
     head_dim = hidden // heads
     shape = {"llama.block_count": layers, "llama.embedding_length": hidden, "llama.feed_forward_length": inter,
              "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv,
@@ -83,14 +81,14 @@ def _gguf_of_q4_k(path, layers: int = 2, hidden: int = 256, inter: int = 512, he
 
 @pytest.mark.bundled
 @pytest.mark.parametrize("quantization", ["int4", "w4a8"])
-def test_a_q4_k_gguf_computes_with_its_own_blocks(tmp_path, quantization):
+def test_a_q4_k_gguf_computes_with_its_own_blocks(tmp_path, quantization, small_vocab_template):
     from specui.weights.concrete import load_concrete
     from specui.weights.loading import ModelSpec
     from specui.weights.w4a8 import w4a8_vector
 
     if quantization == "w4a8" and not w4a8_vector():
         pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
-    path = _gguf_of_q4_k(tmp_path / "q4k.gguf")
+    path = _gguf_of_q4_k(tmp_path / "q4k.gguf", small_vocab_template)
     dense = load_concrete(ModelSpec(str(path), "float32", "cpu", "none"), "target")
     packed = load_concrete(ModelSpec(str(path), "auto", "cpu", quantization), "target")
     assert any("14 of them from the GGUF's own 4-bit blocks" in note for note in packed.notes), packed.notes
@@ -134,19 +132,19 @@ def test_q6_k_weights_on_8_bit_groups_stay_within_an_eighth_of_their_own_step(se
     assert float((moved / coarser.clamp_min(1e-12)).max()) <= 0.127
 
 
-def _synthetic_gguf(path, layout: str = "q4_k_m"):
+def _synthetic_gguf(path, template, layout: str = "q4_k_m"):
     """A tiny Llama GGUF (specui.bench.synthetic_gguf) in llama.cpp's Q4_K_M mix (Q4_K matrices, the
-    value and down matrices of its last layer Q6_K, embeddings and head Q6_K) or all Q8_0."""
+    value and down matrices of its last layer Q6_K, embeddings and head Q6_K) or all Q8_0; `template`'s
+    metadata and tokenizer."""
     from specui.bench.synthetic_gguf import write
-    from specui.weights.sources import bundled_gguf_path
     from specui.weights.stand_in import RealModel
 
-    write(RealModel("tiny-k", 0, 256, 512, 2, 4, 2), False, path, bundled_gguf_path(), 5, layout)
+    write(RealModel("tiny-k", 0, 256, 512, 2, 4, 2), False, path, template, 5, layout)
     return path
 
 
 @pytest.mark.bundled
-def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path):
+def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path, small_vocab_template):
     """Converted (small) and read directly (as a file too large to convert is): the same model, its
     Q4_K blocks as they are and its two Q6_K layer matrices on 8-bit groups, near the dequantized file."""
     from specui.weights.concrete import load_concrete
@@ -158,7 +156,7 @@ def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path)
 
     if not w4a8_vector():
         pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
-    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf", small_vocab_template)
     reader = open_gguf(path)
     assert block_types(reader) == {"Q6_K": 4, "Q4_K": 12, "F32": 5}
     from specui.weights.gguf_packed import packed_params
@@ -183,7 +181,7 @@ def test_a_q4_k_m_gguf_on_w4a8_keeps_its_q6_k_matrices_on_8_bit_groups(tmp_path)
 
 
 @pytest.mark.bundled
-def test_a_q8_0_gguf_on_w4a8_computes_with_its_8_bit_blocks(tmp_path):
+def test_a_q8_0_gguf_on_w4a8_computes_with_its_8_bit_blocks(tmp_path, small_vocab_template):
     """Every layer matrix of a Q8_0 file on 8-bit groups, its blocks exactly: nothing re-rounded, read
     directly or converted; not refused for having no 4-bit matrix."""
     from specui.weights.concrete import load_concrete
@@ -196,7 +194,7 @@ def test_a_q8_0_gguf_on_w4a8_computes_with_its_8_bit_blocks(tmp_path):
         pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
     from specui.weights.q8a8 import quantize_q8
 
-    path = _synthetic_gguf(tmp_path / "tiny.Q8_0.gguf", "q8_0")
+    path = _synthetic_gguf(tmp_path / "tiny.Q8_0.gguf", small_vocab_template, "q8_0")
     reader = open_gguf(path)
     down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
     raw = torch.from_numpy(np.array(down.data, dtype=np.uint8)).reshape(-1, 34)
@@ -234,7 +232,8 @@ def test_quantization_auto_on_a_q4_k_file_weighs_w4a8_where_its_kernel_runs(monk
 
 
 @pytest.mark.bundled
-def test_a_stand_in_of_a_q4_k_m_gguf_keeps_its_8_bit_matrices_on_8_bit_groups(tmp_path, monkeypatch):
+def test_a_stand_in_of_a_q4_k_m_gguf_keeps_its_8_bit_matrices_on_8_bit_groups(tmp_path, monkeypatch,
+                                                                               small_vocab_template):
     """A stand-in costs what the file's layout costs at the larger size: its Q6_K matrices, zero-padded,
     on 8-bit groups as auto's note for such a file says, the Q4_K ones on 4-bit groups."""
     from specui.weights import stand_in
@@ -247,7 +246,7 @@ def test_a_stand_in_of_a_q4_k_m_gguf_keeps_its_8_bit_matrices_on_8_bit_groups(tm
     if not w4a8_vector():
         pytest.skip("no vector path for SpecUI's w4a8 kernel on this CPU")
     monkeypatch.setitem(stand_in.SIZES, "k", RealModel("k", 42_000_000, 384, 768, 2, 6, 3))
-    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf", small_vocab_template)
     loaded = load_concrete(ModelSpec(str(path), "auto", "cpu", "w4a8", stand_in="k"), "target")
     said = " ".join(loaded.notes)
     assert "stand-in k" in said and "2 the GGUF holds in more than 4 bits as 8-bit groups" in said, said
@@ -257,7 +256,7 @@ def test_a_stand_in_of_a_q4_k_m_gguf_keeps_its_8_bit_matrices_on_8_bit_groups(tm
 
 
 @pytest.mark.bundled
-def test_int4_keeps_a_q4_k_m_files_q6_k_matrices_on_int8_rows(tmp_path):
+def test_int4_keeps_a_q4_k_m_files_q6_k_matrices_on_int8_rows(tmp_path, small_vocab_template):
     """`--quantization int4` on a Q4_K_M file: its Q4_K matrices on the int4 kernel from their own
     blocks, its Q6_K ones (the last layer's value and down) on int8 rows, not rounded to 4 bits;
     converted or read directly."""
@@ -269,7 +268,7 @@ def test_int4_keeps_a_q4_k_m_files_q6_k_matrices_on_int8_rows(tmp_path):
 
     if not has_int4_kernel():
         pytest.skip("no int4 kernel in this torch build")
-    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf")
+    path = _synthetic_gguf(tmp_path / "tiny.Q4_K_M.gguf", small_vocab_template)
     reader = open_gguf(path)
     spec = ModelSpec(str(path), "float32", "cpu", "int4")
     dense = load_concrete(ModelSpec(str(path), "float32", "cpu", "none"), "target")
@@ -289,7 +288,7 @@ def test_int4_keeps_a_q4_k_m_files_q6_k_matrices_on_int8_rows(tmp_path):
             got = loaded.model(input_ids=ids).logits.float()
         assert float((got - want).norm() / want.norm()) < 0.05  # activations in bfloat16
     # a file with no 4-bit matrix (Q8_0): int4 was asked for, so every layer matrix is rounded to it
-    all_eight = load_concrete(ModelSpec(str(_synthetic_gguf(tmp_path / "tiny.Q8_0.gguf", "q8_0")), "float32", "cpu",
-                                        "int4"), "target")
+    q8_0 = _synthetic_gguf(tmp_path / "tiny.Q8_0.gguf", small_vocab_template, "q8_0")
+    all_eight = load_concrete(ModelSpec(str(q8_0), "float32", "cpu", "int4"), "target")
     assert "more than 4 bits" not in " ".join(all_eight.notes)
     assert isinstance(all_eight.model.model.layers[0].mlp.up_proj, Int4Linear)
