@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specui.bench.browser_driver import wait_until
 from specui.bench.cpu_usage import child_pids
+from specui.engine.paths import cache_root
 from specui.service.process_memory import rss_bytes as process_rss
 
 REPO = Path(__file__).resolve().parent.parent
@@ -17,7 +18,15 @@ REPO = Path(__file__).resolve().parent.parent
 # process and app it starts: each process's fresh cache (conftest.py) links its gguf folder here.
 # Beside the virtual environment, so it goes with it (a clean clone converts once).
 SHARED_GGUF = Path(sys.prefix) / "specui-test-gguf"
-SHARED_KERNELS = Path(sys.prefix) / "specui-test-kernels"  # likewise SpecUI's C++ kernels, built once
+# SpecUI's C++ kernels: the user's own kernel cache (read before conftest.py points XDG_CACHE_HOME at a fresh
+# folder), where `make run` builds them too. Each build's folder is named by a hash of its sources, this CPU and
+# torch (specui/weights/native.py), so a clean clone of the same sources reuses it: the build costs 40 s to
+# 2:40 on 2 cores. Beside the virtual environment where that cache cannot be written.
+SHARED_KERNELS = cache_root() / "kernels"
+try:
+    SHARED_KERNELS.mkdir(parents=True, exist_ok=True)
+except OSError:
+    SHARED_KERNELS = Path(sys.prefix) / "specui-test-kernels"
 
 
 def shared_gguf_cache(cache_home: Path) -> None:
