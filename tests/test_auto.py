@@ -127,6 +127,35 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
     assert c[trees[0]] in {f"opt-tree:{m}" for m in (2, 4, 8, 16)}
 
 
+NOISE_THAT_SHRINKS = 0.6  # a draft this far from the target: its trees' budgets fall within probes
+
+
+def test_a_tree_probe_never_shrinks_below_the_size_it_started_at(tiny_target):
+    """A probe judges trees of at least the bound's size: the tree's own budget may grow within
+    the burst but not fall (on a 1.7b stand-in one unlucky step cut it from 16 nodes to 1, and a
+    burst of 1-node trees lost to chains that the full trees beat by 1.19x). Once the burst ends
+    the budget adapts as before; the reply stays the target's greedy one."""
+    draft = near_copy(tiny_target, NOISE_THAT_SHRINKS, 3)
+    engine = engine_with(tiny_target, draft, flat())
+    gen = run(engine, PROMPTS[0], 80, "auto", lookup=False, probe_every=4, calibrate=False)
+    bursts, wanted_less = [], False
+    for i, step in enumerate(gen.steps):
+        if any("probe: OPT-Tree step 1 of 4" in n for n in step.notes):
+            bursts.append([int(s.choice.split(":")[1]) for s in gen.steps[i:i + 4] if s.choice.startswith("opt-tree")])
+            wanted_less |= any(_shrinks(n) for s in gen.steps[i:i + 3] for n in s.notes)
+    assert bursts and wanted_less, [s.choice for s in gen.steps]
+    assert all(b == sorted(b) for b in bursts), bursts
+    assert gen.output_ids == run(engine, PROMPTS[0], 80, "autoregressive").output_ids
+
+
+def _shrinks(note: str) -> bool:
+    """Whether a step's note is its tree's budget falling ("node budget 16 -> 8 (...)")."""
+    if not note.startswith("node budget ") or " -> " not in note:
+        return False
+    old, new = note.removeprefix("node budget ").split(" (")[0].split(" -> ")
+    return new.isdigit() and old.isdigit() and int(new) < int(old)
+
+
 def test_trees_that_lose_wait_until_the_bound_makes_up_for_the_shortfall():
     """Trees that commit 1 token per 20 ms against 0.1 tokens per ms elsewhere, where the
     optimistic bound (alpha 0.5, flat costs) allows probes: after a lost burst of 4 the bound
