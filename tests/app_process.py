@@ -22,17 +22,20 @@ SHARED_GGUF = Path(sys.prefix) / "specui-test-gguf"
 # folder), where `make run` builds them too. Each build's folder is named by a hash of its sources, this CPU and
 # torch (specui/weights/native.py), so a clean clone of the same sources reuses it: the build costs 40 s to
 # 2:40 on 2 cores. Beside the virtual environment where that cache cannot be written.
-SHARED_KERNELS = cache_root() / "kernels"
-try:
-    SHARED_KERNELS.mkdir(parents=True, exist_ok=True)
-except OSError:
-    SHARED_KERNELS = Path(sys.prefix) / "specui-test-kernels"
+# (the first process to import this records the user's cache root; its test workers and apps inherit the record,
+# not their parent's fresh folder)
+USER_KERNELS = Path(os.environ.setdefault("SPECUI_TEST_USER_CACHE", str(cache_root()))) / "kernels"
 
 
 def shared_gguf_cache(cache_home: Path) -> None:
     """Link `cache_home`'s converted-GGUF and kernel folders to the shared ones."""
     (cache_home / "specui").mkdir(parents=True, exist_ok=True)
-    for name, shared in (("gguf", SHARED_GGUF), ("kernels", SHARED_KERNELS)):
+    kernels = USER_KERNELS
+    try:
+        kernels.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        kernels = Path(sys.prefix) / "specui-test-kernels"
+    for name, shared in (("gguf", SHARED_GGUF), ("kernels", kernels)):
         shared.mkdir(exist_ok=True)
         link = cache_home / "specui" / name
         if not link.exists():
