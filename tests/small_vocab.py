@@ -19,6 +19,7 @@ def write_small_vocab_template(out: Path, vocab: int = VOCAB) -> Path:
     """A GGUF (metadata only, no tensors) of the bundled file's fields, its tokenizer cut to `vocab` tokens."""
     import gguf
 
+    from specui.bench.synthetic_gguf import copy_metadata
     from specui.weights.sources import bundled_gguf_path
 
     reader = gguf.GGUFReader(str(bundled_gguf_path()))
@@ -32,14 +33,7 @@ def write_small_vocab_template(out: Path, vocab: int = VOCAB) -> Path:
            "tokenizer.ggml.token_type": reader.fields["tokenizer.ggml.token_type"].contents()[:vocab]}
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(out), arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        if field.name == f"{arch}.vocab_size":
-            writer.add_uint32(field.name, vocab)
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, cut.get(field.name, field.contents()), field.types[0], sub_type=sub)
+    copy_metadata(reader, writer, cut | {f"{arch}.vocab_size": vocab})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

@@ -39,7 +39,9 @@ def _gguf_of_q4_k(path, template, layers: int = 2, hidden: int = 256, inter: int
                   kv: int = 2):
     """A small Llama GGUF: `template`'s tokenizer and metadata (the bundled file's, its vocabulary
     cut), its own shape, every layer matrix random Q4_K blocks."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFWriter
+
+    from specui.bench.synthetic_gguf import copy_metadata
 
     reader = GGUFReader(str(template))
     head_dim = hidden // heads
@@ -47,16 +49,7 @@ def _gguf_of_q4_k(path, template, layers: int = 2, hidden: int = 256, inter: int
              "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv,
              "llama.rope.dimension_count": head_dim}
     writer = GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        kind, value = field.types[0], shape.get(key, field.contents())
-        if kind == GGUFValueType.ARRAY:
-            writer.add_array(key, value)
-        elif kind == GGUFValueType.STRING:
-            writer.add_string(key, value)
-        else:
-            writer.add_key_value(key, value, kind)
+    copy_metadata(reader, writer, shape)
     rng = np.random.default_rng(0)
     vocab = int(reader.fields["llama.vocab_size"].contents())
     writer.add_tensor("token_embd.weight", (rng.standard_normal((vocab, hidden)) * 0.05).astype(np.float16))

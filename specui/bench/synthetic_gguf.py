@@ -83,6 +83,20 @@ def _tensors(real: RealModel, tied: bool, vocab: int,
     return out
 
 
+def copy_metadata(reader, writer, values: dict | None = None, skip: frozenset[str] = frozenset()) -> None:
+    """Every metadata field of a GGUF `reader` into a GGUFWriter, each in its own type: not the reader's
+    own header fields (GGUF.*), nor the architecture (the writer is made with it), nor `skip`;
+    `values[name]` in place of a field's own contents where given."""
+    import gguf
+
+    values = values or {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in skip:
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, values.get(field.name, field.contents()), field.types[0], sub_type=sub)
+
+
 def write(real: RealModel, tied: bool, out: Path, template: Path, seed: int = 0, layout: str = "q4_0") -> int:
     """Write a GGUF of `real`'s shape (`tied`: no output.weight, the head is the embeddings) to `out`
     with `template`'s metadata and tokenizer (the bundled GGUF), its matrices in `layout` (LAYOUTS); its
@@ -96,14 +110,7 @@ def write(real: RealModel, tied: bool, out: Path, template: Path, seed: int = 0,
             f"{arch}.attention.head_count_kv": real.kv_heads, f"{arch}.rope.dimension_count": real.hidden // real.heads,
             "general.file_type": int(LAYOUTS[layout])}
     writer = gguf.GGUFWriter(str(out), arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.name"):
-            continue
-        if field.name in dims:
-            writer.add_uint32(field.name, dims[field.name])
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    copy_metadata(reader, writer, dims, skip=frozenset({"general.name"}))
     writer.add_string("general.name", f"random weights in the shape of {real.name} (SpecUI synthetic_gguf)")
     vocab = int(reader.fields[f"{arch}.vocab_size"].contents())
     tensors = _tensors(real, tied, vocab, layout)
