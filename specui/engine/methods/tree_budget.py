@@ -37,6 +37,7 @@ class NodeBudget:
     accepted: float = 1.0  # decayed sums behind the accepted / expected ratio (prior 1)
     expected: float = 1.0
     since_shrink: int = 1 << 30
+    floor: int = 1  # below this the budget does not fall, it stays (auto's probes: the size of the step)
 
     @property
     def calibration(self) -> float:
@@ -74,6 +75,8 @@ class NodeBudget:
             new = min(self.cap, 2 * current)
         else:
             new = best
+        if new < self.floor:  # a probe judges trees of at least its own size: the budget stays
+            return current, f"node budget held at {current} while auto probes trees (the rates would take {new})"
         if new < current:
             self.since_shrink = 0
         if new == current:
