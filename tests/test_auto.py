@@ -64,10 +64,11 @@ def test_acceptance_persists_across_generations_and_auto_adapts(tiny_target, tin
     first = run(engine, PROMPTS[0], 60, "auto", probe_every=8, calibrate=False)
     c = choices(first)
     assert c[0].startswith("speculative") and "autoregressive" in c
+    assert "alpha 0.50" in first.steps[0].notes[-1]  # a fresh engine's prior
     alpha = engine.costs.acceptance.alpha
-    assert alpha < 0.5
-    second = run(engine, PROMPTS[1], 10, "auto", probe_every=100, calibrate=False)
-    assert choices(second)[0] == "autoregressive"
+    assert alpha < 0.4
+    second = run(engine, PROMPTS[1], 10, "auto", probe_every=100, calibrate=False, lookup=False, trees=False)
+    assert f"alpha {alpha:.2f}" in second.steps[0].notes[-1], second.steps[0].notes  # where the first ended
 
 
 def test_chain_probe_waits_carry_over_to_the_next_reply(tiny_target, tiny_draft):
@@ -107,7 +108,7 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
     choice is seldom the target's (chains stop paying) but whose alternatives often are: a
     probe burst of OPT-Tree steps wins, auto keeps trees (a chain between runs refreshes
     alpha), commits more per step than chains alone, and the reply is the target's greedy one."""
-    draft = near_copy(tiny_target, 0.2, 7)
+    draft = near_copy(tiny_target, 0.1, 2)  # chains alone: 59 steps for 60 tokens; OPT-Tree alone 37
     chains = run(engine_with(tiny_target, draft, flat()), PROMPTS[0], 60, "auto", lookup=False, trees=False,
                  calibrate=False)
     engine = engine_with(tiny_target, draft, flat())
@@ -225,7 +226,7 @@ def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay():
 
 
 def test_the_tree_verdict_carries_over_to_the_next_reply(tiny_target):
-    draft = near_copy(tiny_target, 0.2, 7)
+    draft = near_copy(tiny_target, 0.1, 2)  # as in the test above: trees pay, chains do not
     engine = engine_with(tiny_target, draft, flat())
     first = run(engine, PROMPTS[0], 60, "auto", lookup=False, probe_every=8, calibrate=False)
     assert engine.costs.trees.win and any(c.startswith("opt-tree") for c in choices(first))

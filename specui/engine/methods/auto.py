@@ -30,12 +30,13 @@ it is measured: when an optimistic bound (two candidates per depth, accepted wit
 1 - (1 - alpha)^2, at the profile's cost of drafting and verifying such a tree) says a tree
 could beat the best chain or plain decoding, auto runs a burst of PROBE_BURST tree steps and
 keeps trees while their committed tokens per (calibrated) predicted ms stay ahead, with one
-chain step every `probe_every` tree steps to keep alpha fresh. A tree that loses waits twice
+chain step every `probe_every` tree steps to keep alpha fresh. The first probe on a pair comes
+once PROBE_BURST steps have measured alpha (after probe_every, 48-token replies on a 1.7b stand-in
+ran half their tokens on chains: 1.81 tokens a call against 1.94). A tree that loses waits twice
 as long for its next probe (up to 16 x probe_every), and until then the bound is scaled by how
 far that probe fell short of it, so a probe is only repeated early where alpha or the costs
 have moved enough to make up for it. The verdict (and the steps since the last tree) is the
 engine's (EngineCosts.trees), so it carries over to the next reply as alpha does.
-
 Each step is one lossless step of its sub-method: the reply is the target's greedy reply,
 and sampling stays distributed as the target."""
 
@@ -239,7 +240,8 @@ class Auto(Method):
             if self.tree_run < self.probe_every:
                 return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
             return None  # one chain step now and then keeps alpha fresh
-        if verdict.since >= (verdict.gap or self.probe_every) and caught_up:
+        first = PROBE_BURST if verdict.probe_bound == 0 else self.probe_every  # never tried: once alpha is measured
+        if verdict.since >= (verdict.gap or first) and caught_up:
             bound, nodes = self.tree_bound(costs, context, remaining)
             # the bound scaled by how far the last lost probe fell short of it: no new probe
             # until alpha or the costs moved enough to make up for that, or after the longest wait
@@ -275,10 +277,8 @@ class Auto(Method):
             gamma, why = 0, "end of the reply"
         self.count_step(tree=False)
         if gamma > 0:
-            # the draft first reads what it has not (the prompt, tokens decoded without it): that
-            # catch-up is costed apart (catch_up_per_token); timed inside the step it would count
-            # as the chain's own cost in the calibration ratio: one 47-token catch-up made
-            # chains look about 30% dearer than they are (1.13x expected became 0.86x)
+            # the draft first reads what it has not (the prompt, tokens decoded without it), costed apart
+            # (catch_up_per_token): timed in the step, one 47-token catch-up made chains look 30% dearer
             catch_up(ctx)
         t0 = time.perf_counter()
         if gamma == 0:
