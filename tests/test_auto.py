@@ -2,6 +2,7 @@
 the running acceptance; lossless whatever it chooses; decodes alone without a draft."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 from conftest import EOS, TinyTokenizer
@@ -17,7 +18,7 @@ from test_sampling_distribution import (
 
 from specui.engine import Engine, GenerationRequest, SamplingConfig, make_method
 from specui.engine.costs import AcceptanceEstimate, EngineCosts
-from specui.engine.methods.auto import Auto
+from specui.engine.methods.auto import TREE, Auto
 from specui.engine.methods.chain_rate import chain_tokens, stop_floor
 from specui.engine.trace import StepTrace
 
@@ -209,6 +210,28 @@ def test_trees_that_lose_wait_until_the_bound_makes_up_for_the_shortfall():
     assert costs.trees.shortfall == 1.0
     auto.count_step(tree=False)
     assert "(measured)" in auto.tree_choice(costs, 64, others=0.1)
+
+
+def test_trees_are_judged_against_what_the_chains_committed_not_their_prediction():
+    """alpha 0.8 predicts about 4 tokens a chain step, but the chains the profile chose committed
+    1.2 (alpha counts the drafts a chain ran, and chains end early where the draft is unsure):
+    trees that commit 2 a step are kept, ahead of what chains really do; judged against the
+    prediction they would lose. Until 4 chains have run, the prediction is all there is."""
+    def judged(chain_tokens: float | None, chains: int = 4) -> int:
+        costs = EngineCosts(profile=flat(), acceptance=AcceptanceEstimate(accepted=8e5, rejected=2e5, decay=1.0))
+        costs.trees.win = True
+        for i in range(4):
+            costs.trees.yield_.observe(2, 12.0)
+            if chain_tokens is not None and i < chains:
+                costs.chains.yield_.observe(chain_tokens, 11.5)
+        auto = Auto(probe_every=8, calibrate=False, lookup=False)
+        auto.tree_run = 2  # just after two tree steps
+        ctx = SimpleNamespace(costs=costs, draft=SimpleNamespace(length=63), ids=list(range(64)), remaining=100)
+        assert max(auto.rates(costs, 64).values()) > 0.25  # the chains' prediction: tokens per ms
+        return auto.choose(ctx)[0]
+
+    assert judged(1.2) == TREE
+    assert judged(None) > 0 and judged(1.2, chains=3) > 0  # a chain: trees lost to the prediction
 
 
 def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay():

@@ -79,20 +79,24 @@ class TimeRatio:
 
 
 @dataclass
-class TreeYield:
-    """Decayed sums over `auto`'s OPT-Tree steps: tokens committed and the profile's predicted ms."""
+class StepYield:
+    """Decayed sums over `auto`'s steps of one kind (OPT-Tree, chains): tokens committed and the
+    profile's predicted ms."""
 
     tokens: float = 0.0
     ms: float = 0.0
     decay: float = 0.8
+    steps: float = 0.0  # decayed count of the steps observed (the evidence behind the rate)
 
     def observe(self, tokens: int, predicted_ms: float) -> None:
         self.tokens = self.tokens * self.decay + tokens
         self.ms = self.ms * self.decay + predicted_ms
+        self.steps = self.steps * self.decay + 1.0
 
-    def rate(self, ratio: float) -> float | None:
-        """Tokens per ms, the predicted ms corrected by `ratio` (measured / predicted)."""
-        return self.tokens / (self.ms * ratio) if self.ms > 0 else None
+    def rate(self, ratio: float, least: float = 0.0) -> float | None:
+        """Tokens per ms, the predicted ms corrected by `ratio` (measured / predicted); None
+        before any step, or before the decayed count of steps reaches `least`."""
+        return self.tokens / (self.ms * ratio) if self.ms > 0 and self.steps >= least else None
 
 
 @dataclass
@@ -102,7 +106,7 @@ class TreeVerdict:
     method's probe_every) and the steps since the last tree step, and how far the last lost
     probe fell short of the optimistic bound that started it (measured rate / bound)."""
 
-    yield_: TreeYield = field(default_factory=TreeYield)
+    yield_: StepYield = field(default_factory=StepYield)
     win: bool = False
     gap: int | None = None
     since: int = 0
@@ -119,6 +123,9 @@ class ChainProbes:
 
     since: int = 0
     gap: int | None = None
+    # what the chains the profile chose committed: trees are judged against it, not against a
+    # prediction from alpha (which counts only the drafts a chain ran while the draft was sure)
+    yield_: StepYield = field(default_factory=StepYield)
 
 
 @dataclass

@@ -28,11 +28,11 @@ With a node budget (`nodes`, the UI's and CLI's; `trees=False` turns it off) OPT
 adaptive budget is a candidate too. A tree's yield cannot be predicted from alpha alone, so
 it is measured: when an optimistic bound (two candidates per depth, accepted with
 1 - (1 - alpha)^2, at the profile's cost of drafting and verifying such a tree) says a tree
-could beat the best chain or plain decoding, auto runs a burst of PROBE_BURST tree steps and
-keeps trees while their committed tokens per (calibrated) predicted ms stay ahead, with one
+could beat the chains or plain decoding, auto runs a burst of PROBE_BURST tree steps and keeps
+trees while their committed tokens per (calibrated) predicted ms stay ahead of plain decoding and
+of what the profile's chains committed, measured alike (EngineCosts.chains.yield_), with one
 chain step every `probe_every` tree steps to keep alpha fresh. The first probe on a pair comes
-once PROBE_BURST steps have measured alpha (after probe_every, 48-token replies on a 1.7b stand-in
-ran half their tokens on chains: 1.81 tokens a call against 1.94). A tree that loses waits twice
+once PROBE_BURST steps have measured alpha. A tree that loses waits twice
 as long for its next probe (up to 16 x probe_every), and until then the bound is scaled by how
 far that probe fell short of it, so a probe is only repeated early where alpha or the costs
 have moved enough to make up for it. The verdict (and the steps since the last tree) is the
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 
-from specui.engine.costs import ChainProbes, EngineCosts, TreeVerdict, TreeYield
+from specui.engine.costs import ChainProbes, EngineCosts, StepYield, TreeVerdict
 from specui.engine.method import DecodeContext, Method, StepResult
 from specui.engine.methods.auto_lookup import LookupChoice
 from specui.engine.methods.autoregressive import Autoregressive
@@ -52,6 +52,7 @@ from specui.engine.methods.chain_rate import (
     HORIZON,
     catch_up,
     catch_up_per_token,
+    chain_ms,
     chain_tokens,
     extended_length,
     stop_floor,
@@ -66,6 +67,7 @@ AR = "autoregressive"
 TREE = -1  # choose(): an OPT-Tree step
 LOOKUP = -2  # choose(): a prompt-lookup step (auto_lookup.py)
 PROBE_BURST = 4  # tree steps a probe runs before trees are judged
+CHAIN_EVIDENCE = 2.9  # the decayed count of 4 chain steps: below it trees are judged against alpha's prediction
 
 
 class Auto(Method):
@@ -151,16 +153,9 @@ class Auto(Method):
     def floor(self, costs: EngineCosts, context: int, chosen: int) -> int:
         """The first draft of a chain the profile chose at `chosen` that may end it where the draft is unsure."""
         profile, alpha = costs.profile, min(costs.acceptance.alpha, 0.999)
-        rate = chain_tokens(alpha, chosen) / self.predicted_ms(costs, chosen, context)
+        rate = chain_tokens(alpha, chosen) / chain_ms(profile, chosen, context)
         return stop_floor(alpha, costs.unsure.alpha, profile.draft(1, context) or 0.0,
                           lambda k: profile.target(k, context), chosen, rate)
-
-    def predicted_ms(self, costs: EngineCosts, gamma: int, context: int) -> float:
-        profile = costs.profile
-        assert profile is not None
-        if gamma == 0:
-            return profile.target(1, context)
-        return gamma * (profile.draft(1, context) or 0.0) + profile.target(gamma + 1, context)
 
     def choose(self, ctx: DecodeContext) -> tuple[int, str]:
         """(gamma, why); gamma 0 = autoregressive, TREE = an OPT-Tree step, LOOKUP a prompt-lookup one."""
@@ -169,7 +164,8 @@ class Auto(Method):
             return (self.fallback_gamma, "fixed default (no profile)") if ctx.draft else (0, "no draft")
         behind = unread(ctx) if ctx.draft else 0
         rates = self.rates(costs, len(ctx.ids), behind, ctx.remaining)
-        tree_rate = costs.trees.yield_.rate(self.tree_ratio(costs)) if self.tree and costs.trees.win else None
+        ratio = self.time_ratio(costs, "opt-tree")
+        tree_rate = costs.trees.yield_.rate(ratio) if self.tree and costs.trees.win else None
         others = max(max(rates.values()), tree_rate or 0.0)  # a lookup step never cuts into a tree probe
         lookup_why = self.lookup.choice(ctx, others, self.margin) if self.lookup and not self.burst else None
         if lookup_why:
@@ -180,15 +176,16 @@ class Auto(Method):
         alpha = costs.acceptance.alpha
         # the draft would not first have to read a long prompt (no probe of chains or trees then)
         caught_up = behind <= 2 or (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids))
-        tree_why = self.tree_choice(costs, len(ctx.ids), max(rates.values()), caught_up, ctx.remaining)
+        measured = costs.chains.yield_.rate(self.time_ratio(costs, "speculative"), least=CHAIN_EVIDENCE)
+        against = max(rates[0], measured) if measured is not None else max(rates.values())
+        tree_why = self.tree_choice(costs, len(ctx.ids), against, caught_up, ctx.remaining)
         if tree_why:
             return TREE, tree_why
         if costs.trees.win and self.tree_run:  # between runs of trees: a chain refreshes alpha
             return max(best, 1), f"probe: alpha {alpha:.2f}, a chain between OPT-Tree runs"
         if best and rates[best] > rates[0] * (1.0 + self.margin):
             if self.calibrate and (not costs.ratio(AR).seen or self.since_ar >= self.probe_every):
-                # what plain decoding really costs in this loop is measured, not taken from the
-                # profile alone: without this an over-estimated t(1) keeps auto speculating
+                # plain decoding timed in this loop, not from the profile: an over-estimated t(1) kept auto speculating
                 return 0, f"probe: timing autoregressive ({rates[best] / rates[0]:.2f}x expected from speculation)"
             why = f"alpha {alpha:.2f}: {rates[best] / rates[0]:.2f}x autoregressive expected"
             self.probes.gap = None
@@ -200,13 +197,13 @@ class Auto(Method):
             return 1, f"probe: alpha {alpha:.2f}, speculation not expected to pay"
         return 0, f"alpha {alpha:.2f}: speculation not expected to pay ({rates[best] / rates[0]:.2f}x)"
 
-    def tree_ratio(self, costs: EngineCosts) -> float:
-        """Measured / predicted step time for trees (until one ran: as for chains, else AR)."""
+    def time_ratio(self, costs: EngineCosts, kind: str) -> float:
+        """Measured / predicted step time for trees or chains (until one ran: as for chains, else AR)."""
         if not self.calibrate:
             return 1.0
-        for kind in ("opt-tree", "speculative", AR):
-            if costs.ratio(kind).seen:
-                return costs.ratio(kind).value
+        for k in (kind, "speculative", AR):
+            if costs.ratio(k).seen:
+                return costs.ratio(k).value
         return 1.0
 
     def tree_bound(self, costs: EngineCosts, context: int, remaining: int = 1 << 30) -> tuple[float, int]:
@@ -214,7 +211,7 @@ class Auto(Method):
         assert self.tree is not None and costs.profile is not None
         cap = self.tree.budget.cap if self.tree.budget else self.tree.nodes
         return optimistic_rate(costs.profile, costs.acceptance.alpha, cap, min(self.tree.max_depth, remaining - 1),
-                               context, self.tree_ratio(costs))
+                               context, self.time_ratio(costs, "opt-tree"))
 
     def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True,
                     remaining: int = 1 << 30) -> str | None:
@@ -227,7 +224,7 @@ class Auto(Method):
         if self.burst > 0:
             self.burst -= 1
             return f"probe: OPT-Tree step {PROBE_BURST - self.burst} of {PROBE_BURST}"
-        rate = verdict.yield_.rate(self.tree_ratio(costs))
+        rate = verdict.yield_.rate(self.time_ratio(costs, "opt-tree"))
         longest = 16 * self.probe_every
         if self.tree_run:  # judge what the trees just did
             verdict.win = rate is not None and rate > others * (1.0 + self.margin)
@@ -249,7 +246,7 @@ class Auto(Method):
                 if self.tree.budget is not None:  # the probe starts at the bound's size, not the cap (25 nodes
                     self.tree.nodes = nodes  # cost 489 ms at the 1.7b stand-in where 8 cost 130); the budget adapts
                 self.burst = PROBE_BURST - 1
-                verdict.yield_ = TreeYield()  # judged on this burst, not on trees long past
+                verdict.yield_ = StepYield()  # judged on this burst, not on trees long past
                 verdict.probe_bound = bound
                 return f"probe: OPT-Tree step 1 of {PROBE_BURST} (up to {bound / others:.2f}x expected)"
         return None
@@ -302,6 +299,9 @@ class Auto(Method):
             self.since_ar += 1
             if ctx.costs is not None:
                 ctx.costs.acceptance.observe(result.drafted, result.accepted)
+                if why.startswith("alpha") or "between OPT-Tree runs" in why:  # the profile's choice, not a probe
+                    predicted = chain_ms(ctx.costs.profile, result.drafted, context)
+                    ctx.costs.chains.yield_.observe(len(result.tokens), predicted)
                 if result.drafted > chosen and result.accepted >= chosen:  # drafts past the chosen length verified
                     ctx.costs.sure.observe(result.drafted - chosen, result.accepted - chosen)
                 if max(chain.floor, 1) <= result.drafted < gamma and not ctx.eos_ids.intersection(result.tokens):
@@ -310,7 +310,7 @@ class Auto(Method):
         costs = ctx.costs
         calibrated = costs is not None and costs.profile is not None and (gamma == 0 or costs.profile.has_draft)
         if self.calibrate and calibrated:
-            costs.ratio(kind).observe(ms, self.predicted_ms(costs, result.drafted if gamma else 0, context))
+            costs.ratio(kind).observe(ms, chain_ms(costs.profile, result.drafted if gamma else 0, context))
         return self.labelled(result, choice, why)
 
     def labelled(self, result: StepResult, choice: str, why: str) -> StepResult:

@@ -18,6 +18,13 @@ def chain_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def chain_ms(profile, gamma: int, context: int) -> float:
+    """Predicted ms of plain decoding (gamma 0) or of a chain of `gamma` drafts and its verification."""
+    if gamma == 0:
+        return profile.target(1, context)
+    return gamma * (profile.draft(1, context) or 0.0) + profile.target(gamma + 1, context)
+
+
 def catch_up_per_token(profile, behind: int, rows: int, room: float, ratio: float = 1.0) -> float:
     """Ms per committed token that first feeding the draft `behind` tokens it has not read
     (prompts, steps decoded without it) adds, paid once and spread over the next `room`
