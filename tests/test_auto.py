@@ -234,6 +234,23 @@ def test_trees_are_judged_against_what_the_chains_committed_not_their_prediction
     assert judged(None) > 0 and judged(1.2, chains=3) > 0  # a chain: trees lost to the prediction
 
 
+def test_kept_trees_are_dropped_only_when_behind_by_the_margin():
+    """Trees are taken when ahead of the rest by the margin (5%) and kept until behind by it: one
+    poor tree step within a run does not hand the reply back to chains (on the 1.7b stand-in it
+    did, after trees measured 1.4x ahead)."""
+    def verdict(win: bool, tokens_per_ms: float) -> bool:
+        costs = EngineCosts(profile=flat(), acceptance=AcceptanceEstimate(accepted=5e5, rejected=5e5, decay=1.0))
+        costs.trees.win = win
+        costs.trees.yield_.observe(tokens_per_ms * 10.0, 10.0)
+        auto = Auto(probe_every=8, calibrate=False)
+        auto.tree_run = 2
+        auto.tree_choice(costs, 64, others=0.1, may_probe=False)
+        return costs.trees.win
+
+    assert verdict(True, 0.098) and verdict(True, 0.2) and not verdict(True, 0.09)
+    assert not verdict(False, 0.102) and verdict(False, 0.11)
+
+
 def test_no_tree_probe_where_even_an_optimistic_tree_cannot_pay():
     """Dear drafting and verification: the optimistic bound stays below plain decoding, so no
     probe ever starts; near the end of a reply the bound shrinks with the depth left."""

@@ -178,7 +178,8 @@ class Auto(Method):
         caught_up = behind <= 2 or (costs.profile.draft(behind) or 0.0) <= costs.profile.target(1, len(ctx.ids))
         measured = costs.chains.yield_.rate(self.time_ratio(costs, "speculative"), least=CHAIN_EVIDENCE)
         against = max(rates[0], measured) if measured is not None else max(rates.values())
-        tree_why = self.tree_choice(costs, len(ctx.ids), against, caught_up, ctx.remaining)
+        ready = measured is not None or against == rates[0]  # a probe's trees are judged against measured rates
+        tree_why = self.tree_choice(costs, len(ctx.ids), against, caught_up and ready, ctx.remaining)
         if tree_why:
             return TREE, tree_why
         if costs.trees.win and self.tree_run:  # between runs of trees: a chain refreshes alpha
@@ -213,11 +214,10 @@ class Auto(Method):
         return optimistic_rate(costs.profile, costs.acceptance.alpha, cap, min(self.tree.max_depth, remaining - 1),
                                context, self.time_ratio(costs, "opt-tree"))
 
-    def tree_choice(self, costs: EngineCosts, context: int, others: float, caught_up: bool = True,
+    def tree_choice(self, costs: EngineCosts, context: int, others: float, may_probe: bool = True,
                     remaining: int = 1 << 30) -> str | None:
-        """Why this step is an OPT-Tree step, or None; `others`: the best rate of chains and
-        plain decoding (tokens per ms); no new probe while the draft would first have to read
-        a long prompt (`caught_up` False)."""
+        """Why this step is an OPT-Tree step, or None; `others`: the best rate of chains and plain decoding
+        (tokens per ms); no new probe where `may_probe` is False (a long prompt the draft would first read)."""
         if self.tree is None or not costs.profile.has_draft:
             return None
         verdict = self.verdict = costs.trees
@@ -227,7 +227,8 @@ class Auto(Method):
         rate = verdict.yield_.rate(self.time_ratio(costs, "opt-tree"))
         longest = 16 * self.probe_every
         if self.tree_run:  # judge what the trees just did
-            verdict.win = rate is not None and rate > others * (1.0 + self.margin)
+            # kept while not behind by the margin (one poor step flipped trees kept at 1.4x), taken when ahead by it
+            verdict.win = rate is not None and rate > others * (1.0 + (-self.margin if verdict.win else self.margin))
             if not verdict.win and self.tree_run >= PROBE_BURST:
                 verdict.gap = min(longest, 2 * (verdict.gap or self.probe_every))
                 if rate is not None and verdict.probe_bound > 0:  # how optimistic the bound was
@@ -238,10 +239,9 @@ class Auto(Method):
                 return f"OPT-Tree: {rate / others:.2f}x the best chain or plain decoding (measured)"
             return None  # one chain step now and then keeps alpha fresh
         first = PROBE_BURST if verdict.probe_bound == 0 else self.probe_every  # never tried: once alpha is measured
-        if verdict.since >= (verdict.gap or first) and caught_up:
+        if verdict.since >= (verdict.gap or first) and may_probe:
             bound, nodes = self.tree_bound(costs, context, remaining)
-            # the bound scaled by how far the last lost probe fell short of it: no new probe
-            # until alpha or the costs moved enough to make up for that, or after the longest wait
+            # scaled by how far the last lost probe fell short (until alpha or the costs make up, or the longest wait)
             if bound * (1.0 if verdict.since >= longest else verdict.shortfall) > others * (1.0 + self.margin):
                 if self.tree.budget is not None:  # the probe starts at the bound's size, not the cap (25 nodes
                     self.tree.nodes = nodes  # cost 489 ms at the 1.7b stand-in where 8 cost 130); the budget adapts
