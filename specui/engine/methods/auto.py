@@ -32,7 +32,7 @@ could beat the chains or plain decoding, auto runs a burst of PROBE_BURST tree s
 trees while their committed tokens per (calibrated) predicted ms stay ahead of plain decoding and
 of what the profile's chains committed, measured alike (EngineCosts.chains.yield_), with one
 chain step every `probe_every` tree steps to keep alpha fresh. The first probe on a pair comes
-once PROBE_BURST steps have measured alpha. A tree that loses waits twice
+after PROBE_BURST steps, once 4 chains have run (or plain decoding leads). A tree that loses waits twice
 as long for its next probe (up to 16 x probe_every), and until then the bound is scaled by how
 far that probe fell short of it, so a probe is only repeated early where alpha or the costs
 have moved enough to make up for it. The verdict (and the steps since the last tree) is the
