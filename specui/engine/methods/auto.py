@@ -135,15 +135,14 @@ class Auto(Method):
         profile = costs.profile
         assert profile is not None
         alpha = min(costs.acceptance.alpha, 0.999)
-        rates = {0: 1.0 / (profile.target(1, context) * costs.ratio(AR).value)}
-        t_draft = profile.draft(1, context)  # None without a draft
-        if t_draft is not None:
+        rates = {0: 1.0 / (chain_ms(profile, 0, context) * costs.ratio(AR).value)}
+        if profile.draft(1, context) is not None:  # None without a draft
             spec = costs.ratio("speculative")  # until a chain is timed, the profile is off as for AR
             r = spec.value if spec.seen else costs.ratio(AR).value
             share = catch_up_per_token(profile, behind, 1, room, r)
             for g in range(1, self.max_gamma + 1):
                 tokens = chain_tokens(alpha, g)
-                rates[g] = tokens / ((g * t_draft + profile.target(g + 1, context)) * r + tokens * share)
+                rates[g] = tokens / (chain_ms(profile, g, context) * r + tokens * share)
         return rates
 
     def extended(self, costs: EngineCosts, context: int, gamma: int, limit: int) -> int:

@@ -81,12 +81,11 @@ def extended_length(profile, alpha: float, sure: float, context: int, gamma: int
     below alpha: a draft sure of a token is right at least as often)."""
     alpha = min(alpha, 0.999)
     sure = min(max(sure, alpha), 0.999)
-    t_draft = profile.draft(1, context) or 0.0
     best, best_rate, reach, tokens = gamma, -1.0, 1.0, 1.0
     for g in range(1, max(gamma, limit) + 1):
         reach *= alpha if g <= gamma else sure
         tokens += reach
-        rate = tokens / (g * t_draft + profile.target(g + 1, context))
+        rate = tokens / chain_ms(profile, g, context)
         if g >= gamma and rate > best_rate:
             best, best_rate = g, rate
     return best
