@@ -26,7 +26,7 @@ def test_every_way_and_row_count_is_timed(capsys):
     roof = re.search(r"int8 dot-product roof \((AVX512-VNNI|AVX2|portable loop), on registers, every thread\): "
                      r"([\d.]+) G multiply-adds/s", out)
     assert roof and float(roof.group(2)) > 0
-    int8 = [line for line in rows if line.split("ms for rows")[0].split()[-1] in gemm.INT8_WAYS]
+    int8 = [line for line in rows if line.split("ms for rows")[0].split(maxsplit=1)[1].strip() in gemm.INT8_WAYS]
     assert len(rates) == len(int8) > 0  # w4a8's (and w8a8's where oneDNN has it) rate under its timings
     for line in rates:
         cells = re.findall(r"(\d+): +([\d.]+) \((\d+)%\)", line)
@@ -72,8 +72,8 @@ def test_packed_products_equal_plain_ones():
     want = torch.nn.functional.linear(x, w)
     ways = gemm.ways([w])
     for way, run in ways.items():
-        if way in ("w8a8", "int4", "w4a8", "q8a8"):  # a rounding of the weights (and of the int8 ways' inputs): close
-            bound = 0.2 if way in ("int4", "w4a8") else 0.02  # 4 bits, or 8
+        if way in ("w8a8", "int4", "w4a8", "w4a8 VNNI", "q8a8"):  # the weights rounded (the int8 ways' inputs too)
+            bound = 0.2 if way in ("int4", "w4a8", "w4a8 VNNI") else 0.02  # 4 bits, or 8
             assert (run(x)[0].float() - want).abs().max() <= bound * want.abs().max()
             continue
         torch.testing.assert_close(run(x)[0], want, atol=1e-4, rtol=1e-4, msg=way)
@@ -83,3 +83,12 @@ def test_packed_products_equal_plain_ones():
 
     assert ("w8a8" in ways) == has_w8a8_kernel() and ("int4" in ways) == has_int4_kernel()
     assert ("w4a8" in ways) == (not w4a8_unavailable()) and ("q8a8" in ways) == ("w4a8" in ways)
+
+
+def test_ways_picks_the_ways_timed(capsys):
+    assert gemm.main(["--shape", "64x32", "--megabytes", "1", "--rows", "1,2", "--dtypes", "float32",
+                      "--ways", "plain"]) == 0
+    out = capsys.readouterr().out
+    timed = [line.split("ms for rows")[0].split(maxsplit=1)[1].strip() for line in out.splitlines()
+             if " ms for rows " in line]
+    assert timed == ["plain"] and "timed in turns" in out

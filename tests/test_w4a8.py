@@ -70,12 +70,28 @@ def test_the_vector_path_and_the_portable_loop_give_the_same_bits(dtype):
     for n, k in ((64, 128), (50, 96), (60, 64), (37, 64), (1536 // 8, 576)):
         q, scale, low = _groups(n, k, seed=n)
         packed, scales = pack_groups(q, scale, low)
-        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):  # AVX2 takes 4 at a time, then the 3, 2 or 1 left
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17):  # AVX2 takes 4 at a time, then the 3, 2 or 1 left
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows), dtype=dtype)
             x[0, :GROUP] = 0  # a group of zeros (scale 0) and one on exact halves of a level
             x[-1, GROUP:2 * GROUP] = torch.arange(GROUP, dtype=dtype) - 15.5
             want = kernels.q4a8_mm_portable(x, packed, scales, n)
             assert want.dtype == dtype and torch.equal(kernels.q4a8_mm(x, packed, scales, n), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_amx_tiles_give_the_vector_paths_bits_from_any_row_count(dtype):
+    """q4a8_mm_from(..., amx_from=1) puts every product on AMX tiles where the CPU, the OS and the
+    build allow (passes of up to 16 rows, 20 rows as 10 + 10); elsewhere it is the vector path."""
+    kernels = native()[0]
+    for n, k in ((64, 128), (37, 96), (1536 // 8, 576)):
+        q, scale, low = _groups(n, k, seed=n + 1)
+        packed, scales = pack_groups(q, scale, low)
+        for rows in (1, 2, 5, 11, 12, 16, 17, 20, 33):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows), dtype=dtype)
+            x[0, :GROUP] = 0
+            want = kernels.q4a8_mm_portable(x, packed, scales, n)
+            assert torch.equal(kernels.q4a8_mm_from(x, packed, scales, n, 1), want), rows
+            assert torch.equal(kernels.q4a8_mm_from(x, packed, scales, n, 0), want), rows
 
 
 def test_a_ggufs_blocks_are_kept_exactly_and_zero_groups_stay_zero():

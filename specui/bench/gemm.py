@@ -11,10 +11,11 @@ run), the same weight prepacked once into oneDNN's blocked layout
 w8a8`'s int8 x int8 product (specui/weights/w8a8.py: the weight rounded to int8 rows, each input
 row to 8 bits) and torch's int4 kernel on the weight rounded to 4-bit groups (`--quantization
 int4`, bfloat16 inputs) and SpecUI's 4-bit x 8-bit kernel on the same groups (`--quantization
-w4a8`, specui/weights/w4a8.py), and its 8-bit-group kernel on the weight in Q8_0 blocks (w4a8's
-home for a GGUF's Q6_K / Q8_0 matrices, specui/weights/q8a8.py). Median ms of every matrix once, and
-each row count's cost against one row's. (The weights are re-read from the caches where they fit: a
-CPU with a large L3 shows fewer ms than a model's forward, whose weights stream from memory.)
+w4a8`, specui/weights/w4a8.py; on a CPU with AMX also as "w4a8 VNNI", its tiles ruled out), and its
+8-bit-group kernel on the weight in Q8_0 blocks (w4a8's home for a GGUF's Q6_K / Q8_0 matrices,
+specui/weights/q8a8.py). Median ms of every matrix once, and each row count's cost against one row's.
+(The weights are re-read from the caches where they fit: a CPU with a large L3 shows fewer ms than a
+model's forward, whose weights stream from memory.)
 Where SpecUI's kernels are built it also times their int8 dot-product instructions alone, on
 registers, on every thread (specui/weights/kernels/roof.cpp): the roof in multiply-adds a second
 that a product of many rows meets once its weights are read, and prints the int8 products' rate
@@ -24,19 +25,21 @@ Prints the CPU; nothing is cached or chosen from it."""
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 from specui.engine.measure import cpu_model
-from specui.engine.timing import median_ms
+from specui.weights.native import native
 from specui.weights.q8a8 import Q8A8Linear
 from specui.weights.quantize import Int4Linear, has_int4_kernel, quantize_groups
 from specui.weights.w4a8 import W4A8Linear, w4a8_unavailable
 from specui.weights.w8a8 import W8A8Linear, has_w8a8_kernel
 
 REPEATS = 7  # timed calls per figure, after one warm-up call
-INT8_WAYS = ("w8a8", "w4a8", "q8a8")  # products on int8 dot products: their rate is printed against the roof
+INT8_WAYS = ("w8a8", "w4a8", "w4a8 VNNI", "q8a8")  # on int8 dot products: their rate is printed against the roof
 CPU = torch.device("cpu")
 
 
@@ -81,6 +84,9 @@ def ways(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor], obje
         w4 = [W4A8Linear.from_groups(*quantize_groups(w)) for w in weights]
         if all(m is not None for m in w4):
             out["w4a8"] = lambda x: [m(x) for m in w4]
+            if native()[0].q4a8_amx_from():  # the same product with AMX tiles ruled out: VNNI at every row count
+                mm = native()[0].q4a8_mm_from
+                out["w4a8 VNNI"] = lambda x: [mm(x, m.packed, m.scales, m.out_features, 0) for m in w4]
         q8 = [Q8A8Linear.from_weight(w) for w in weights]  # 8-bit groups: a GGUF's Q6_K / Q8_0 matrices on w4a8
         if all(m is not None for m in q8):
             out["q8a8"] = lambda x: [m(x) for m in q8]
@@ -113,18 +119,34 @@ def rate_cells(rows: list[int], ms: list[float], macs_per_row: int, roof: float)
     return f"G multiply-adds/s (of the roof) for rows {cells}"
 
 
+def alternating_ms(runs: dict[str, Callable[[torch.Tensor], object]], inputs: list[torch.Tensor]) -> dict:
+    """way -> median ms for each input, every way run once in turn for each input before the next
+    repeat (after one warm-up of each), so a slow spell of the machine falls on every way alike."""
+    times: dict[str, list[list[float]]] = {way: [[] for _ in inputs] for way in runs}
+    for repeat in range(REPEATS + 1):
+        for i, x in enumerate(inputs):
+            for way, run in runs.items():
+                start = time.perf_counter()
+                run(x)
+                if repeat:
+                    times[way][i].append((time.perf_counter() - start) * 1e3)
+    return {way: [statistics.median(t) for t in per_input] for way, per_input in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8192x2048", help="out x in of each matrix")
     ap.add_argument("--megabytes", type=int, default=512, help="float32 weights streamed per timing")
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--ways", help="only these ways, comma-separated (e.g. 'w4a8,w4a8 VNNI'); default every one")
     args = ap.parse_args(argv)
     out_f, in_f = (int(v) for v in args.shape.lower().split("x"))
     count = max(1, (args.megabytes << 20) // (out_f * in_f * 4))
     rows = [int(r) for r in args.rows.split(",")]
+    only = None if args.ways is None else {w.strip() for w in args.ways.split(",")}
     print(f"cpu: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{count} matrices of {out_f}x{in_f}")
+          f"{count} matrices of {out_f}x{in_f}; the ways timed in turns, median of {REPEATS}")
     roof = dot_roof()
     if roof is not None:
         print(f"int8 dot-product roof ({roof[1]}, on registers, every thread): {roof[0] / 1e9:.1f} G multiply-adds/s")
@@ -133,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
             weights = [torch.randn(out_f, in_f, generator=gen).to(dtype) for _ in range(count)]
-            for way, run in ways(weights).items():
-                inputs = [torch.randn(n, in_f, generator=gen).to(dtype) for n in rows]
-                ms = [median_ms(lambda x=x, run=run: run(x), CPU, REPEATS) for x in inputs]
+            runs = {way: run for way, run in ways(weights).items() if only is None or way in only}
+            inputs = [torch.randn(n, in_f, generator=gen).to(dtype) for n in rows]
+            table = alternating_ms(runs, inputs)
+            for way, ms in table.items():
                 cells = "  ".join(f"{n}: {m:7.1f} ({m / ms[0]:.2f}x)" for n, m in zip(rows, ms, strict=True))
                 print(f"{name:9} {way:14} ms for rows {cells}", flush=True)
                 if roof is not None and way in INT8_WAYS:

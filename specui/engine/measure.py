@@ -60,17 +60,18 @@ def cpu_signature() -> str:
 
 
 COSTING_PACKAGES = ("engine", "weights")  # SpecUI's code that decides what a forward costs
+KERNEL_SWITCHES = ("SPECUI_NATIVE", "SPECUI_AMX")  # environment that changes which kernels run (weights/native.py)
 
 
 def code_stamp() -> str:
     """A hash of SpecUI's code that runs and shapes the forwards (specui/engine, specui/weights):
     a measurement made by other code (an upgrade, a kernel change) is not reused. Before it, a
     profile measured before a change to the attention's kernels kept `auto` predicting the old
-    costs until its file was deleted by hand."""
+    costs until its file was deleted by hand. The switches that change which kernels run count too."""
     root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
+    digest = hashlib.sha256("|".join(os.environ.get(name, "") for name in KERNEL_SWITCHES).encode())
     for package in COSTING_PACKAGES:
-        for path in sorted(p for p in (root / package).rglob("*") if p.suffix in (".py", ".cpp")):  # kernels too
+        for path in sorted(p for p in (root / package).rglob("*") if p.suffix in (".py", ".cpp", ".h")):  # kernels too
             digest.update(path.relative_to(root).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -10,6 +10,9 @@ std::tuple<torch::Tensor, torch::Tensor> round_rows(torch::Tensor x, double leve
 torch::Tensor scale_rows(torch::Tensor product, torch::Tensor top);                                 // rows.cpp
 torch::Tensor q4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);          // q4a8.cpp
 torch::Tensor q4a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N); // q4a8.cpp
+torch::Tensor q4a8_mm_from(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
+                           int64_t amx_from);                                                       // q4a8.cpp
+int64_t q4a8_amx_from();                                                                            // q4a8.cpp
 bool q4a8_vector();                                                                                 // q4a8.cpp
 std::string q4a8_path();                                                                            // q4a8.cpp
 torch::Tensor q8a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);          // q8a8.cpp
@@ -50,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows", &scale_rows);
   m.def("q4a8_mm", &q4a8_mm);
   m.def("q4a8_mm_portable", &q4a8_mm_portable);
+  m.def("q4a8_mm_from", &q4a8_mm_from);
+  m.def("q4a8_amx_from", &q4a8_amx_from);
   m.def("q4a8_vector", &q4a8_vector);
   m.def("q4a8_path", &q4a8_path);
   m.def("q8a8_mm", &q8a8_mm);
