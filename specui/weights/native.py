@@ -8,7 +8,7 @@ logits that SpecDec++'s and MCSD's heads read (heads/acceptance.py's `q_stats`).
 The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
 and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
 be built (no compiler, not x86-64 with AVX2), or with SPECUI_NATIVE=0, `native_unavailable()` says
-why and every caller keeps torch's own kernels. On a CPU with AMX the 4-bit product scores 12 rows
+why and every caller keeps torch's own kernels. On a CPU with AMX the 4-bit product scores 13 rows
 or more on AMX tiles (q4a8_amx.cpp; the same bits); SPECUI_AMX=0 keeps it on AVX512-VNNI."""
 
 from __future__ import annotations

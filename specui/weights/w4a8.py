@@ -9,7 +9,7 @@ on the CPU's int8 dot product (SpecUI's kernel, specui/weights/kernels/q4a8.cpp:
 the CPU has it, AVX2's pairwise int8 products into int16 elsewhere on x86-64, a portable loop with
 the same bits where neither is built), reading each weight once for all the rows. On the Xeon of
 README, 24 matrices of 8192x2112 out of cache: 0.57 / 0.83 / 0.92 / 1.25 ms a matrix for 1 / 8 / 9
-/ 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37. Where the CPU has AMX, 12 rows or
+/ 16 rows, against torch's int4 kernel's 0.75 / 2.26 / 3.34 / 4.37. Where the CPU has AMX, 13 rows or
 more go on its tiles (kernels/q4a8_amx.cpp, the same bits): 16 rows 1.37 against VNNI's 1.81 ms.
 
 What it computes: w = d q + m per group of 32 inputs (a GGUF's Q4_0 / Q4_1 blocks exactly, else
@@ -59,7 +59,7 @@ def w4a8_vector() -> bool:
 
 def w4a8_path() -> str:
     """The path the kernel runs here, in words: "AVX512-VNNI", "AVX2" or "portable loop", and
-    where the CPU has AMX ", AMX tiles from 12 rows"."""
+    where the CPU has AMX ", AMX tiles from 13 rows"."""
     kernels = native()[0]
     if kernels is None:
         return "unavailable"

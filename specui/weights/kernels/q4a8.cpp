@@ -287,12 +287,14 @@ void q4a8_amx_blocks(const uint8_t* w, const at::Half* s, const int8_t* a, const
 
 namespace {
 
-// Rows from which q4a8_mm goes on AMX tiles where it can. The tiles form a group's sums for 16 rows at
-// about one row's cost, but every row still takes 4 float steps a group (the same on both paths), so the
-// tiles pay only once VNNI's 8 dot products a row and group outweigh the tiles' fixed cost: on the 2-core
-// AMX Xeon of README (24 matrices of 8192 x 2112 out of cache, ms a matrix, VNNI / AMX) 9 rows 0.76 / 0.79,
-// 12 rows 1.28 / 1.12, 16 rows 1.37 / 1.03, 32 rows 3.44 / 2.58.
-constexpr int64_t kAmxFrom = 12;
+// Rows from which q4a8_mm goes on AMX tiles where it can: where the VNNI loop needs a second pass over
+// the weights (kTile = 12 rows a pass). The tiles form a group's sums for 16 rows at about one row's
+// cost, but every row still takes 4 float steps a group (the same on both paths), so they pay only once
+// VNNI's 8 dot products a row and group cost more than the tiles' fixed cost. On the 2-core AMX Xeon of
+// README, 24 matrices of 8192 x 2112 out of cache, the two paths in turns (`python -m specui.bench.gemm
+// --ways "w4a8,w4a8 VNNI"`), VNNI / AMX: 8 rows 0.96x, 12 rows 1.07x and 0.83x in two runs, 16 rows
+// 1.15x and 1.32x, 32 rows 1.08x and 1.26x, 64 rows 1.17x and 1.25x.
+constexpr int64_t kAmxFrom = 13;
 
 enum class Path { kPortable, kVector, kAmx };
 
