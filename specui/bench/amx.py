@@ -6,10 +6,10 @@ a model, where `python -m specui.bench.gemm` times matrices alone.
 Loads the target (the bundled GGUF unless --target names another; any model flag of the app) with
 `--quantization w4a8` and eager forwards, then times a forward of k tokens after 64 cached
 (engine/measure.py's forward_ms, as the cost profile does) with the kernel's matrices on AMX tiles
-from 13 rows (the shipped rule) and on the VNNI loop alone, the two in turns, each k's order
-swapped every repeat, and prints each median and their ratio with the CPU. Both give the same bits
-(tests/test_w4a8.py). Where the CPU, the OS or the build has no AMX it says so and times the VNNI
-loop alone. Nothing is cached or chosen from it."""
+from 13 rows (the shipped rule) and on its vector loop alone (AVX512-VNNI), the two in turns, each
+k's order swapped every repeat, and prints each median and their ratio with the CPU. Both give the
+same bits (tests/test_w4a8.py). Where the CPU, the OS or the build has no AMX it says so and times
+the vector loop alone (AVX512-VNNI, AVX2 or the portable loop). Nothing is cached or chosen from it."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ CONTEXT = 64  # cached tokens before the timed forward
 
 
 def time_ways(session, mms: list, amx_from: int, tokens: list[int], repeats: int) -> dict:
-    """(k, way) -> median ms, the ways alternating; `mms` the model's W4A8Linear modules."""
+    """(k, way) -> median ms, the ways ("loop": the kernel's vector loop alone, "AMX": tiles from
+    `amx_from` rows, where there are tiles) alternating; `mms` the model's W4A8Linear modules."""
     from specui.weights.native import native
 
     mm = native()[0].q4a8_mm_from
-    ways = {"VNNI": 0} | ({"AMX": amx_from} if amx_from else {})
+    ways = {"loop": 0} | ({"AMX": amx_from} if amx_from else {})
     samples: dict[tuple[int, str], list[float]] = {}
     for repeat in range(repeats):
         for k in tokens:
@@ -64,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_model()}; {len(mms)} w4a8 matrices; "
           + (f"AMX tiles from {amx_from} rows" if amx_from else "no AMX tiles here (CPU, OS, build or SPECUI_AMX=0)"))
     medians = time_ways(session, mms, amx_from, tokens, ours.repeats)
+    loop = str(kernels.q4a8_path())  # AVX512-VNNI, AVX2 or the portable loop
     for k in tokens:
-        vnni, amx = medians[(k, "VNNI")], medians.get((k, "AMX"))
-        cells = f"VNNI {vnni:7.1f} ms" + ("" if amx is None else f"  AMX {amx:7.1f} ms  VNNI / AMX {vnni / amx:.2f}x")
+        alone, amx = medians[(k, "loop")], medians.get((k, "AMX"))
+        cells = f"{loop} {alone:7.1f} ms"
+        if amx is not None:
+            cells += f"  AMX {amx:7.1f} ms  {loop} / AMX {alone / amx:.2f}x"
         print(f"{k:3d} tokens after {CONTEXT}: {cells}", flush=True)
     return 0
 
