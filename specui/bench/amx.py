@@ -17,16 +17,17 @@ import argparse
 import statistics
 
 from specui.engine.measure import cpu_model, forward_ms
+from specui.weights.native import native
 
 CONTEXT = 64  # cached tokens before the timed forward
 
 
 def time_ways(session, mms: list, amx_from: int, tokens: list[int], repeats: int) -> dict:
     """(k, way) -> median ms, the ways ("loop": the kernel's vector loop alone, "AMX": tiles from
-    `amx_from` rows, where there are tiles) alternating; `mms` the model's W4A8Linear modules."""
-    from specui.weights.native import native
-
+    `amx_from` rows, where there are tiles) alternating; `mms` the model's W4A8Linear modules, whose
+    own product is put back afterwards."""
     mm = native()[0].q4a8_mm_from
+    own = [module._mm for module in mms]
     ways = {"loop": 0} | ({"AMX": amx_from} if amx_from else {})
     samples: dict[tuple[int, str], list[float]] = {}
     for repeat in range(repeats):
@@ -36,14 +37,13 @@ def time_ways(session, mms: list, amx_from: int, tokens: list[int], repeats: int
                 for module in mms:
                     module._mm = lambda x, p, s, n, start=start: mm(x, p, s, n, start)
                 samples.setdefault((k, name), []).append(forward_ms(session, CONTEXT, k, 3, room=max(tokens)))
-    for module in mms:
-        module._mm = native()[0].q4a8_mm
+    for module, product in zip(mms, own, strict=True):
+        module._mm = product
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     from specui.cli import build_parser, load_from_args
-    from specui.weights.native import native
     from specui.weights.w4a8 import W4A8Linear
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)

@@ -22,13 +22,14 @@
 #include <string>
 
 #include "groups.h"
+#include "q4a8.h"
 
 namespace {
 
 using specui_groups::kGroup;  // inputs a group
 using specui_groups::round_groups;
-constexpr int64_t kRows = 16;    // output rows a block
-constexpr int64_t kBytes = 256;  // packed bytes a (block, group)
+using specui_q4a8::kBytes;  // packed bytes a (block, group)
+using specui_q4a8::kRows;   // output rows a block
 
 inline float half_to_float(const at::Half* h) { return static_cast<float>(*h); }
 
@@ -64,14 +65,11 @@ constexpr bool kVector = true;
 constexpr int64_t kAhead = 16;  // groups prefetched ahead (5 KB)
 constexpr int64_t kFar = 48;    // groups prefetched ahead into L2 for 2 rows or more (12 KB)
 constexpr int64_t kTile = 12;   // rows of activations a pass over the weights: 2 x 12 + 6 of the 32 vector registers
-
-// An accumulator's 16 float32 sums into the output (float32, or widened exactly to float64).
-inline void store(float* out, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(out, keep, v); }
-
-inline void store(double* out, __mmask16 keep, __m512 v) {  // float32 sums widened exactly
-  _mm512_mask_storeu_pd(out, static_cast<__mmask8>(keep & 0xFF), _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  _mm512_mask_storeu_pd(out + 8, static_cast<__mmask8>(keep >> 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
-}
+using specui_q4a8::add_group;
+using specui_q4a8::kept_rows;
+using specui_q4a8::scale_d;
+using specui_q4a8::scale_m;
+using specui_q4a8::store;
 
 // T activation rows at once (T <= kTile), their sums and accumulators in registers across all groups;
 // each group's weights unpacked a quarter at a time (2 registers), which leaves room for 12 rows.
@@ -124,17 +122,14 @@ inline void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const 
 #pragma GCC unroll 16
       for (int u = 0; u < T; ++u) s[u] = _mm512_add_epi32(s[u], s2[u]);
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 32)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * 32 + 16)));
+    const __m512 d = scale_d(sb + g * 32), m = scale_m(sb + g * 32);
 #pragma GCC unroll 16
     for (int u = 0; u < T; ++u) {
       const int64_t i = (t0 + u) * NG + g;
-      const __m512 term = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[u]), d, _mm512_mul_ps(m, _mm512_set1_ps(sa[i])));
-      acc[u] = _mm512_fmadd_ps(term, _mm512_set1_ps(da[i]), acc[u]);
+      acc[u] = add_group(acc[u], s[u], d, m, sa[i], da[i]);
     }
   }
-  const int64_t rows = std::min(kRows, N - col);
-  const __mmask16 keep = rows == kRows ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+  const __mmask16 keep = kept_rows(N, col);
 #pragma GCC unroll 16
   for (int u = 0; u < T; ++u) store(out + (t0 + u) * N + col, keep, acc[u]);
 }
@@ -350,9 +345,12 @@ torch::Tensor product(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
 
 }  // namespace
 
+// The rows from which q4a8_mm goes on AMX tiles here (0: it never does: no AMX, no permission, SPECUI_AMX=0).
+int64_t q4a8_amx_from() { return kVector && q4a8_amx_ready() ? kAmxFrom : 0; }
+
 // amx_from: rows from which AMX tiles are used where this CPU and build have them (0: never)
 torch::Tensor q4a8_mm_from(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N, int64_t amx_from) {
-  const bool amx = kVector && amx_from > 0 && x.size(0) >= amx_from && q4a8_amx_ready();
+  const bool amx = amx_from > 0 && x.size(0) >= amx_from && q4a8_amx_from() > 0;
   return product(x, packed, scales, N, amx ? Path::kAmx : kVector ? Path::kVector : Path::kPortable);
 }
 
@@ -363,9 +361,6 @@ torch::Tensor q4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
 torch::Tensor q4a8_mm_portable(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N) {
   return product(x, packed, scales, N, Path::kPortable);
 }
-
-// The rows from which q4a8_mm goes on AMX tiles here (0: it never does: no AMX, no permission, SPECUI_AMX=0).
-int64_t q4a8_amx_from() { return kVector && q4a8_amx_ready() ? kAmxFrom : 0; }
 
 bool q4a8_vector() { return kVector; }
 

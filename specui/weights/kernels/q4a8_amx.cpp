@@ -20,15 +20,18 @@
 #include <cstdlib>
 #include <string>
 
+#include "groups.h"
+#include "q4a8.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
 
 namespace {
 
-constexpr int64_t kRows = 16;    // weight rows a block (q4a8.cpp)
-constexpr int64_t kBytes = 256;  // packed bytes a (block, group)
-constexpr int64_t kGroup = 32;
+using specui_groups::kGroup;
+using specui_q4a8::kBytes;
+using specui_q4a8::kRows;
 constexpr int64_t kAhead = 16;   // groups prefetched ahead into L1 (as the VNNI path)
 constexpr int64_t kFar = 48;     // and into L2
 
@@ -39,13 +42,6 @@ struct TileConfig {  // palette 1's 64-byte layout
   uint16_t colsb[16] = {0};
   uint8_t rows[16] = {0};
 };
-
-inline void store(float* out, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(out, keep, v); }
-
-inline void store(double* out, __mmask16 keep, __m512 v) {  // float32 sums widened exactly
-  _mm512_mask_storeu_pd(out, static_cast<__mmask8>(keep & 0xFF), _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  _mm512_mask_storeu_pd(out + 8, static_cast<__mmask8>(keep >> 8), _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
-}
 
 constexpr int64_t kLead = 4;  // groups unpacked ahead of their tile loads
 constexpr int64_t kRing = 8;  // unpacked groups held (kLead + the pair in flight, rounded up)
@@ -75,18 +71,15 @@ inline void group_sums(const uint8_t* b, const int8_t* ag, int64_t K, int32_t* c
   }
 }
 
-// A group's sums (c) into T rows' accumulators: the VNNI path's float steps, in its order.
+// A group's sums (c) into T rows' accumulators: the VNNI path's float steps (q4a8.h), in its order.
 template <int T>
 inline void scale_sums(const int32_t* c, const at::Half* sg, const float* da, const float* sa, int64_t t0,
                        int64_t NG, int64_t g, __m512* acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + 16)));
+  const __m512 d = specui_q4a8::scale_d(sg), m = specui_q4a8::scale_m(sg);
 #pragma GCC unroll 16
   for (int u = 0; u < T; ++u) {
     const int64_t i = (t0 + u) * NG + g;
-    const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * u));
-    const __m512 term = _mm512_fmadd_ps(s, d, _mm512_mul_ps(m, _mm512_set1_ps(sa[i])));
-    acc[u] = _mm512_fmadd_ps(term, _mm512_set1_ps(da[i]), acc[u]);
+    acc[u] = specui_q4a8::add_group(acc[u], _mm512_load_si512(c + 16 * u), d, m, sa[i], da[i]);
   }
 }
 
@@ -120,10 +113,9 @@ void micro(const uint8_t* wb, const at::Half* sb, const int8_t* a, const float* 
     group_sums<0>(b[g % kRing], at + g * kGroup, K, c[0]);
     scale_sums<T>(c[0], sb + g * 32, da, sa, t0, NG, g, acc);
   }
-  const int64_t rows = std::min(kRows, N - col);
-  const __mmask16 keep = rows == kRows ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+  const __mmask16 keep = specui_q4a8::kept_rows(N, col);
 #pragma GCC unroll 16
-  for (int u = 0; u < T; ++u) store(out + (t0 + u) * N + col, keep, acc[u]);
+  for (int u = 0; u < T; ++u) specui_q4a8::store(out + (t0 + u) * N + col, keep, acc[u]);
 }
 
 template <typename O>
