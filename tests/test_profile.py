@@ -344,3 +344,29 @@ def test_a_point_a_little_above_a_larger_forward_is_timed_again(tiny_target, tin
     monkeypatch.setattr(prof, "forward_ms", once_slow)
     p = measure_profile(engine.target, engine.draft, contexts=(8, 32), ks=(1, 2, 4), widths=(1, 2))
     assert calls.count((True, 8, 2)) == 2 and p.target_ms[8][2] == 22.0
+
+
+def test_a_profile_cached_while_the_whole_machine_ran_slow_is_measured_again(tiny_target, tiny_draft, tmp_path,
+                                                                              monkeypatch):
+    """Something else held every core through a whole measurement: every point 20x dearer alike, so
+    neither `disturbed` nor the start-against-end check sees it, and it is cached. At the next load
+    one forward timed now shows it: the profile is measured again and the calm one replaces it. A
+    cached profile faster than now (the machine busy at this load) is kept: now is not the machine."""
+    import specui.engine.profiling as prof
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    factor = {"now": 20.0}
+    monkeypatch.setattr(prof, "forward_ms", lambda s, c, w, r, *room, **quick: factor["now"] * (10.0 + w))
+    slow, note = get_profile(engine.target, engine.draft, tmp_path)
+    assert "measured" in note and slow.target_ms[min(slow.target_ms)][1] == 220.0
+    factor["now"] = 1.0
+    calm, note = get_profile(engine.target, engine.draft, tmp_path)
+    assert "ran slower (target 1 token after" in note and "220.0 ms cached, 11.0 now" in note, note
+    assert "cached in" in note and calm.target_ms[min(calm.target_ms)][1] == 11.0
+    factor["now"] = 3.0  # busy now: the calm figures stay
+    kept, note = get_profile(engine.target, engine.draft, tmp_path)
+    assert "read from" in note and kept == calm
+    monkeypatch.undo()  # real forwards: a fast one's noise is not a slow machine, and the caches are left empty
+    real = measure_profile(engine.target, engine.draft, contexts=(8, 32), ks=(1, 4), widths=(1, 2), repeats=1)
+    assert prof.slower_than_now(real, engine.target, engine.draft) is None
+    assert engine.target.length == 0 and engine.draft.length == 0

@@ -1,7 +1,8 @@
 """Measuring a pair's cost profile (engine/profile.py's plain data) and caching it: each point
 the median of a few timed forwards, a point that a busy machine disturbed timed again, and the
 start checked against the end, so a slow spell that slowed every small forward alike (which
-`disturbed` cannot see) is not cached as flat verification."""
+`disturbed` cannot see) is not cached as flat verification; a cached profile is checked against
+one forward timed now, so one timed while the whole machine ran slow is measured again."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from specui.engine.measure import chain_token_ms, forward_ms
 from specui.engine.profile import (
     CONTEXTS,
+    DISTURBED_MS,
     DRAFT_WIDTHS,
     RETIME_SLACK,
     TARGET_KS,
@@ -27,6 +29,9 @@ from specui.engine.session import ModelSession
 # by this: the row was timed in a slow spell and is timed again (2-core Xeon, a profile measured
 # beside another process: 124-175 ms for 1-4 tokens against 84-103 calm, within `disturbed`'s slack)
 STEADY_SLACK = 1.25
+# a cached profile whose one-token figure is more than this times what the forward costs now is measured
+# again (`slower_than_now`): one cached on a 2-core Xeon beside another process cost 20x a calm one
+STALE_SLACK = 1.5
 
 
 def get_profile(
@@ -37,14 +42,17 @@ def get_profile(
     Returns (profile, a note saying which)."""
     key, describe, path = cache_path(target, draft, cache_dir, quantization)
     folder = path.parent
+    again = ""
     if not refresh and (cached := load_cached(path, key)) is not None:
-        return cached, f"cost profile read from {path}"
+        if (slow := slower_than_now(cached, target, draft)) is None:
+            return cached, f"cost profile read from {path}"
+        again = f"the cached one was timed while the machine ran slower ({slow}); "
     profile = measure_profile(target, draft, progress=progress)
     profile.key, profile.describe = key, describe
     if bad := disturbed(profile):
-        return profile, (f"cost profile measured in {profile.measure_s:.1f} s while the machine was busy ({len(bad)} "
-                         f"timings cost more than larger forwards, even timed again): used for now, not cached, "
-                         f"measured again at the next load")
+        return profile, (f"{again}cost profile measured in {profile.measure_s:.1f} s while the machine was busy "
+                         f"({len(bad)} timings cost more than larger forwards, even timed again): used for now, not "
+                         f"cached, measured again at the next load")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -53,7 +61,33 @@ def get_profile(
         where = f"cached in {path}"
     except OSError as e:
         where = f"not cached ({e})"
-    return profile, f"cost profile measured in {profile.measure_s:.1f} s, {where}"
+    return profile, f"{again}cost profile measured in {profile.measure_s:.1f} s, {where}"
+
+
+def slower_than_now(cached: CostProfile, target: ModelSession, draft: ModelSession | None,
+                    repeats: int = 3) -> str | None:
+    """Where a cached profile's one-token figure of the target (or the draft) is more than
+    STALE_SLACK times what that forward costs now (plus DISTURBED_MS), in words ("target 1 token after 64: 1520.3 ms
+    cached, 84.1 now"); None where it is not. A profile timed while something else held every core
+    the whole time is slow alike in every point (neither `disturbed` nor `_steady` can see it from
+    inside), and once cached it would steer every later load; only a slower figure now is taken as
+    the machine's state, never a faster one. Costs a few forwards; both sessions reset afterwards."""
+    checks = [(target, False, cached.target_ms)]
+    if draft is not None and cached.draft_ms:
+        checks.append((draft, True, {min(cached.draft_context_ms, default=64): cached.draft_ms}))
+    try:
+        for session, is_draft, rows in checks:
+            if not rows or 1 not in rows[(c := min(rows))]:
+                continue
+            now = _point_ms(session, is_draft, c, 1, repeats)
+            if rows[c][1] > STALE_SLACK * now + DISTURBED_MS:
+                who = "draft" if is_draft else "target"
+                return f"{who} 1 token after {c}: {rows[c][1]:.1f} ms cached, {now:.1f} now"
+    finally:
+        for session in (target, draft):
+            if session is not None:
+                session.reset()
+    return None
 
 
 def _fits(session: ModelSession, contexts: tuple[int, ...], widest: int) -> tuple[int, ...]:
