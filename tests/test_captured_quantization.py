@@ -52,7 +52,7 @@ def test_a_recorded_captured_choice_loads_with_capture_on_or_auto_and_the_eager_
     entry = next(iter(json.loads(cache.read_text()).values()))
     assert entry["chosen"] == "int8" and entry["captured"] == "none"  # the eager choice is kept beside it
     for capture in ("auto", "on"):
-        loaded = _load(folder, cache, capture, ms={})  # read from the record: nothing is timed
+        loaded = _load(folder, cache, capture, ms={})  # read from the record (its option timed once: still as fast?)
         assert loaded.spec.quantization == "none" and _kind(loaded.model) == "none"
         assert loaded.notes[0].startswith("target quantization auto with --capture auto -> none: 5.0 ms per token "
                                           "(compiled) vs 9.0 ms with int8 (compiled), timed side by side")

@@ -12,7 +12,7 @@ import pytest
 from specui.service import joint
 from specui.service.joint import PairProbe, joint_choice, predict, verify_ms
 from specui.service.pair import load_pair
-from specui.weights import loading
+from specui.weights import loading, quant_choice
 from specui.weights.quant_choice import OptionCost, choice_key
 from specui.weights.quant_choice import default_cache_file as quant_cache_file
 from specui.weights.quantize import Int8Linear
@@ -70,6 +70,7 @@ def two_options(tiny_dirs, monkeypatch):
     token and steeper for four (a forged entry in the quantization cache)."""
     target, draft, _ = tiny_dirs
     monkeypatch.setattr(loading, "auto_candidates", lambda spec, device, types, role: (("int8", "none"), "why"))
+    monkeypatch.setattr(quant_choice, "STALE_MS", 1e9)  # forged figures: never checked against this machine's
     spec = ModelSpec(str(target), quantization="auto", dtype="float32")
     path = quant_cache_file()
     cache = json.loads(path.read_text()) if path.exists() else {}

@@ -6,7 +6,8 @@ Each option is loaded, timed (the median ms of one token, and of four tokens in 
 after CONTEXT cached ones) and dropped before the next one loads, except the best so far: at
 most two copies of the model are in memory. auto's choice is cached on disk under the model's
 file, the dtype asked for, the CPU, the threads and the torch version, like dtype auto's
-(specui.weights.dtypes); a corrupt entry is re-measured."""
+(specui.weights.dtypes); a corrupt entry is re-measured, and so is one whose option, timed once
+at the load that reads it, now costs well under its cached figure (the cache was timed slow)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ CONTEXT = 64
 REPEATS = 5
 MARGIN = 0.95  # a less preferred option (later in the candidates) must be 5% faster to be chosen
 CONFIRM_ROUNDS = 2  # a less preferred option that wins is timed again beside the best so far, this often
+CONFIRM_WITHIN = 3.0  # ... and one that loses by less than this factor (its turn may have been the slow one)
+# a cached choice whose option costs more than this times what it costs now (+ STALE_MS) is measured again:
+# one cached on a 2-core Xeon beside another process had every option 1.7-4.4x dear and chose the slower
+STALE_SLACK, STALE_MS = 1.5, 2.0
 CPU_OPTIONS = ("none", "int8", "int4", "w4a8")
 GPU_OPTIONS = ("none", "8bit", "4bit")
 
@@ -223,17 +228,20 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
     key = choice_key(spec, candidates)
+    stale = ""
     if (hit := _cached(cache.get(key), candidates)) is not None:
         chosen, captured, costs = hit
-        if captured is not None and capture != "off":
-            note = captured_note(role, captured, costs)
-            loaded = load_concrete(replace(spec, quantization=captured), role, (note,), source, progress)
-            loaded.options, loaded.options_key = tuple(captured_view(costs)), key
+        as_captured = captured is not None and capture != "off"
+        pick = captured if as_captured else chosen
+        note = captured_note(role, captured, costs) if as_captured else \
+            choice_note(role, chosen, reason, costs, cached=True) + _eager_only(capture)
+        loaded = load_concrete(replace(spec, quantization=pick), role, (note,), source, progress)
+        if (slow := _slower_now(loaded.model, next(c for c in costs if c.quantization == pick), timer)) is None:
+            loaded.options, loaded.options_key = tuple(captured_view(costs) if as_captured else costs), key
             return loaded
-        note = choice_note(role, chosen, reason, costs, cached=True) + _eager_only(capture)
-        loaded = load_concrete(replace(spec, quantization=chosen), role, (note,), source, progress)
-        loaded.options, loaded.options_key = tuple(costs), key
-        return loaded
+        stale = f"the cached choice was timed while the machine ran slower ({slow}), so measured again: "
+        del loaded
+        gc.collect()
     own = set(candidates)
     costs: list[OptionCost] = []
     kept: LoadedModel | None = None
@@ -243,8 +251,9 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
             lambda f, what, i=i, q=quantization: progress((i + f) / n, f"{what} (measuring {q}, {i + 1} of {n})"))
         cost, loaded = measure_option(spec, quantization, role, quantization in own, timer, source, option)
         costs.append(cost)
-        if loaded is not None and kept is not None and _pick(costs) is cost:
-            held = next(i for i, c in enumerate(costs) if c.quantization == kept.spec.quantization)
+        held = None if kept is None else [c.quantization for c in costs].index(kept.spec.quantization)
+        if loaded is not None and kept is not None and (
+                _pick(costs) is cost or cost.ms_token < CONFIRM_WITHIN * costs[held].ms_token):
             costs[held], costs[-1] = _confirmed((costs[held], kept.model), (cost, loaded.model), timer=timer)
             cost = costs[-1]
         if loaded is not None and _pick(costs) is cost:
@@ -257,7 +266,7 @@ def choose_quantization(spec: ModelSpec, candidates: tuple[str, ...], reason: st
                           + "; ".join(f"{c.quantization}: {c.problem}" for c in costs))
     cache[key] = {"chosen": best.quantization, "costs": [c.to_dict() for c in costs], "measured": measured_stamp()}
     write_cache(path, cache)
-    note = choice_note(role, best.quantization, reason, costs, cached=False) + _eager_only(capture)
+    note = stale + choice_note(role, best.quantization, reason, costs, cached=False) + _eager_only(capture)
     kept.notes = (note,) + kept.notes
     kept.options, kept.options_key = tuple(costs), key
     return kept
@@ -272,11 +281,22 @@ def _eager_only(capture: str) -> str:
             "foreground; later loads read it)")
 
 
+def _slower_now(model: torch.nn.Module, cost: OptionCost, timer: Timer) -> str | None:
+    """Where the option's cached ms a token is above STALE_SLACK times (+ STALE_MS) what it costs
+    now, in words: the whole measurement ran slow (slow alike in every option, which timing them in
+    turns cannot see). A slower figure now is the machine busy at this load: the cache stands."""
+    now, _ = timer(model)
+    if cost.ms_token is not None and cost.ms_token > STALE_SLACK * now + STALE_MS:
+        return f"{cost.quantization} {cost.ms_token:.1f} ms a token cached, {now:.1f} now"
+    return None
+
+
 def _confirmed(*timed: tuple[OptionCost, torch.nn.Module], timer: Timer,
                rounds: int = CONFIRM_ROUNDS) -> list[OptionCost]:
     """The options timed again, taking turns, `rounds` times; each keeps its fastest
     measurement. Noise on a shared machine only ever slows a run down, so a less preferred
-    option wins on a burst that hit the best one's turn only if this confirms it."""
+    option wins on a burst that hit the best one's turn only if this confirms it, and one that
+    lost by less than CONFIRM_WITHIN on a burst in its own turn gets its second look."""
     best = [(c.ms_token, c.ms_four) for c, _ in timed]
     for _ in range(rounds):
         for i, (_, model) in enumerate(timed):
