@@ -346,6 +346,33 @@ def test_a_point_a_little_above_a_larger_forward_is_timed_again(tiny_target, tin
     assert calls.count((True, 8, 2)) == 2 and p.target_ms[8][2] == 22.0
 
 
+def test_a_point_above_its_neighbours_chord_is_timed_again(tiny_target, tiny_draft, monkeypatch):
+    """Four tokens timed 1.25x their calm cost: above the chord of two and eight tokens, though no
+    larger forward is cheaper (`disturbed` sees nothing), so timed again; a calm profile, flat then
+    growing (convex), has no point above a chord and costs no extra timing."""
+    import specui.engine.profiling as prof
+    from specui.engine.profile import CostProfile, above_chord
+
+    engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
+    calls = []
+
+    def calm_ms(width: int) -> float:
+        return max(60.0, 8.0 * width)  # flat while reading the weights bounds it, then growing
+
+    def once_slow(session, context, width, repeats, *room, **quick):
+        calls.append((session is engine.target, context, width))
+        slow = (context, width) == (8, 4) and calls.count((True, 8, 4)) == 1
+        return 1.25 * calm_ms(width) if slow else calm_ms(width)
+
+    monkeypatch.setattr(prof, "forward_ms", once_slow)
+    p = measure_profile(engine.target, engine.draft, contexts=(8, 32), ks=(1, 2, 4, 8, 16), widths=(1, 2))
+    assert calls.count((True, 8, 4)) == 2 and p.target_ms[8][4] == 60.0
+    assert calls.count((True, 32, 4)) == 1 and calls.count((True, 8, 8)) == 1
+    assert above_chord(p) == [] and disturbed(p) == []
+    stand_in = CostProfile(key="k", target_ms={64: {2: 64.1, 4: 84.8, 8: 81.6, 16: 116.3}})  # seen on the AMX Xeon
+    assert disturbed(stand_in, 1.5) == [] and above_chord(stand_in) == [("target", 64, 4)]
+
+
 def test_a_profile_cached_while_the_whole_machine_ran_slow_is_measured_again(tiny_target, tiny_draft, tmp_path,
                                                                               monkeypatch):
     """Something else held every core through a whole measurement: every point 20x dearer alike, so

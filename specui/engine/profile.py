@@ -228,6 +228,23 @@ def disturbed(profile: CostProfile, slack: float = DISTURBED_SLACK) -> list[tupl
     return out
 
 
+def above_chord(profile: CostProfile, slack: float = RETIME_SLACK) -> list[tuple[str, int, int]]:
+    """The target points ("target", context, k) above the chord of their neighbours in k (the next
+    fewer and more tokens of the same context) by `slack` plus DISTURBED_MS. A forward's cost is flat
+    while reading the weights bounds it and then grows with the tokens scored, which lies on or below
+    every chord, so such a point was timed in a slow moment, which `disturbed` misses while no larger
+    forward is cheaper (1.7b stand-in, AMX Xeon: 64.1 / 84.8 / 81.6 ms for 2 / 4 / 8 tokens, where 4
+    cost 71 timed again; `auto` then chose shorter chains than gamma 3, 1.26x against its 1.37x)."""
+    out = []
+    for c, row in profile.target_ms.items():
+        ks = sorted(row)
+        for lo, k, hi in zip(ks, ks[1:], ks[2:], strict=False):
+            chord = row[lo] + (row[hi] - row[lo]) * (k - lo) / (hi - lo)
+            if row[k] > slack * chord + DISTURBED_MS:
+                out.append(("target", c, k))
+    return out
+
+
 def default_cache_dir() -> Path:
     """~/.cache/specui/profiles (or $XDG_CACHE_HOME/specui/profiles); read when called."""
     return cache_root() / "profiles"

@@ -19,6 +19,7 @@ from specui.engine.profile import (
     TARGET_KS,
     CostProfile,
     Progress,
+    above_chord,
     cache_path,
     disturbed,
     load_cached,
@@ -105,9 +106,9 @@ def measure_profile(
     target, each width of the draft after the shortest context and one draft token after
     every context. Only the shortest context is prefilled; longer ones stretch it. A target
     row timed in a slow spell (`_steady`) is timed again; then a point that costs more than
-    RETIME_SLACK times a larger forward (`disturbed`) is timed again, up to twice, keeping the
-    lower figure (a profile still disturbed at DISTURBED_SLACK after that is not cached). Both
-    sessions are reset afterwards."""
+    RETIME_SLACK times a larger forward (`disturbed`) or than its neighbours' chord (`above_chord`)
+    is timed again, up to twice, keeping the lower figure (a profile still disturbed at
+    DISTURBED_SLACK after that is not cached). Both sessions are reset afterwards."""
     t0 = time.perf_counter()
     contexts = tuple(sorted(contexts))
     target_contexts = _fits(target, contexts, max(ks))
@@ -135,7 +136,7 @@ def measure_profile(
         profile = CostProfile(key="", target_ms=target_ms, draft_ms=draft_ms, draft_context_ms=draft_context_ms)
         _steady(target, target_ms, ks, repeats, progress)
         for _ in range(2):
-            for who, c, k in sorted(disturbed(profile, RETIME_SLACK)):
+            for who, c, k in sorted(set(disturbed(profile, RETIME_SLACK)) | set(above_chord(profile))):
                 if progress is not None:
                     progress(0.99, f"timing again: {who} {k} tokens after {c}")
                 ms = _point_ms(target if who == "target" else draft, who == "draft", c, k, repeats)
