@@ -148,6 +148,24 @@ def test_the_probe_runs_a_real_reply_once_and_is_cached(two_options, monkeypatch
     assert any("the probe failed (out of memory)" in n for n in kept.notes)
 
 
+def test_a_probe_cached_while_the_machine_ran_slow_is_probed_again(two_options, monkeypatch):
+    """A draft token cached at 50 ms where one costs about a millisecond now: the probe was timed on a
+    slowed machine, so the pair is probed again; one cached near what it costs now stands."""
+    spec, draft = two_options
+    _forge_probe([STEEP, FLAT], draft, alpha=0.9)
+    path = joint.default_cache_file()
+    cache = json.loads(path.read_text())
+    key = joint.probe_key([STEEP, FLAT], draft)
+    cache[key]["draft_ms"] = 50.0
+    path.write_text(json.dumps(cache))
+    probes = []
+    monkeypatch.setattr(joint, "probe_pair", lambda pair: probes.append(1) or joint.PairProbe(0.9, 0.5, 30))
+    load_pair(spec, draft)
+    assert probes == [1] and json.loads(path.read_text())[key]["draft_ms"] == 0.5
+    load_pair(spec, draft)
+    assert probes == [1]
+
+
 def test_no_probe_without_a_choice_to_make(tiny_dirs, monkeypatch):
     target, draft, _ = tiny_dirs
     monkeypatch.setattr(joint, "probe_pair", lambda pair: pytest.fail("probed"))

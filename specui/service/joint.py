@@ -27,7 +27,7 @@ import torch
 
 from specui.chat import render_ids
 from specui.engine.loop import GenerationRequest
-from specui.engine.measure import cache_root, cpu_signature
+from specui.engine.measure import cache_root, cpu_signature, forward_ms
 from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.methods.speculative import Speculative
 from specui.weights.dtypes import measured_stamp, read_cache, write_cache
@@ -38,6 +38,9 @@ MAX_GAMMA = 6  # auto's default longest chain
 MARGIN = 1.10  # another option must be predicted this much faster to be reloaded
 PROBE_GAMMA = 4
 PROBE_TOKENS = 48
+# a cached probe whose draft ms a token is above this times one draft forward now (+ ms) is probed again:
+# it was timed while the machine ran slow (a chain's token costs a little more than a bare forward)
+STALE_SLACK, STALE_MS = 2.0, 2.0
 PROBE_PROMPT = "Explain in a few sentences how a rainbow forms."
 PRIOR_ALPHA = 0.5  # where the probe drafted nothing (e.g. it stopped at once)
 
@@ -124,6 +127,17 @@ def probe_pair(pair) -> PairProbe:
     return PairProbe(round(alpha, 4), round(statistics.median(per_token), 3), drafted)
 
 
+def draft_token_ms(pair) -> float:
+    """One draft token's forward after 64 cached, timed now (median of 3, eagerly)."""
+    engine = pair.engine(capture="off")
+    try:
+        with torch.inference_mode():
+            return forward_ms(engine.draft, 64, 1, 3, quick=True)
+    finally:
+        engine.draft.reset()
+        engine.close()
+
+
 def default_cache_file() -> Path:
     return cache_root() / "joint_choices.json"
 
@@ -135,15 +149,18 @@ def probe_key(options: list[OptionCost], draft: ModelSpec) -> str:
 
 
 def cached_probe(pair, options: list[OptionCost], draft: ModelSpec, cache_file: Path | None = None) -> PairProbe:
-    """The pair's probe from the cache, else probed now and cached (a corrupt entry is probed again)."""
+    """The pair's probe from the cache, else probed now and cached (a corrupt entry is probed again,
+    and so is one whose draft ms a token is over STALE_SLACK times what a draft token costs now)."""
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
     key = probe_key(options, draft)
     try:
         entry = cache[key]
-        return PairProbe(float(entry["alpha"]), float(entry["draft_ms"]), int(entry["drafted"]))
+        cached = PairProbe(float(entry["alpha"]), float(entry["draft_ms"]), int(entry["drafted"]))
     except (KeyError, TypeError, ValueError):
-        pass
+        cached = None
+    if cached is not None and cached.draft_ms <= STALE_SLACK * draft_token_ms(pair) + STALE_MS:
+        return cached
     probe = probe_pair(pair)
     cache[key] = {"alpha": probe.alpha, "draft_ms": probe.draft_ms, "drafted": probe.drafted,
                   "measured": measured_stamp()}
