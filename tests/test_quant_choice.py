@@ -37,6 +37,18 @@ def _timer(ms: dict[str, float], calls: list[str]):
     return timer
 
 
+def _slow_once(calls: list[str], slow: str, first: float, then: float, other: float):
+    """A stand-in clock whose first timing of `slow` is `first` (a burst of noise) and later ones
+    `then`; the other option always `other`."""
+    burst = iter([first])
+
+    def timer(model):
+        calls.append(_kind(model))
+        ms = next(burst, then) if _kind(model) == slow else other
+        return ms, 1.5 * ms
+    return timer
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("q") / "m", seed=0, layers=1, hidden=64)
@@ -65,15 +77,8 @@ def test_an_option_slowed_in_its_own_turn_gets_a_second_look(folder, tmp_path):
     """A burst of noise during a less preferred option's turn must not decide either: an option that
     loses by less than CONFIRM_WITHIN is timed again beside the best in turns, and wins if it is faster;
     one far behind is not timed again."""
-    spec = ModelSpec(str(folder), quantization="auto")
-    slow_once = iter([10.0])  # none's first timing is hit by noise: 2.5x int8's
-
-    def noisy(model):
-        calls.append(_kind(model))
-        ms = next(slow_once, 3.0) if _kind(model) == "none" else 4.0
-        return ms, 1.5 * ms
-
-    calls: list[str] = []
+    spec, calls = ModelSpec(str(folder), quantization="auto"), []
+    noisy = _slow_once(calls, "none", 10.0, 3.0, 4.0)  # none's first timing is hit by noise: 2.5x int8's
     loaded = choose_quantization(spec, ("int8", "none"), "", "target", tmp_path / "a.json", noisy)
     assert loaded.spec.quantization == "none" and calls == ["int8", "none"] * 3
     assert loaded.notes[0].startswith("target quantization auto -> none: 3.0 ms per token vs 4.0 ms with int8")
@@ -105,15 +110,8 @@ def test_a_less_preferred_option_wins_only_if_timing_both_again_confirms_it(fold
     """A burst of noise during the preferred option's turn must not decide (CI once chose
     none over int4 on the bundled GGUF that way): the challenger and the best so far are
     timed again, taking turns, and each keeps its fastest time."""
-    spec = ModelSpec(str(folder), quantization="auto")
-    slow_once = iter([20.0])  # int8's first timing is hit by noise; its later ones are not
-
-    def noisy(model):
-        calls.append(_kind(model))
-        ms = next(slow_once, 4.0) if _kind(model) == "int8" else 9.0
-        return ms, 1.5 * ms
-
-    calls: list[str] = []
+    spec, calls = ModelSpec(str(folder), quantization="auto"), []
+    noisy = _slow_once(calls, "int8", 20.0, 4.0, 9.0)  # int8's first timing is hit by noise; its later ones are not
     loaded = choose_quantization(spec, ("int8", "none"), "", "target", tmp_path / "a.json", noisy)
     assert loaded.spec.quantization == "int8" and _kind(loaded.model) == "int8"
     assert calls == ["int8", "none", "int8", "none", "int8", "none"]
