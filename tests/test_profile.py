@@ -9,7 +9,7 @@ from conftest import EOS, TinyTokenizer
 
 from specui.engine import Engine
 from specui.engine import profile as prof_module
-from specui.engine.profile import CostProfile, disturbed, load_cached, profile_key
+from specui.engine.profile import CostProfile, above_chord, disturbed, load_cached, profile_key
 from specui.engine.profiling import get_profile, measure_profile
 
 
@@ -351,7 +351,6 @@ def test_a_point_above_its_neighbours_chord_is_timed_again(tiny_target, tiny_dra
     larger forward is cheaper (`disturbed` sees nothing), so timed again; a calm profile, flat then
     growing (convex), has no point above a chord and costs no extra timing."""
     import specui.engine.profiling as prof
-    from specui.engine.profile import CostProfile, above_chord
 
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
     calls = []
@@ -393,7 +392,7 @@ def test_a_profile_cached_while_the_whole_machine_ran_slow_is_measured_again(tin
     factor["now"] = 3.0  # busy now: the calm figures stay
     kept, note = get_profile(engine.target, engine.draft, tmp_path)
     assert "read from" in note and kept == calm
-    monkeypatch.undo()  # real forwards: a fast one's noise is not a slow machine, and the caches are left empty
-    real = measure_profile(engine.target, engine.draft, contexts=(8, 32), ks=(1, 4), widths=(1, 2), repeats=1)
-    assert prof.slower_than_now(real, engine.target, engine.draft) is None
+    monkeypatch.undo()  # real forwards for the check: the caches are left empty after them
+    quick = CostProfile(key="k", target_ms={8: {1: 1e-3, 4: 2e-3}}, draft_ms={1: 1e-3}, draft_context_ms={8: 1e-3})
+    assert prof.slower_than_now(quick, engine.target, engine.draft) is None  # cached faster than now: it stands
     assert engine.target.length == 0 and engine.draft.length == 0
