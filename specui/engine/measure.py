@@ -106,6 +106,19 @@ def model_identity(model: torch.nn.Module) -> str:
     return "|".join(parts)  # the last part: which kernels its matrices run on (e.g. weights/stream.py's)
 
 
+# a cached timing above this times what the same forward costs now (+ STALE_MS) was taken on a slowed
+# machine: one cost profile cached on a 2-core Xeon beside another process read 20x a calm one
+STALE_SLACK, STALE_MS = 1.5, 2.0
+
+
+def slower_then(cached_ms: float, now_ms: float, slack: float = STALE_SLACK) -> bool:
+    """Whether a cached timing is above `slack` times (+ STALE_MS) what it costs now: the cache was
+    timed while something else held every core, slow alike in every figure, which no check inside
+    that measurement can see. Only a faster figure now counts: a slower one is the machine busy at
+    this load, and the cache stands (the profile, quantization auto's choice and the joint probe)."""
+    return cached_ms > slack * now_ms + STALE_MS
+
+
 def _context_ids(session: ModelSession, context: int) -> list[int]:
     """`context` made-up tokens; a shorter context's ids are a prefix of a longer one's, so
     each prefill only feeds what the last one lacks."""

@@ -10,10 +10,9 @@ import json
 import time
 from pathlib import Path
 
-from specui.engine.measure import chain_token_ms, forward_ms
+from specui.engine.measure import chain_token_ms, forward_ms, slower_then
 from specui.engine.profile import (
     CONTEXTS,
-    DISTURBED_MS,
     DRAFT_WIDTHS,
     RETIME_SLACK,
     TARGET_KS,
@@ -30,9 +29,6 @@ from specui.engine.session import ModelSession
 # by this: the row was timed in a slow spell and is timed again (2-core Xeon, a profile measured
 # beside another process: 124-175 ms for 1-4 tokens against 84-103 calm, within `disturbed`'s slack)
 STEADY_SLACK = 1.25
-# a cached profile whose one-token figure is more than this times what the forward costs now is measured
-# again (`slower_than_now`): one cached on a 2-core Xeon beside another process cost 20x a calm one
-STALE_SLACK = 1.5
 
 
 def get_profile(
@@ -67,9 +63,9 @@ def get_profile(
 
 def slower_than_now(cached: CostProfile, target: ModelSession, draft: ModelSession | None,
                     repeats: int = 3) -> str | None:
-    """Where a cached profile's one-token figure of the target (or the draft) is more than
-    STALE_SLACK times what that forward costs now (plus DISTURBED_MS), in words ("target 1 token after 64: 1520.3 ms
-    cached, 84.1 now"); None where it is not. A profile timed while something else held every core
+    """Where a cached profile's one-token figure of the target (or the draft) is slower than what
+    that forward costs now (`slower_then`), in words ("target 1 token after 64: 1520.3 ms cached,
+    84.1 now"); None where it is not. A profile timed while something else held every core
     the whole time is slow alike in every point (neither `disturbed` nor `_steady` can see it from
     inside), and once cached it would steer every later load; only a slower figure now is taken as
     the machine's state, never a faster one. Costs a few forwards; both sessions reset afterwards."""
@@ -81,7 +77,7 @@ def slower_than_now(cached: CostProfile, target: ModelSession, draft: ModelSessi
             if not rows or 1 not in rows[(c := min(rows))]:
                 continue
             now = _point_ms(session, is_draft, c, 1, repeats)
-            if rows[c][1] > STALE_SLACK * now + DISTURBED_MS:
+            if slower_then(rows[c][1], now):
                 who = "draft" if is_draft else "target"
                 return f"{who} 1 token after {c}: {rows[c][1]:.1f} ms cached, {now:.1f} now"
     finally:

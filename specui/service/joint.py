@@ -27,7 +27,7 @@ import torch
 
 from specui.chat import render_ids
 from specui.engine.loop import GenerationRequest
-from specui.engine.measure import cache_root, cpu_signature, forward_ms
+from specui.engine.measure import cache_root, cpu_signature, forward_ms, slower_then
 from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.methods.speculative import Speculative
 from specui.weights.dtypes import measured_stamp, read_cache, write_cache
@@ -38,9 +38,9 @@ MAX_GAMMA = 6  # auto's default longest chain
 MARGIN = 1.10  # another option must be predicted this much faster to be reloaded
 PROBE_GAMMA = 4
 PROBE_TOKENS = 48
-# a cached probe whose draft ms a token is above this times one draft forward now (+ ms) is probed again:
-# it was timed while the machine ran slow (a chain's token costs a little more than a bare forward)
-STALE_SLACK, STALE_MS = 2.0, 2.0
+# a cached probe whose draft ms a token is `slower_then` one draft forward now by this is probed again
+# (wider than the profile's: a chain's token costs a little more than a bare forward)
+STALE_SLACK = 2.0
 PROBE_PROMPT = "Explain in a few sentences how a rainbow forms."
 PRIOR_ALPHA = 0.5  # where the probe drafted nothing (e.g. it stopped at once)
 
@@ -159,7 +159,7 @@ def cached_probe(pair, options: list[OptionCost], draft: ModelSpec, cache_file: 
         cached = PairProbe(float(entry["alpha"]), float(entry["draft_ms"]), int(entry["drafted"]))
     except (KeyError, TypeError, ValueError):
         cached = None
-    if cached is not None and cached.draft_ms <= STALE_SLACK * draft_token_ms(pair) + STALE_MS:
+    if cached is not None and not slower_then(cached.draft_ms, draft_token_ms(pair), STALE_SLACK):
         return cached
     probe = probe_pair(pair)
     cache[key] = {"alpha": probe.alpha, "draft_ms": probe.draft_ms, "drafted": probe.drafted,

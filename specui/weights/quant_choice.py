@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cache_root, code_stamp, cpu_signature, forward_ms
+from specui.engine.measure import cache_root, code_stamp, cpu_signature, forward_ms, slower_then
 from specui.engine.session import ModelSession
 from specui.errors import SpecUIError
 from specui.weights.concrete import Progress, load_concrete
@@ -40,9 +40,6 @@ REPEATS = 5
 MARGIN = 0.95  # a less preferred option (later in the candidates) must be 5% faster to be chosen
 CONFIRM_ROUNDS = 2  # a less preferred option that wins is timed again beside the best so far, this often
 CONFIRM_WITHIN = 3.0  # ... and one that loses by less than this factor (its turn may have been the slow one)
-# a cached choice whose option costs more than this times what it costs now (+ STALE_MS) is measured again:
-# one cached on a 2-core Xeon beside another process had every option 1.7-4.4x dear and chose the slower
-STALE_SLACK, STALE_MS = 1.5, 2.0
 CPU_OPTIONS = ("none", "int8", "int4", "w4a8")
 GPU_OPTIONS = ("none", "8bit", "4bit")
 
@@ -282,11 +279,11 @@ def _eager_only(capture: str) -> str:
 
 
 def _slower_now(model: torch.nn.Module, cost: OptionCost, timer: Timer) -> str | None:
-    """Where the option's cached ms a token is above STALE_SLACK times (+ STALE_MS) what it costs
-    now, in words: the whole measurement ran slow (slow alike in every option, which timing them in
-    turns cannot see). A slower figure now is the machine busy at this load: the cache stands."""
+    """Where the option's cached ms a token is slower than what it costs now (`slower_then`), in
+    words: the whole measurement ran slow (slow alike in every option, which timing them in turns
+    cannot see; one cached beside another process had every option 1.7-4.4x dear and chose the slower)."""
     now, _ = timer(model)
-    if cost.ms_token is not None and cost.ms_token > STALE_SLACK * now + STALE_MS:
+    if cost.ms_token is not None and slower_then(cost.ms_token, now):
         return f"{cost.quantization} {cost.ms_token:.1f} ms a token cached, {now:.1f} now"
     return None
 
