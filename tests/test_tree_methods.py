@@ -142,28 +142,6 @@ def test_node_budget_grows_only_while_the_largest_is_best_and_not_right_after_a_
     assert budget.calibration < 0.5
 
 
-def test_one_poor_tree_does_not_collapse_the_budget_but_a_run_of_them_shrinks_it():
-    """What each budget would have drafted is averaged over the recent trees: one tree grown at a
-    hard position (every node past the first unlikely), where 1 node would have been narrowly faster,
-    keeps a budget that sure trees chose; a run of such positions shrinks it."""
-    from test_profile import synthetic
-
-    from specui.engine.methods.tree_budget import NodeBudget
-
-    flat, budget = synthetic(t1=10.0, slope=0.01, draft=0.1), NodeBudget(cap=16)
-    sure, chain = [0.99 ** (i + 1) for i in range(16)], list(range(1, 17))
-    poor = [0.3] + [0.01] * 15
-    alone = NodeBudget(cap=16).rates(poor, chain, flat, 64, 16)
-    assert max(alone, key=alone.get) == 1 and alone[2] > 0.95 * alone[1]  # judged alone: 1 node, narrowly
-    assert budget.next(sure, chain, flat, 64, 16) == (16, None)
-    assert budget.next(poor, chain, flat, 64, 16) == (16, None)  # one poor tree: kept
-    n, sizes = 16, []
-    for _ in range(20):  # a run of hard positions: the budget comes down, step by step, to 1
-        n = budget.next(poor[:n], chain[:n], flat, 64, n)[0]
-        sizes.append(n)
-    assert sizes[0] == 16 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)
-
-
 @pytest.mark.parametrize("slope,small", [(8.0, True), (0.01, False)], ids=["dear-verification", "flat"])
 def test_adaptive_opt_tree_is_lossless_and_sizes_its_trees_by_the_profile(tiny_target, slope, small):
     from test_auto import engine_with

@@ -8,17 +8,13 @@ would have drafted (OPT-Tree's selection is nested: the m nodes of largest p^ ar
 so E(A) for every m up to n is known at no cost. Scaled by the running ratio of accepted to
 expected tokens (E(A) is the draft's own estimate, optimistic where it is overconfident), and
 divided by the profile's predicted ms, it gives tokens per ms for each m; the next step takes
-the best. What each m would have drafted (its E(A) and depth) is averaged over the recent trees
-(the newest weighs `newest`): one tree grown at a hard position, its deeper nodes all unlikely,
-says little about the next position, and judged alone it took a 16-node budget to 1 where the
-rates were within 5% (a bfloat16 1.7b stand-in on the AMX Xeon), after which the budget may not
-grow for `probe_every` steps. The budget grows (doubling, up to the cap) only while the largest budget tried is
+the best. The budget grows (doubling, up to the cap) only while the largest budget tried is
 the best and no shrink happened in the last `probe_every` steps, so it does not oscillate.
 Plain arithmetic over the profile: the verification (and so losslessness) is untouched."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.profile import CostProfile
@@ -42,8 +38,6 @@ class NodeBudget:
     expected: float = 1.0
     since_shrink: int = 1 << 30
     floor: int = 1  # below this the budget does not fall, it stays (auto's probes: the size of the step)
-    newest: float = 0.5  # the newest tree's weight in each budget's averaged E(A) - 1 and depth
-    drafted: dict[int, tuple[float, float]] = field(default_factory=dict)  # m -> averaged (E(A) - 1, depth)
 
     @property
     def calibration(self) -> float:
@@ -59,34 +53,21 @@ class NodeBudget:
     def rates(self, p_hat: list[float], depths: list[int], profile: CostProfile, context: int,
               current: int) -> dict[int, float]:
         """Predicted tokens per ms of the budgets 1, 2, 4, ... and `current`, from the tree the
-        draft grew with budget `current` (p^ and depth of each node), averaged with the trees before."""
-        out = {}
-        for m, (gain, depth) in self.averaged(p_hat, depths, current).items():
-            nodes = min(m, len(p_hat))  # fewer than m where the tree stopped growing first (delta)
-            out[m] = (1.0 + self.calibration * gain) / step_ms(profile, nodes, max(1, round(depth)), context)
-        return out
-
-    def averaged(self, p_hat: list[float], depths: list[int], current: int) -> dict[int, tuple[float, float]]:
-        """(E(A) - 1, depth) of each budget m's subtree of this tree, averaged with what earlier
-        trees said of m (OPT-Tree's selection is nested: m's nodes are the m of largest p^)."""
+        draft grew with budget `current` (p^ and depth of each node)."""
         order = sorted(range(len(p_hat)), key=lambda i: (-p_hat[i], i))  # OPT-Tree's selection order
         sizes = sorted({m for m in (1 << k for k in range(12)) if m < current} | {current})
         out = {}
         for m in sizes:
-            chosen = order[:m]
-            gain, depth = sum(p_hat[i] for i in chosen), max((depths[i] for i in chosen), default=1)
-            if m in self.drafted:
-                old_gain, old_depth = self.drafted[m]
-                gain = self.newest * gain + (1.0 - self.newest) * old_gain
-                depth = self.newest * depth + (1.0 - self.newest) * old_depth
-            out[m] = (gain, float(depth))
+            chosen = order[:m]  # fewer than m where the tree stopped growing first (delta)
+            gain = sum(p_hat[i] for i in chosen)
+            depth = max((depths[i] for i in chosen), default=1)
+            out[m] = (1.0 + self.calibration * gain) / step_ms(profile, len(chosen), depth, context)
         return out
 
     def next(self, p_hat: list[float], depths: list[int], profile: CostProfile, context: int,
              current: int) -> tuple[int, str | None]:
         """The next step's budget, and a note when it changes (None otherwise)."""
         rates = self.rates(p_hat, depths, profile, context, current)
-        self.drafted.update(self.averaged(p_hat, depths, current))
         best = max(rates, key=lambda m: (rates[m], -m))
         self.since_shrink += 1
         filled = len(p_hat) >= current  # the tree was cut by the budget, not by delta
