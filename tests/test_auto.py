@@ -132,30 +132,23 @@ def test_trees_are_probed_and_kept_where_they_pay_and_replies_stay_exact(tiny_ta
 NOISE_THAT_SHRINKS = 0.6  # a draft this far from the target: its trees' budgets fall within probes
 
 
-def test_a_tree_probe_shrinks_at_most_one_size_below_where_it_started(tiny_target):
-    """A probe judges trees of at least one size below the bound's (and 2 nodes): the tree's own
-    budget may grow within the burst, or fall that far, not further (on a 1.7b stand-in one unlucky step
-    cut it from 16 nodes to 1, and a burst of 1-node trees lost to chains that the full trees beat
-    by 1.19x; held at its 25 nodes, a probe verified 26 tokens a step where 15 nodes cost what a
-    chain did). Once the burst ends the budget adapts as before; the reply stays the target's
-    greedy one."""
-    from specui.engine.methods.tree_budget import probe_floor
-
+def test_a_tree_probe_never_shrinks_below_the_size_it_started_at(tiny_target):
+    """A probe judges trees of at least the bound's size: the tree's own budget may grow within
+    the burst but not fall (on a 1.7b stand-in one unlucky step cut it from 16 nodes to 1, and a
+    burst of 1-node trees lost to chains that the full trees beat by 1.19x). Once the burst ends
+    the budget adapts as before; the reply stays the target's greedy one."""
     draft = near_copy(tiny_target, NOISE_THAT_SHRINKS, 3)
     engine = engine_with(tiny_target, draft, flat())
     gen = run(engine, PROMPTS[0], 80, "auto", lookup=False, probe_every=4, calibrate=False)
-    bursts, wanted_less, said_below = [], False, False
+    bursts, wanted_less, said_fell = [], False, False
     for i, step in enumerate(gen.steps):
         if any("probe: OPT-Tree step 1 of 4" in n for n in step.notes):
-            burst = [int(s.choice.split(":")[1]) for s in gen.steps[i:i + 4] if s.choice.startswith("opt-tree")]
-            bursts.append(burst)
-            least = probe_floor(engine.costs.profile, burst[0])
+            bursts.append([int(s.choice.split(":")[1]) for s in gen.steps[i:i + 4] if s.choice.startswith("opt-tree")])
             notes = [n for s in gen.steps[i:i + 3] for n in s.notes]
-            wanted_less |= any(_held_above(n) or "auto's probe keeps at least" in n for n in notes)
-            said_below |= any(_falls_below(n, least) for n in notes)  # the trace says what happened
-            assert min(burst) >= least, (burst, least)
+            wanted_less |= any(_held_above(n) for n in notes)
+            said_fell |= any(_falls(n) for n in notes)  # the trace says what happened, not what was overruled
     assert bursts and wanted_less, [s.choice for s in gen.steps]
-    assert not said_below, bursts
+    assert all(b == sorted(b) for b in bursts) and not said_fell, bursts
     assert gen.output_ids == run(engine, PROMPTS[0], 80, "autoregressive").output_ids
 
 
@@ -168,12 +161,12 @@ def _held_above(note: str) -> bool:
     return int(note.rsplit("would take ", 1)[1].rstrip(")")) < held
 
 
-def _falls_below(note: str, least: int) -> bool:
-    """Whether a step's note is its tree's budget falling below `least` ("node budget 16 -> 3 (...)")."""
+def _falls(note: str) -> bool:
+    """Whether a step's note is its tree's budget falling ("node budget 16 -> 8 (...)")."""
     if not note.startswith("node budget ") or " -> " not in note:
         return False
     old, new = note.removeprefix("node budget ").split(" (")[0].split(" -> ")
-    return int(new) < min(int(old), least)
+    return int(new) < int(old)
 
 
 def test_trees_that_lose_wait_until_the_bound_makes_up_for_the_shortfall():

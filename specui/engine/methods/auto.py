@@ -60,7 +60,7 @@ from specui.engine.methods.chain_rate import (
 )
 from specui.engine.methods.speculative import Speculative
 from specui.engine.methods.tree import OptTree
-from specui.engine.methods.tree_budget import optimistic_rate, probe_floor, step_ms
+from specui.engine.methods.tree_budget import optimistic_rate, step_ms
 from specui.errors import SpecUIError
 
 AR = "autoregressive"
@@ -105,7 +105,7 @@ class Auto(Method):
         # costs (EngineCosts.trees), kept across replies; these count steps within this reply
         self.verdict = TreeVerdict()  # the engine's (EngineCosts.trees) once begin() sees it
         self.tree_run = 0  # tree steps since the last other step
-        self.burst, self.probe_floor = 0, 1  # tree steps left in the current probe; the fewest nodes its trees may have
+        self.burst = 0  # tree steps left in the current probe
         self.lookup = LookupChoice(tokens=lookup_tokens) if lookup else None  # the conversation's continuation
 
     def wants_profile(self, has_draft: bool) -> bool:
@@ -244,7 +244,6 @@ class Auto(Method):
             if bound * (1.0 if verdict.since >= longest else verdict.shortfall) > others * (1.0 + self.margin):
                 if self.tree.budget is not None:  # the probe starts at the bound's size, not the cap (25 nodes
                     self.tree.nodes = nodes  # cost 489 ms at the 1.7b stand-in where 8 cost 130); the budget adapts
-                    self.probe_floor = probe_floor(costs.profile, nodes)  # down to one size smaller
                 self.burst = PROBE_BURST - 1
                 verdict.yield_ = StepYield()  # judged on this burst, not on trees long past
                 verdict.probe_bound = bound
@@ -335,8 +334,8 @@ class Auto(Method):
             self.tree_begun = True
         nodes, context = self.tree.nodes, len(ctx.ids)
         catch_up(ctx)  # catching up on unread tokens is not the tree's step time
-        if self.tree.budget is not None:  # a probe's trees may grow, or fall one size (tree_budget.probe_floor)
-            self.tree.budget.floor = self.probe_floor if why.startswith("probe") else 1
+        if self.tree.budget is not None:  # a probe's trees may grow, not fall below its size (one unlucky step
+            self.tree.budget.floor = nodes if why.startswith("probe") else 1  # cut 16 nodes to 1: AMX Xeon, bf16)
         t0 = time.perf_counter()
         result = self.tree.step(ctx)
         ms = (time.perf_counter() - t0) * 1000.0

@@ -59,7 +59,7 @@ class NodeBudget:
     accepted: float = 1.0  # decayed sums behind the accepted / expected ratio (prior 1)
     expected: float = 1.0
     since_shrink: int = 1 << 30
-    floor: int = 1  # the budget does not fall below this (auto's probes: probe_floor)
+    floor: int = 1  # below this the budget does not fall, it stays (auto's probes: the size of the step)
 
     @property
     def calibration(self) -> float:
@@ -97,26 +97,15 @@ class NodeBudget:
             new = next(m for m in budget_sizes(profile, self.cap) if m > current)
         else:
             new = best
-        held = new < self.floor  # a probe judges trees of at least probe_floor's size
-        if held and current <= self.floor:
+        if new < self.floor:  # a probe judges trees of at least its own size: the budget stays
             return current, f"node budget held at {current} while auto probes trees (the rates would take {new})"
-        new = max(new, self.floor)
         if new < current:
             self.since_shrink = 0
         if new == current:
             return current, None
         why = ", ".join(f"{m}: {1000 * r:.1f}" for m, r in sorted(rates.items()))
-        kept = f"; auto's probe keeps at least {new} (the rates would take fewer)" if held else ""
         return new, (f"node budget {current} -> {new} (predicted tokens per s by budget: {why}; "
-                     f"accepted / expected {self.calibration:.2f}{kept})")
-
-
-def probe_floor(profile: CostProfile, nodes: int) -> int:
-    """The next smaller `budget_sizes` below `nodes` of 2 nodes at least, else `nodes`: how far an
-    `auto` probe's trees may shrink. One unlucky step cut a 16-node probe to 1 (1.7b stand-in, AMX
-    Xeon), and a burst of 1-node trees lost to chains the full trees beat; held at its 25 nodes, a
-    probe verified 26 tokens in 389 ms a step where 15 nodes (16 tokens) cost what a chain did."""
-    return max((m for m in budget_sizes(profile, nodes) if 2 <= m < nodes), default=nodes)
+                     f"accepted / expected {self.calibration:.2f})")
 
 
 def optimistic_rate(profile: CostProfile, alpha: float, cap: int, max_depth: int, context: int,
