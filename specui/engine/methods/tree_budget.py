@@ -8,15 +8,8 @@ would have drafted (OPT-Tree's selection is nested: the m nodes of largest p^ ar
 so E(A) for every m up to n is known at no cost. Scaled by the running ratio of accepted to
 expected tokens (E(A) is the draft's own estimate, optimistic where it is overconfident), and
 divided by the profile's predicted ms, it gives tokens per ms for each m; the next step takes
-the best. The budget grows (to the next size, up to the cap) only while the largest budget tried
-is the best and no shrink happened in the last `probe_every` steps, so it does not oscillate.
-
-The sizes tried are those whose verification was measured (m + 1 tokens a profiled k: 1, 3, 7,
-15, 31, ...) and the cap, and a tree's verification is priced at the profiled k at or above its
-tokens (`verify_tokens`): a forward's cost may step up right past a measured point, which the
-line between two points hides. On an AMX Xeon (bf16 1.7b stand-in, 16-row tiles) 13 tokens
-verified in 287 ms, as one did, and 17 in 382: 16 nodes, priced between 16 and 32 tokens as
-barely dearer than 12, ran at 1.63x autoregressive where 12 ran at 2.06x.
+the best. The budget grows (doubling, up to the cap) only while the largest budget tried is
+the best and no shrink happened in the last `probe_every` steps, so it does not oscillate.
 Plain arithmetic over the profile: the verification (and so losslessness) is untouched."""
 
 from __future__ import annotations
@@ -27,28 +20,13 @@ from specui.engine.methods.chain_rate import chain_tokens
 from specui.engine.profile import CostProfile
 
 
-def measured_ks(profile: CostProfile) -> list[int]:
-    """The token counts the profile timed the target at (every context times the same)."""
-    return sorted({k for row in profile.target_ms.values() for k in row})
-
-
-def verify_tokens(profile: CostProfile, nodes: int) -> int:
-    """The profiled k at or above nodes + 1 (nodes + 1 beyond the largest): what a tree is priced at."""
-    return next((k for k in measured_ks(profile) if k >= nodes + 1), nodes + 1)
-
-
-def budget_sizes(profile: CostProfile, cap: int) -> list[int]:
-    """Node counts a budget chooses among: m + 1 a profiled k (1, 3, 7, 15, ...) below the cap, and the cap."""
-    return sorted({k - 1 for k in measured_ks(profile) if 1 <= k - 1 < cap} | {max(1, cap)})
-
-
 def step_ms(profile: CostProfile, nodes: int, depth: int, context: int) -> float:
     """Predicted ms of one OPT-Tree step with a tree of `nodes` nodes and `depth` layers: the
     root's draft forward, a draft layer of up to `nodes` nodes for each deeper layer, and the
-    target scoring nodes + 1 tokens after `context` cached ones (priced at `verify_tokens`)."""
+    target scoring nodes + 1 tokens after `context` cached ones."""
     draft_one = profile.draft(1, context) or 0.0
     draft_layer = profile.draft(max(1, nodes), context) or 0.0
-    return draft_one + max(0, depth - 1) * draft_layer + profile.target(verify_tokens(profile, nodes), context)
+    return draft_one + max(0, depth - 1) * draft_layer + profile.target(nodes + 1, context)
 
 
 @dataclass
@@ -74,10 +52,10 @@ class NodeBudget:
 
     def rates(self, p_hat: list[float], depths: list[int], profile: CostProfile, context: int,
               current: int) -> dict[int, float]:
-        """Predicted tokens per ms of the budgets `budget_sizes` below `current`, and `current`, from
-        the tree the draft grew with budget `current` (p^ and depth of each node)."""
+        """Predicted tokens per ms of the budgets 1, 2, 4, ... and `current`, from the tree the
+        draft grew with budget `current` (p^ and depth of each node)."""
         order = sorted(range(len(p_hat)), key=lambda i: (-p_hat[i], i))  # OPT-Tree's selection order
-        sizes = budget_sizes(profile, current)
+        sizes = sorted({m for m in (1 << k for k in range(12)) if m < current} | {current})
         out = {}
         for m in sizes:
             chosen = order[:m]  # fewer than m where the tree stopped growing first (delta)
@@ -94,7 +72,7 @@ class NodeBudget:
         self.since_shrink += 1
         filled = len(p_hat) >= current  # the tree was cut by the budget, not by delta
         if best == current and current < self.cap and filled and self.since_shrink > self.probe_every:
-            new = next(m for m in budget_sizes(profile, self.cap) if m > current)
+            new = min(self.cap, 2 * current)
         else:
             new = best
         if new < self.floor:  # a probe judges trees of at least its own size: the budget stays
@@ -110,14 +88,15 @@ class NodeBudget:
 
 def optimistic_rate(profile: CostProfile, alpha: float, cap: int, max_depth: int, context: int,
                     ratio: float = 1.0) -> tuple[float, int]:
-    """An optimistic tokens per ms for trees of the `budget_sizes` up to `cap` (from 2 nodes): m/2
-    layers (at most `max_depth`) of two candidates, each layer passed with probability
-    1 - (1 - alpha)^2, at the profile's step time scaled by `ratio`; and the node count that reaches
-    it (`auto` probes trees only where this beats its chains)."""
+    """An optimistic tokens per ms for trees of 2, 4, ... nodes (at most `cap`): m/2 layers (at
+    most `max_depth`) of two candidates, each layer passed with probability 1 - (1 - alpha)^2, at
+    the profile's step time scaled by `ratio`; and the node count that reaches it (`auto` probes
+    trees only where this beats its chains)."""
     passed = 1.0 - (1.0 - min(alpha, 0.999)) ** 2
-    best, best_m = 0.0, 2
-    for m in [m for m in budget_sizes(profile, cap) if m >= 2]:
+    best, best_m, m = 0.0, 2, 2
+    while m <= cap:
         depth = max(1, min(m // 2, max_depth))
         rate = chain_tokens(passed, depth) / (step_ms(profile, m, depth, context) * ratio)
         best, best_m = (rate, m) if rate > best else (best, best_m)
+        m *= 2
     return best, best_m
