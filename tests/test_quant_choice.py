@@ -31,9 +31,9 @@ AUTO_W4A8 = ("w4a8",) if w4a8_vector() else ()  # ... and weighed by auto where 
 
 def _timer(ms: dict[str, float], calls: list[str]):
     """A stand-in clock: ms per token by what the model is, recording what it timed."""
-    def timer(model):
-        calls.append(_kind(model))
-        return ms[_kind(model)], 1.5 * ms[_kind(model)]
+    def timer(model, four=True):
+        calls.append(_kind(model) if four else f"{_kind(model)} (one token)")
+        return ms[_kind(model)], 1.5 * ms[_kind(model)] if four else None
     return timer
 
 
@@ -42,10 +42,10 @@ def _slow_once(calls: list[str], slow: str, first: float, then: float, other: fl
     `then`; the other option always `other`."""
     burst = iter([first])
 
-    def timer(model):
-        calls.append(_kind(model))
+    def timer(model, four=True):
+        calls.append(_kind(model) if four else f"{_kind(model)} (one token)")
         ms = next(burst, then) if _kind(model) == slow else other
-        return ms, 1.5 * ms
+        return ms, 1.5 * ms if four else None
     return timer
 
 
@@ -66,7 +66,8 @@ def test_the_fastest_candidate_is_loaded_and_the_choice_cached(folder, tmp_path)
     assert entry["chosen"] == "int8" and [c["quantization"] for c in entry["costs"]] == ["int8", "none"]
     again = choose_quantization(spec, ("int8", "none"), "why", "target", cache, _timer({"int8": 4}, calls))
     assert again.spec.quantization == "int8" and "read from the cache" in again.notes[0]
-    assert calls[6:] == ["int8"]  # the cached option timed once: is the cache as fast as the machine is now?
+    # the cached option's token timed once (four tokens are not compared): is the cache as fast as the machine is now?
+    assert calls[6:] == ["int8 (one token)"]
     # a less preferred option must be 5% faster; a corrupt entry is measured again
     cache.write_text(json.dumps({k: {"chosen": "int8", "costs": "x"} for k in json.loads(cache.read_text())}))
     close = choose_quantization(spec, ("int8", "none"), "why", "target", cache, _timer({"int8": 4, "none": 3.9}, calls))
@@ -97,13 +98,13 @@ def test_a_choice_cached_while_the_machine_ran_slow_is_measured_again(folder, tm
     assert slow.spec.quantization == "none"
     calls.clear()
     calm = choose_quantization(spec, ("int8", "none"), "", "target", cache, _timer({"int8": 4, "none": 9}, calls))
-    assert calm.spec.quantization == "int8" and calls[:3] == ["none", "int8", "none"]
+    assert calm.spec.quantization == "int8" and calls[:3] == ["none (one token)", "int8", "none"]
     assert calm.notes[0].startswith("the cached choice was timed while the machine ran slower (none 80.0 ms a token "
                                     "cached, 9.0 now), so measured again: target quantization auto -> int8: 4.0 ms")
     assert json.loads(cache.read_text())[calm.options_key]["chosen"] == "int8"
     calls.clear()
     busy = choose_quantization(spec, ("int8", "none"), "", "target", cache, _timer({"int8": 12, "none": 27}, calls))
-    assert busy.spec.quantization == "int8" and "read from the cache" in busy.notes[0] and calls == ["int8"]
+    assert busy.spec.quantization == "int8" and "read from the cache" in busy.notes[0] and calls == ["int8 (one token)"]
 
 
 def test_a_less_preferred_option_wins_only_if_timing_both_again_confirms_it(folder, tmp_path):
@@ -154,7 +155,7 @@ def test_every_option_is_measured_with_its_weights_and_what_it_computes_with(fol
 def test_an_option_that_cannot_run_says_why_in_the_table(folder, monkeypatch):
     monkeypatch.setattr(quantize.Int8Linear, "from_stored", classmethod(lambda *a, **k: None))
     monkeypatch.setattr(quantize.Int4Linear, "from_groups", classmethod(lambda *a, **k: None))
-    costs = measure_options(ModelSpec(str(folder)), timer=lambda m: (1.0, 1.0))
+    costs = measure_options(ModelSpec(str(folder)), timer=lambda m, four=True: (1.0, 1.0))
     assert [c.ms_token for c in costs][:3] == [1.0, None, None] and "serve none" in costs[1].problem
     assert "| int4 | | | | cannot run here: --quantization int4" in options_table(costs)
 

@@ -43,7 +43,8 @@ CONFIRM_WITHIN = 3.0  # ... and one that loses by less than this factor (its tur
 CPU_OPTIONS = ("none", "int8", "int4", "w4a8")
 GPU_OPTIONS = ("none", "8bit", "4bit")
 
-Timer = Callable[[torch.nn.Module], tuple[float, float]]  # (ms for 1 token, ms for 4 tokens)
+# (ms for 1 token, ms for 4 tokens; None where called with four=False: the cache's check reads one)
+Timer = Callable[..., tuple[float, float | None]]
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,13 @@ class OptionCost:
         return asdict(self)
 
 
-def time_model(model: torch.nn.Module) -> tuple[float, float]:
-    """(ms for one token, ms for four tokens in one forward) after CONTEXT cached tokens."""
+def time_model(model: torch.nn.Module, four: bool = True) -> tuple[float, float | None]:
+    """(ms for one token, ms for four tokens in one forward) after CONTEXT cached tokens; without
+    `four` only the token (None for four): a cached choice's check compares that alone."""
     with torch.inference_mode():
         session = ModelSession(model)
-        return forward_ms(session, CONTEXT, 1, REPEATS), forward_ms(session, CONTEXT, 4, REPEATS)
+        one = forward_ms(session, CONTEXT, 1, REPEATS)
+        return one, (forward_ms(session, CONTEXT, 4, REPEATS) if four else None)
 
 
 def default_cache_file() -> Path:
@@ -282,7 +285,7 @@ def _slower_now(model: torch.nn.Module, cost: OptionCost, timer: Timer) -> str |
     """Where the option's cached ms a token is slower than what it costs now (`slower_then`), in
     words: the whole measurement ran slow (slow alike in every option, which timing them in turns
     cannot see; one cached beside another process had every option 1.7-4.4x dear and chose the slower)."""
-    now, _ = timer(model)
+    now, _ = timer(model, four=False)
     if cost.ms_token is not None and slower_then(cost.ms_token, now):
         return f"{cost.quantization} {cost.ms_token:.1f} ms a token cached, {now:.1f} now"
     return None
