@@ -60,7 +60,8 @@ def cpu_signature() -> str:
 
 
 COSTING_PACKAGES = ("engine", "weights")  # SpecUI's code that decides what a forward costs
-KERNEL_SWITCHES = ("SPECUI_NATIVE", "SPECUI_AMX")  # environment that changes which kernels run (weights/native.py)
+# environment that changes which kernels run (weights/native.py)
+KERNEL_SWITCHES = ("SPECUI_NATIVE", "SPECUI_AMX", "SPECUI_NATIVE_ARCH")
 
 
 def code_stamp() -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from specui.engine.measure import cpu_signature
 from specui.engine.paths import cache_root
 
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
+# the -march the kernels are built for (default "native": this CPU); e.g. "x86-64-v3" (AVX2, no AVX-512) builds
+# and tests, on an AVX-512 / AMX machine, the kernel paths an AVX2 CPU runs
+ARCH_ENV = "SPECUI_NATIVE_ARCH"
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q4a8_amx.cpp",
                                              "q8a8.cpp", "attend.cpp", "logits.cpp", "entropy.cpp", "roof.cpp"))
@@ -43,14 +47,18 @@ def native() -> tuple[object | None, str]:
         from torch.utils.cpp_extension import load
     except ImportError as e:  # pragma: no cover - part of every torch build
         return None, f"torch's C++ extension builder is missing ({e})"
+    arch = os.environ.get(ARCH_ENV) or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", arch):
+        return None, f"{ARCH_ENV}={arch!r} is not a compiler's -march name (e.g. native, x86-64-v3)"
     _ninja_on_path()
     text = "".join(source.read_text() for source in SOURCES + HEADERS)
-    tag = hashlib.sha256((text + cpu_signature() + torch.__version__).encode()).hexdigest()[:16]
+    built_for = cpu_signature() + torch.__version__ + (arch if arch != "native" else "")
+    tag = hashlib.sha256((text + built_for).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"native-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
         module = load(name=f"specui_native_{tag}", sources=[str(source) for source in SOURCES],
-                      build_directory=str(folder), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                      build_directory=str(folder), extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
                       extra_ldflags=["-fopenmp"], verbose=False)  # at::parallel_for is OpenMP in the header
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no AVX2, a failed link: each says why
         lines = str(e).strip().splitlines() or [type(e).__name__]
