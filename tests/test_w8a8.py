@@ -72,6 +72,18 @@ def test_specui_native_0_keeps_the_torch_ops(monkeypatch):
         native.cache_clear()
 
 
+def test_a_bad_native_arch_is_refused_before_any_build(monkeypatch):
+    """SPECUI_NATIVE_ARCH goes to the compiler as -march: a value that is not such a name is refused
+    with a message naming the variable (the kernels stay off, torch's ops run), never passed on."""
+    monkeypatch.setenv("SPECUI_NATIVE_ARCH", "native -o /tmp/x")
+    native.cache_clear()
+    try:
+        assert native()[0] is None and "SPECUI_NATIVE_ARCH" in native_unavailable()
+    finally:
+        monkeypatch.delenv("SPECUI_NATIVE_ARCH")
+        native.cache_clear()
+
+
 def test_zero_rows_and_columns_stay_exact_zeros():
     w = torch.zeros(64, 96)
     w[:32, :48] = torch.randn(32, 48, generator=torch.Generator().manual_seed(1))
