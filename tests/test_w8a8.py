@@ -5,6 +5,8 @@ padded rows and columns of a stand-in stay exact zeros; it compiles; the load sa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from conftest import save_tiny_model, tiny_llama
@@ -60,28 +62,30 @@ def test_the_fused_rounding_and_scaling_give_the_torch_ops_bits(dtype):
     assert qx.dtype == torch.uint8 and top[1].item() == pytest.approx(1e-30) and qx[1].eq(levels + 1).all()
 
 
-def test_specui_native_0_keeps_the_torch_ops(monkeypatch):
-    monkeypatch.setenv("SPECUI_NATIVE", "0")
+@contextmanager
+def native_under(monkeypatch, variable: str, value: str):
+    """native() as built (or refused) with `variable` set to `value`; the process's own build after."""
+    monkeypatch.setenv(variable, value)
     native.cache_clear()  # the build (or its refusal) is once per process
     try:
+        yield
+    finally:
+        monkeypatch.delenv(variable)
+        native.cache_clear()
+
+
+def test_specui_native_0_keeps_the_torch_ops(monkeypatch):
+    with native_under(monkeypatch, "SPECUI_NATIVE", "0"):
         assert native()[0] is None and "SPECUI_NATIVE=0" in native_unavailable()
         module = W8A8Linear.from_weight(torch.randn(32, 64, generator=torch.Generator().manual_seed(4)))
         assert module is not None and module._native is None
-    finally:
-        monkeypatch.delenv("SPECUI_NATIVE")
-        native.cache_clear()
 
 
 def test_a_bad_native_arch_is_refused_before_any_build(monkeypatch):
     """SPECUI_NATIVE_ARCH goes to the compiler as -march: a value that is not such a name is refused
     with a message naming the variable (the kernels stay off, torch's ops run), never passed on."""
-    monkeypatch.setenv("SPECUI_NATIVE_ARCH", "native -o /tmp/x")
-    native.cache_clear()
-    try:
+    with native_under(monkeypatch, "SPECUI_NATIVE_ARCH", "native -o /tmp/x"):
         assert native()[0] is None and "SPECUI_NATIVE_ARCH" in native_unavailable()
-    finally:
-        monkeypatch.delenv("SPECUI_NATIVE_ARCH")
-        native.cache_clear()
 
 
 def test_zero_rows_and_columns_stay_exact_zeros():
