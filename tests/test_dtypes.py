@@ -47,11 +47,11 @@ def test_the_choice_is_cached_per_key_and_a_corrupt_entry_is_remeasured(tmp_path
     first = FakeTimer(40.0, 20.0)
     choose_dtype(variants, "pair", cache, first)
     assert first.calls == 4  # interleaved: two rounds of both dtypes
-    again = FakeTimer(1.0, 99.0)
+    again = FakeTimer(1.0, 99.0)  # bfloat16 slower now than cached: this load's machine is busy, the cache stands
     hit = choose_dtype(variants, "pair", cache, again)
-    assert hit.cached and hit.dtype == BF16 and again.calls == 0 and "read from the cache" in hit.note("target")
+    assert hit.cached and hit.dtype == BF16 and again.calls == 1 and "read from the cache" in hit.note("target")
     other = choose_dtype(variants, "other machine", cache, again)  # another key: measured
-    assert other.dtype == F32 and again.calls == 4
+    assert other.dtype == F32 and again.calls == 5
     data = json.loads(cache.read_text())
     data["pair"] = {"dtype": "float8", "ms": {"float32": -1}}
     cache.write_text(json.dumps(data))
@@ -59,6 +59,28 @@ def test_the_choice_is_cached_per_key_and_a_corrupt_entry_is_remeasured(tmp_path
     assert choose_dtype(variants, "pair", cache, third).dtype == F32 and third.calls == 4
     cache.write_text("{not json")
     assert choose_dtype(variants, "pair", cache, FakeTimer(30.0, 10.0)).dtype == BF16
+
+
+def test_a_choice_cached_on_a_slowed_machine_is_measured_again_and_the_teacher_s_never(tmp_path):
+    cache = tmp_path / "choices.json"
+    choose_dtype(variants, "pair", cache, FakeTimer(90.0, 80.0))  # both slow: another process held the cores
+    calm = FakeTimer(12.0, 20.0)  # bfloat16 now at a quarter of its cached figure: measured again, float32 wins
+    again = choose_dtype(variants, "pair", cache, calm)
+    assert again.dtype == F32 and not again.cached and calm.calls == 1 + 4
+    assert json.loads(cache.read_text())["pair"]["ms"] == {"float32": 12.0, "bfloat16": 20.0}
+    choose_dtype(variants, "teacher", cache, FakeTimer(90.0, 80.0))
+    fixed = FakeTimer(12.0, 20.0)  # a choice that must not move (recheck=False) is read as cached, untimed
+    kept = choose_dtype(variants, "teacher", cache, fixed, recheck=False)
+    assert kept.dtype == BF16 and kept.cached and fixed.calls == 0
+
+
+def test_the_key_changes_with_the_kernels_unless_asked_not_to(monkeypatch):
+    import specui.weights.dtypes as dtypes
+
+    model = torch.nn.Linear(2, 2)
+    before, stable = dtypes.choice_key(model), dtypes.choice_key(model, with_code=False)
+    monkeypatch.setattr(dtypes, "code_stamp", lambda: "another build")
+    assert dtypes.choice_key(model) != before and dtypes.choice_key(model, with_code=False) == stable
 
 
 @pytest.mark.parametrize("faster", ["bfloat16", "float32"])  # either outcome, whatever this CPU measures

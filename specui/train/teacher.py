@@ -105,8 +105,8 @@ def resolve_teacher_dtype(args, target: LoadedModel, tokens: int = 512) -> None:
             return median_ms(lambda: model(input_ids=batch, logits_to_keep=1), target.device, 3)
 
     path = args.work / "teacher-dtype.json"
-    choice = choose_dtype(lambda d: pass_model(target, dtype_name(d))(), choice_key(target.model, "teacher prefill"),
-                          path, timer=prefill_ms)
+    key = choice_key(target.model, "teacher prefill", with_code=False)  # stable: a resumed run's id reads it
+    choice = choose_dtype(lambda d: pass_model(target, dtype_name(d))(), key, path, timer=prefill_ms, recheck=False)
     args.teacher_dtype = dtype_name(choice.dtype)
     rates = ", ".join(f"{n} {batch.numel() / ms * 1000:.0f}" for n, ms in choice.ms.items())
     where = f" (chosen earlier on this machine: {path})" if choice.cached else ""

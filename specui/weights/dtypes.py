@@ -1,8 +1,10 @@
 """`--dtype auto` on a CPU: float32 or bfloat16, chosen by measuring one token's forward in
 each, separately for the target and the draft (DESIGN.md 4.2: on one CPU bfloat16 made a
 target token 1.5x cheaper, on another 12% dearer). The choice is cached on disk under the
-model's files, the CPU, the thread count and the torch version; a corrupt cache entry is
-re-measured. On a GPU `auto` stays bf16 (fp16 where bf16 is missing), as before."""
+model's files, the CPU, the thread count, the torch version and SpecUI's kernels (`code_stamp`);
+a corrupt cache entry is re-measured, and so is one timed on a slowed machine (its chosen
+dtype's figure well above what the same forward costs now, `slower_then`).
+On a GPU `auto` stays bf16 (fp16 where bf16 is missing), as before."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cache_root, cpu_signature, forward_ms, model_identity
+from specui.engine.measure import cache_root, code_stamp, cpu_signature, forward_ms, model_identity, slower_then
 from specui.engine.session import ModelSession
 from specui.engine.timing import fastest_in_turns
 
@@ -60,8 +62,13 @@ def default_cache_file() -> Path:
     return cache_root() / "dtype_choices.json"
 
 
-def choice_key(model: torch.nn.Module, extra: str = "") -> str:
-    raw = json.dumps([model_identity(model), extra, cpu_signature(), torch.get_num_threads(), torch.__version__])
+def choice_key(model: torch.nn.Module, extra: str = "", with_code: bool = True) -> str:
+    """The cache key: the model, `extra`, the CPU, threads, torch and (`with_code`) SpecUI's kernels,
+    so a kernel change re-measures (before it, a draft choice timed before the float32 kernels
+    changed was read for days). A choice that must not move with the code (the teacher's: a
+    resumed run's id) leaves it out."""
+    parts = [model_identity(model), extra, cpu_signature(), torch.get_num_threads(), torch.__version__]
+    raw = json.dumps(parts + ([code_stamp()] if with_code else []))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -91,13 +98,15 @@ def decide(ms: dict[str, float]) -> torch.dtype:
 
 def choose_dtype(
     variants: Callable[[torch.dtype], torch.nn.Module], key: str,
-    cache_file: Path | None = None, timer: Timer = token_ms,
+    cache_file: Path | None = None, timer: Timer = token_ms, recheck: bool = True,
 ) -> DtypeChoice:
     """Time one token in each candidate dtype (`variants(dtype)` builds the model in it),
-    interleaved over ROUNDS, the best of each, and choose; cached under `key`."""
+    interleaved over ROUNDS, the best of each, and choose; cached under `key`. With `recheck`, a
+    cached choice costs one timing of the chosen dtype, and is measured again where its figure was
+    taken on a slowed machine (`still_fits`)."""
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
-    if (hit := _cached_choice(cache.get(key))) is not None:
+    if (hit := _cached_choice(cache.get(key))) is not None and (not recheck or still_fits(hit, variants, timer)):
         return hit
     models = {dtype_name(d): variants(d) for d in CANDIDATES}
     ms = fastest_in_turns({name: partial(timer, model) for name, model in models.items()}, ROUNDS)
@@ -106,6 +115,13 @@ def choose_dtype(
     cache[key] = {"dtype": dtype_name(choice.dtype), "ms": ms, "measured": measured_stamp()}
     write_cache(path, cache)
     return choice
+
+
+def still_fits(hit: DtypeChoice, variants: Callable[[torch.dtype], torch.nn.Module], timer: Timer) -> bool:
+    """Whether a cached choice's figure for its dtype is not `slower_then` what it costs now: a
+    choice timed while something else held the cores is slow in both figures and may have chosen
+    by noise; only a faster figure now counts (a slower one is this load's machine busy)."""
+    return not slower_then(hit.ms[dtype_name(hit.dtype)], timer(variants(hit.dtype)))
 
 
 def measured_stamp() -> dict:
@@ -127,10 +143,14 @@ def write_cache(path: Path, cache: dict) -> None:
 def auto_dtype_model(model: torch.nn.Module, cache_file: Path | None = None,
                      timer: Timer = token_ms) -> tuple[torch.nn.Module, DtypeChoice]:
     """For a float32 model on a CPU: the model in the measured-faster dtype, and the choice."""
-    def variant(dtype: torch.dtype) -> torch.nn.Module:
-        return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    built: dict[torch.dtype, torch.nn.Module] = {torch.float32: model}
+
+    def variant(dtype: torch.dtype) -> torch.nn.Module:  # each copy made once (a cache hit times its own)
+        if dtype not in built:
+            built[dtype] = copy.deepcopy(model).to(dtype)
+        return built[dtype]
 
     choice = choose_dtype(variant, choice_key(model), cache_file, timer)
-    if choice.dtype != torch.float32:
-        model = model.to(choice.dtype)
-    return model, choice
+    chosen = built.pop(choice.dtype, None)
+    built.clear()
+    return (chosen if chosen is not None else model.to(choice.dtype)), choice
