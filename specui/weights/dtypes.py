@@ -64,9 +64,9 @@ def default_cache_file() -> Path:
 
 def choice_key(model: torch.nn.Module, extra: str = "", with_code: bool = True) -> str:
     """The cache key: the model, `extra`, the CPU, threads, torch and (`with_code`) SpecUI's kernels,
-    so a kernel change re-measures (before it, a draft choice timed before the float32 kernels
-    changed was read for days). A choice that must not move with the code (the teacher's: a
-    resumed run's id) leaves it out."""
+    so a kernel change re-measures (before it, a choice timed before a kernel change, e.g. the draft's
+    float32 products, was read until its file was deleted by hand). A choice that must not move
+    with the code (the teacher's: a resumed run's id) leaves it out."""
     parts = [model_identity(model), extra, cpu_signature(), torch.get_num_threads(), torch.__version__]
     raw = json.dumps(parts + ([code_stamp()] if with_code else []))
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
