@@ -74,6 +74,18 @@ def test_a_choice_cached_on_a_slowed_machine_is_measured_again_and_the_teacher_s
     assert kept.dtype == BF16 and kept.cached and fixed.calls == 0
 
 
+def test_a_choices_file_keeps_its_most_recently_measured_entries(tmp_path):
+    from specui.weights.dtypes import read_cache, write_cache
+
+    path = tmp_path / "choices.json"
+    cache = {f"k{i}": {"dtype": "float32", "measured": {"at": 1000.0 + i}} for i in range(6)}
+    cache["old format"] = {"dtype": "bfloat16"}  # no stamp: the first to go
+    write_cache(path, cache, keep=4)
+    assert sorted(read_cache(path)) == ["k2", "k3", "k4", "k5"]
+    write_cache(path, {"a": {}, "b": {}}, keep=4)  # within the limit: written as given
+    assert sorted(read_cache(path)) == ["a", "b"]
+
+
 def test_the_key_changes_with_the_kernels_unless_asked_not_to(monkeypatch):
     import specui.weights.dtypes as dtypes
 

@@ -129,8 +129,24 @@ def measured_stamp() -> dict:
     return {"at": time.time(), "cpu": cpu_signature(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def write_cache(path: Path, cache: dict) -> None:
-    """Write a choices file atomically; an unwritable one only costs a re-measure next time."""
+# entries a choices file keeps, the most recently measured: its keys carry SpecUI's build (code_stamp),
+# so every upgrade (or, for a developer, every kernel edit) leaves the old entries behind for good
+KEEP = 64
+
+
+def measured_at(entry) -> float:
+    """When an entry was measured (0 for one without a stamp, or malformed: the first to go)."""
+    try:
+        return float(entry["measured"]["at"])
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
+def write_cache(path: Path, cache: dict, keep: int = KEEP) -> None:
+    """Write a choices file atomically, with its `keep` most recently measured entries; an
+    unwritable one only costs a re-measure next time."""
+    if len(cache) > keep:
+        cache = dict(sorted(cache.items(), key=lambda item: measured_at(item[1]))[-keep:])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
