@@ -196,12 +196,18 @@ def load_from_args(args: argparse.Namespace) -> ModelPair:
     return pair
 
 
+def for_one_run(pair: ModelPair) -> ModelPair:
+    if note := pair.for_one_run():  # no background compile in a run that ends first (ModelPair.for_one_run)
+        print(f"note: {note}", file=sys.stderr)
+    return pair
+
+
 def print_progress(fraction: float, message: str) -> None:
     print(f"\r[{fraction:4.0%}] {message:<60}", end="" if fraction < 1 else "\n", file=sys.stderr, flush=True)
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    engine = load_from_args(args).engine()
+    engine = for_one_run(load_from_args(args)).engine()
     engine.profile_dir = args.profile_dir
     costs = engine.ensure_profile(progress=print_progress)
     print(costs.note)
@@ -258,7 +264,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if any(not p.strip() for p in args.prompt):
         raise SpecUIError("a message is empty: type something to send")
     settings = settings_from_args(args)
-    service = ChatService(load_from_args(args))
+    service = ChatService(for_one_run(load_from_args(args)))
     service.engine.profile_dir = args.profile_dir
     if make_method(settings.method, **method_params(settings)).wants_profile(service.engine.draft is not None):
         service.engine.ensure_profile(progress=print_progress)

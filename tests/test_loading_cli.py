@@ -57,6 +57,24 @@ def test_cli_plain_output_streams_text_and_stats(capsys, tiny_dirs):
     assert code == 0 and "tokens_per_s=" in err
 
 
+def test_one_cli_run_on_a_cpu_takes_capture_auto_as_eager_forwards(capsys, tiny_dirs, monkeypatch):
+    from types import SimpleNamespace
+
+    from specui.service.pair import ModelPair
+
+    target, _, _ = tiny_dirs
+    seen, engine = [], ModelPair.engine
+    monkeypatch.setattr(ModelPair, "engine", lambda self, capture=None: seen.append(self.capture) or engine(self))
+    base = ("--cli", "--target", str(target), "--draft", "none", "--method", "autoregressive", "--prompt", "w1",
+            "--max-new-tokens", "4")
+    code, _, err = cli(capsys, *base)  # --capture auto, the default: nothing compiles behind a run that ends first
+    assert code == 0 and "--capture auto in one CLI run on a CPU: eager forwards" in err and seen == ["off"]
+    code, _, err = cli(capsys, *base, "--capture", "off")
+    assert code == 0 and "--capture auto in one CLI run" not in err and seen == ["off", "off"]
+    on_gpu = ModelPair(SimpleNamespace(device=torch.device("cuda")), None)  # CUDA graphs: no compile to wait for
+    assert on_gpu.for_one_run() == "" and on_gpu.capture == "auto"
+
+
 def test_cli_sums_up_step_notes_after_the_reply(capsys, tiny_dirs, tmp_path):
     """auto notes every step's choice: the reply on stdout stays clean text, the notes come
     after it (counted), or live on their own lines with --verbose."""
