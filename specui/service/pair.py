@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -294,7 +293,6 @@ def load_specui_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     if measures_dtype(spec, target.device):
         as_float32 = load_draft(spec.source, target.model, target.tokenizer, dtype=torch.float32)
 
-        @functools.cache  # built once: a cached choice times the dtype it chose, then loads it
         def variant(dtype: torch.dtype) -> torch.nn.Module:
             if dtype == torch.float32:
                 return as_float32

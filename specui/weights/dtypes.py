@@ -2,8 +2,8 @@
 each, separately for the target and the draft (DESIGN.md 4.2: on one CPU bfloat16 made a
 target token 1.5x cheaper, on another 12% dearer). The choice is cached on disk under the
 model's files, the CPU, the thread count, the torch version and SpecUI's kernels (`code_stamp`);
-a corrupt cache entry is re-measured, and so is one timed on a slowed machine (its chosen
-dtype's figure well above what the same forward costs now, `slower_then`).
+a corrupt cache entry is re-measured, and so is one timed on a slowed machine (its float32
+figure well above what the same forward costs now, `slower_then`).
 On a GPU `auto` stays bf16 (fp16 where bf16 is missing), as before."""
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def choose_dtype(
 ) -> DtypeChoice:
     """Time one token in each candidate dtype (`variants(dtype)` builds the model in it),
     interleaved over ROUNDS, the best of each, and choose; cached under `key`. With `recheck`, a
-    cached choice costs one timing of the chosen dtype, and is measured again where its figure was
-    taken on a slowed machine (`still_fits`)."""
+    cached choice costs one timing in float32, and is measured again where it was taken on a
+    slowed machine (`still_fits`)."""
     path = cache_file if cache_file is not None else default_cache_file()
     cache = read_cache(path)
     if (hit := _cached_choice(cache.get(key))) is not None and (not recheck or still_fits(hit, variants, timer)):
@@ -118,10 +118,11 @@ def choose_dtype(
 
 
 def still_fits(hit: DtypeChoice, variants: Callable[[torch.dtype], torch.nn.Module], timer: Timer) -> bool:
-    """Whether a cached choice's figure for its dtype is not `slower_then` what it costs now: a
+    """Whether a cached choice's float32 figure is not `slower_then` what float32 costs now: a
     choice timed while something else held the cores is slow in both figures and may have chosen
-    by noise; only a faster figure now counts (a slower one is this load's machine busy)."""
-    return not slower_then(hit.ms[dtype_name(hit.dtype)], timer(variants(hit.dtype)))
+    by noise; only a faster figure now counts (a slower one is this load's machine busy). float32
+    is timed because every caller holds that model already: no copy is made to check a choice."""
+    return not slower_then(hit.ms[dtype_name(torch.float32)], timer(variants(torch.float32)))
 
 
 def measured_stamp() -> dict:
@@ -159,14 +160,10 @@ def write_cache(path: Path, cache: dict, keep: int = KEEP) -> None:
 def auto_dtype_model(model: torch.nn.Module, cache_file: Path | None = None,
                      timer: Timer = token_ms) -> tuple[torch.nn.Module, DtypeChoice]:
     """For a float32 model on a CPU: the model in the measured-faster dtype, and the choice."""
-    built: dict[torch.dtype, torch.nn.Module] = {torch.float32: model}
-
-    def variant(dtype: torch.dtype) -> torch.nn.Module:  # each copy made once (a cache hit times its own)
-        if dtype not in built:
-            built[dtype] = copy.deepcopy(model).to(dtype)
-        return built[dtype]
+    def variant(dtype: torch.dtype) -> torch.nn.Module:
+        return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
     choice = choose_dtype(variant, choice_key(model), cache_file, timer)
-    chosen = built.pop(choice.dtype, None)
-    built.clear()
-    return (chosen if chosen is not None else model.to(choice.dtype)), choice
+    if choice.dtype != torch.float32:
+        model = model.to(choice.dtype)
+    return model, choice
