@@ -4,12 +4,16 @@ swallowed the first Stopped. A lock left held hangs the next thread that asks fo
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from types import SimpleNamespace
 
-from specui.engine import giving_way
+import pytest
+import torch
+
+from specui.engine import giving_way, openmp_team
 from specui.engine.giving_way import Stopped, stop_here
 
 
@@ -247,3 +251,47 @@ def test_a_decoding_thread_waiting_for_the_turn_goes_before_a_background_one():
     decoding.join(10)
     background.join(10)
     assert order == ["decoding", "background"]
+
+
+def _threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def test_a_paused_compile_hands_back_its_openmp_team():
+    """A compile thread that ran a parallel region keeps an OpenMP team of worker threads; kept
+    while it sleeps for a reply, libgomp counts more threads than cores and stops spinning the
+    reply's workers (the bundled target's eager replies 13-20 tok/s against about 55 on a 2-core
+    Zen 3). The pause ends the team: its worker thread is gone while the compile sleeps."""
+    if openmp_team._libgomp() is None:
+        pytest.skip("no libgomp in this process (another OpenMP runtime, or no /proc)")
+    seen: dict[str, object] = {}
+    reply = threading.Event()
+    threads = torch.get_num_threads()  # torch keeps a process-wide count too: given back after
+
+    def watch() -> None:  # the reply's side: which threads ended while the compile sleeps
+        deadline = time.monotonic() + 10
+        while not (seen["with team"] - _threads()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["ended"] = seen["with team"] - _threads()
+        reply.clear()
+
+    def compile_thread() -> None:
+        torch.set_num_threads(2)
+        try:
+            x = torch.ones(1 << 22)
+            for _ in range(3):
+                (x * 2).sum()  # a parallel region: this thread's team of 2
+            seen["with team"] = _threads()
+            reply.set()
+            threading.Thread(target=watch).start()
+            seen["slept"] = giving_way.sleep_while(reply.is_set, sys._getframe(), lambda: None)
+            seen["compile thread"] = str(threading.get_native_id())
+            (x * 2).sum()  # the next parallel region starts a new team
+        finally:
+            torch.set_num_threads(threads)
+
+    worker = threading.Thread(target=compile_thread)
+    worker.start()
+    worker.join(30)
+    assert seen["slept"] > 0
+    assert len(seen["ended"]) == 1 and seen["compile thread"] not in seen["ended"], seen

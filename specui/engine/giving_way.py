@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from specui.engine import openmp_team
+
 # code that may hold a lock the decoding thread (or this one, later) can ask for: a module's
 # import lock, a logging handler's, an inductor cache's file lock, a pool's queue. A compile is
 # neither paused nor ended inside it, only once it is out again. threading.py only past a
@@ -85,10 +87,16 @@ def _rearm(worker, hook: Callable) -> None:
 def sleep_while(waiting: Callable[[], bool], frame, paused: Callable[[], object]) -> float:
     """In a compile thread's profile hook at `frame`: while `waiting()` (a reply decodes), sleep,
     holding neither the GIL nor a core, unless a pause there may stall the reply (may_pause);
-    `paused()` is called as the pause begins. Returns the seconds slept (0 where it did not)."""
-    if not waiting() or not may_pause(frame):
+    `paused()` is called as the pause begins. The thread's OpenMP team is handed back first
+    (engine/openmp_team.py: kept, it stops libgomp spinning the reply's workers). Returns the
+    seconds slept (0 where it did not)."""
+    if not waiting():
+        return 0.0
+    if not may_pause(frame):
+        time.sleep(0)  # hand the GIL to the reply at each call: else it waits a switch interval per op
         return 0.0
     paused()
+    openmp_team.release()
     t0 = time.perf_counter()
     with eager_meanwhile():
         while waiting():
@@ -116,7 +124,8 @@ class CompileTurn:
     Warmup) it waits for the turn, and `wanted` then tells the paused compile to go on, else each
     would wait for the other for ever (the app's reply hung in its cost profile while a background
     measurement's compile slept, 2026-12-05). A background thread that waits for the turn does not
-    count: a reply still pauses the compile that holds it."""
+    count: a reply still pauses the compile that holds it; it hands back its OpenMP team first
+    (engine/openmp_team.py), as a paused compile does."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -133,6 +142,8 @@ class CompileTurn:
         if counted:
             with self._count:
                 self._waiting += 1
+        else:  # waiting perhaps for minutes: its OpenMP team would slow every reply meanwhile
+            openmp_team.release()
         try:
             self._lock.acquire()
         finally:
