@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from specui.bench.browser_driver import PageDriver
+from specui.bench.browser_driver import PageDriver, wait_until
 
 PROMPT = "Write a long story about the sea."
 
@@ -27,15 +27,18 @@ PROMPT = "Write a long story about the sea."
 def wait_for_page(url: str, app: subprocess.Popen, timeout: float) -> float:
     """Seconds until the page answers; raises if the app exits or the timeout passes first."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+
+    def up() -> bool:
         if app.poll() is not None:
             raise RuntimeError(f"the app exited ({app.returncode}) before its page was up")
         try:
             urllib.request.urlopen(url, timeout=2).close()
-            return time.monotonic() - t0
+            return True
         except OSError:
-            time.sleep(1)
-    raise TimeoutError(f"the page was not up after {timeout:.0f} s")
+            return False
+
+    wait_until(up, timeout, "the app's page", every=1.0)
+    return time.monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,9 +167,11 @@ class ModelPair:
 
     def for_one_run(self) -> str:
         """`--capture auto` on a CPU compiles in the background for the app's later replies; one CLI run
-        ends first, and meanwhile those threads' OpenMP teams stop the decoding thread's workers spinning
-        (2-core Zen 4, bundled pair, autoregressive: 38.7 tok/s against 75.3 eager). So such a run's
-        engines run eagerly; the note says so ("" where nothing changed: a GPU's auto is CUDA graphs)."""
+        ends first, and meanwhile the compile slows it (2-core Zen 4, bundled pair, autoregressive: 38.7
+        tok/s against 75.3 eager, measured while paused compiles still kept their OpenMP teams; they hand
+        them back now, engine/openmp_team.py, but a compile that may not pause still runs beside the
+        reply). So such a run's engines run eagerly; the note says so ("" where nothing changed: a GPU's
+        auto is CUDA graphs)."""
         if self.capture != "auto" or self.target.device.type != "cpu":
             return ""
         self.capture = "off"
