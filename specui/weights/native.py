@@ -33,7 +33,7 @@ KERNELS = Path(__file__).parent / "kernels"
 SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cpp", "q4a8.cpp", "q4a8_amx.cpp",
                                              "q8a8.cpp", "attend.cpp", "logits.cpp", "entropy.cpp", "roof.cpp"))
 # included by the sources: part of the build's hash
-HEADERS = tuple(KERNELS / name for name in ("groups.h", "q4a8.h", "vexp.h"))
+HEADERS = tuple(KERNELS / name for name in ("groups.h", "q4a8.h", "tensor.h", "vexp.h"))
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway

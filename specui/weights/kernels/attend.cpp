@@ -14,7 +14,7 @@
 // it gets over a cache of n keys, and a block of rows reads only the keys from the first any of them
 // sees to the last. Rows of a head group share each key read (lanes of a vector) and, up to 6 at a
 // time, each value read.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

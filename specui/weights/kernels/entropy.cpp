@@ -11,7 +11,7 @@
 // on one thread pays for the other core's lines: 216 us a row inside the decoding loop on a 2-core
 // Zen 5. Here each thread scans its span once for the maximum and once for the exponential sums and a
 // running top-k, and the spans are combined.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -11,7 +11,7 @@
 // 102 us against 14 us warm, a softmax 109 against 80 (2-core Zen 3). Here each thread scans the
 // same half of the columns of every row, as the head split them, and the halves are combined. The
 // maximum comes from one pass, the exponentials and the maximum's first index from a second.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -14,7 +14,7 @@
 // every float operation is fixed, so a row's output is bit for bit the same whatever else is scored
 // with it, and the vector paths (VNNI, AVX2) and the portable one (any CPU) give the same bits:
 // `q4a8_mm_portable` is there to check that.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

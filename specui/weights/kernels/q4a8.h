@@ -2,7 +2,7 @@
 // float steps that turn a group's int32 sums of 16 weight rows into their accumulators and then into the
 // output. Both paths take these steps from here, in this order, which is what keeps their bits equal.
 #pragma once
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>

@@ -20,7 +20,7 @@
 // Tiles need the kernel's permission for this process (Linux 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM);
 // where it is refused, the build has no AMX, or SPECUI_AMX=0, q4a8_amx_ready() is false and q4a8.cpp keeps
 // VNNI.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>

@@ -13,7 +13,7 @@
 // operation is fixed, so a row's output is bit for bit the same whatever else is scored with it, and
 // the AVX2 path and the portable one give the same bits: the int8 pairs are summed by
 // _mm256_maddubs_epi16 on |a| and q signed by a, at most 2 x 127 x 127 = 32258, so nothing saturates.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

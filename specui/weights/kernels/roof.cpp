@@ -3,7 +3,7 @@
 // memory), on every thread at once. A product of many rows costs at least its multiply-adds at this
 // rate once its weights are read, which bounds how flat verification can be on this CPU: scoring 16
 // tokens costs at least 16 tokens' multiply-adds at the roof, however few bytes the weights are.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <atomic>

@@ -3,7 +3,7 @@
 //   round_rows: top = max(max|x|, 1e-30) per row (NaN where the row has one), q = uint8(round-half-even(
 //               fma(x, levels / top, zero))), in the input's precision (torch's addcmul fuses the same way);
 //   scale_rows: out = T(product) * top, T the precision of top (torch's promotion of float32 * T).
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

@@ -4,7 +4,7 @@
 // W is (N, K) float32 or bfloat16 (widened exactly to float32); x (M, K) float32; K a multiple of
 // the vector width. Lane l of an output's accumulator sums inputs k = l, l + L, ... in order of
 // k; the lanes are then added in one fixed tree.
-#include <torch/extension.h>
+#include "tensor.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
