@@ -5,6 +5,9 @@ padded rows and columns of a stand-in stay exact zeros; it compiles; the load sa
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -86,6 +89,27 @@ def test_a_bad_native_arch_is_refused_before_any_build(monkeypatch):
     with a message naming the variable (the kernels stay off, torch's ops run), never passed on."""
     with native_under(monkeypatch, "SPECUI_NATIVE_ARCH", "native -o /tmp/x"):
         assert native()[0] is None and "SPECUI_NATIVE_ARCH" in native_unavailable()
+
+
+def test_a_use_waits_for_the_build_started_in_the_background(monkeypatch):
+    """load_model starts the kernels' build on its own thread (native.build_in_background) while the
+    model is read; the first use waits for that build instead of starting a second one beside it."""
+    from specui.weights import native as native_module
+
+    builds = []
+
+    @functools.cache
+    def slow_build():
+        builds.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return "kernels", ""
+
+    monkeypatch.setattr(native_module, "_built", slow_build)
+    thread = native_module.build_in_background()
+    time.sleep(0.05)  # the background build is under way
+    assert native_module.native() == ("kernels", "")
+    thread.join(5)
+    assert builds == ["specui-kernels-build"]
 
 
 def test_zero_rows_and_columns_stay_exact_zeros():

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from specui.settings import QUANTIZATIONS
 from specui.weights.concrete import Progress, load_concrete
+from specui.weights.native import build_in_background
 from specui.weights.quant_choice import choose_quantization
 from specui.weights.sources import (
     BUNDLED,
@@ -44,6 +45,8 @@ def load_model(spec: ModelSpec, role: str = "model", progress: Progress | None =
     measured on this machine (specui.weights.quant_choice; cached; `capture`, the forwards the
     engines will run, auto / on / off: as those run, where that was measured).
     `progress(fraction, what)` hears the slow parts of the load."""
+    if resolve_device(spec.device).type == "cpu":
+        build_in_background()  # SpecUI's kernels build beside the reading of the model, not after it
     if spec.quantization != "auto":
         return load_concrete(spec, role, progress=progress)
     source = gguf_source(spec)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -34,11 +36,32 @@ SOURCES = tuple(KERNELS / name for name in ("module.cpp", "stream.cpp", "rows.cp
                                              "q8a8.cpp", "attend.cpp", "logits.cpp", "entropy.cpp", "roof.cpp"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(KERNELS / name for name in ("groups.h", "q4a8.h", "tensor.h", "vexp.h"))
+# one build at a time in a process: a caller waits for the one build_in_background started
+_BUILDING = threading.Lock()
+
+
+def native() -> tuple[object | None, str]:
+    """(the compiled extension, "") or (None, why it is not there); built once a process."""
+    with _BUILDING:
+        return _built()
+
+
+native.cache_clear = lambda: _built.cache_clear()  # tests build again (or refuse again) after changing the environment
+
+
+def build_in_background() -> threading.Thread:
+    """Start native() on its own thread, so that a new user's first build (about 45 s on a 2-core
+    CPU, once per CPU, torch and version of the sources) runs while the model is read and
+    converted, which is Python on one core; where it is built already this only loads it. Every
+    use waits for it (native() holds a lock), so nothing is timed while it compiles: each model
+    load calls native() before it times anything (concrete.py, sources.auto_candidates)."""
+    thread = threading.Thread(target=native, name="specui-kernels-build", daemon=True)
+    thread.start()
+    return thread
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
-def native() -> tuple[object | None, str]:
-    """(the compiled extension, "") or (None, why it is not there)."""
+def _built() -> tuple[object | None, str]:
     if os.environ.get(ENV) == "0":
         return None, f"{ENV}=0: SpecUI's kernels are switched off"
     if os.uname().machine not in ("x86_64", "AMD64"):
@@ -56,6 +79,9 @@ def native() -> tuple[object | None, str]:
     tag = hashlib.sha256((text + built_for).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"native-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / f"specui_native_{tag}.so").exists():  # said where it takes a while: the app's log says it
+        logging.getLogger("specui.weights").info(
+            "building SpecUI's CPU kernels for this CPU and torch, once (about 45 s on 2 cores), in %s", folder)
     try:
         module = load(name=f"specui_native_{tag}", sources=[str(source) for source in SOURCES],
                       build_directory=str(folder), extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
