@@ -5,8 +5,9 @@ product (w4a8.py), the 8-bit x 8-bit one of its output head (q8a8.py), a greedy 
 log-sum-exp of the logits (engine/sampling.py's `row_stats`), and the softmax statistics of a draft's
 logits that SpecDec++'s and MCSD's heads read (heads/acceptance.py's `q_stats`).
 
-The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s,
-and is cached under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
+The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 45 s
+on a 2-core Zen 3 (beside the reading of the first model: build_in_background), and is cached
+under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
 be built (no compiler, not x86-64 with AVX2), or with SPECUI_NATIVE=0, `native_unavailable()` says
 why and every caller keeps torch's own kernels. On a CPU with AMX the 4-bit product scores 13 rows
 or more on AMX tiles (q4a8_amx.cpp; the same bits); SPECUI_AMX=0 keeps it on AVX512-VNNI."""
