@@ -6,6 +6,8 @@ padded rows and columns of a stand-in stay exact zeros; it compiles; the load sa
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -201,3 +203,21 @@ def test_compiled_forwards_on_a_w8a8_target_equal_its_compiled_autoregressive():
     quantize_w8a8(target)
     target.to(torch.float64)
     assert_compiled_methods_equal_compiled_autoregressive(target)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's builder deletes its `lock` file only where its call returns: a build killed with its
+    process (a first start stopped while the kernels built in the background) left it, and every
+    later load waited on it for ever. Under SpecUI's own lock (an flock, gone with its process) such
+    a file can only be stale, and it is deleted."""
+    from specui.weights.native import one_builder
+
+    (tmp_path / "lock").write_text("")
+    with one_builder(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    probe = ("import fcntl, sys; f = open(sys.argv[1], 'a'); "
+             "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')")
+    with one_builder(tmp_path):  # held: another process cannot take it meanwhile
+        held = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "specui.lock")], capture_output=True)
+    free = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "specui.lock")], capture_output=True, text=True)
+    assert held.returncode != 0 and free.stdout.strip() == "free"

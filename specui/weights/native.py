@@ -14,6 +14,7 @@ or more on AMX tiles (q4a8_amx.cpp; the same bits); SPECUI_AMX=0 keeps it on AVX
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -61,6 +62,25 @@ def build_in_background() -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def one_builder(folder: Path):
+    """Hold `folder` for one SpecUI process's build or load at a time: an flock, which the kernel
+    lets go of when the process ends, however it ends. Under it, torch's builder's own lock file
+    (`lock`: torch deletes it only where its call returns) can only be left by a build that was
+    killed, or ended with its interpreter (a first start stopped while build_in_background's thread
+    built): it is deleted, else every later load would wait on it for ever."""
+    import fcntl  # POSIX, as the kernels' builds are (x86-64 Linux and macOS)
+
+    with open(folder / "specui.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            logging.getLogger("specui.weights").info("an unfinished build of SpecUI's kernels left %s: building on",
+                                                     stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
 def _built() -> tuple[object | None, str]:
     if os.environ.get(ENV) == "0":
@@ -82,12 +102,15 @@ def _built() -> tuple[object | None, str]:
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / f"specui_native_{tag}.so").exists():  # said where it takes a while: the app's log says it
         logging.getLogger("specui.weights").info(
-            "building SpecUI's CPU kernels for this CPU and torch, once (about 45 s on 2 cores), in %s", folder)
+            "building SpecUI's CPU kernels for this CPU and torch, once (about 40 s on 2 cores), in %s", folder)
     try:
-        module = load(name=f"specui_native_{tag}", sources=[str(source) for source in SOURCES],
-                      build_directory=str(folder), extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)  # at::parallel_for is OpenMP in the header
+        with one_builder(folder):
+            module = load(name=f"specui_native_{tag}", sources=[str(source) for source in SOURCES],
+                          build_directory=str(folder), extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)  # at::parallel_for is OpenMP in the header
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no AVX2, a failed link: each says why
+        for part in (*folder.glob("*.o"), *folder.glob("*.so")):  # the next process builds from the start
+            part.unlink(missing_ok=True)
         lines = str(e).strip().splitlines() or [type(e).__name__]
         said = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
                     lines[0])
