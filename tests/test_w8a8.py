@@ -209,12 +209,16 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
     """torch's builder deletes its `lock` file only where its call returns: a build killed with its
     process (a first start stopped while the kernels built in the background) left it, and every
     later load waited on it for ever. Under SpecUI's own lock (an flock, gone with its process) such
-    a file can only be stale, and it is deleted."""
+    a file can only be stale: the compilers still running in the folder are waited for, and it is
+    deleted."""
     from specui.weights.native import one_builder
 
     (tmp_path / "lock").write_text("")
+    compiler = subprocess.Popen(["sleep", "1.5"], cwd=tmp_path)  # a compiler the killed build left running there
+    t0 = time.monotonic()
     with one_builder(tmp_path):
-        assert not (tmp_path / "lock").exists()
+        assert not (tmp_path / "lock").exists() and compiler.poll() is not None
+    assert time.monotonic() - t0 >= 1.0
     probe = ("import fcntl, sys; f = open(sys.argv[1], 'a'); "
              "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')")
     with one_builder(tmp_path):  # held: another process cannot take it meanwhile

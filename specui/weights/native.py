@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -63,22 +64,41 @@ def build_in_background() -> threading.Thread:
 
 
 @contextlib.contextmanager
-def one_builder(folder: Path):
+def one_builder(folder: Path, wait_s: float = 300.0):
     """Hold `folder` for one SpecUI process's build or load at a time: an flock, which the kernel
     lets go of when the process ends, however it ends. Under it, torch's builder's own lock file
-    (`lock`: torch deletes it only where its call returns) can only be left by a build that was
-    killed, or ended with its interpreter (a first start stopped while build_in_background's thread
-    built): it is deleted, else every later load would wait on it for ever."""
+    (`lock`: torch deletes it only where its call returns) can only be left by a build whose process
+    ended before it did (a first start stopped by an error while build_in_background's thread
+    built): its compilers, which outlive it, are waited for (up to `wait_s`: they run in the folder)
+    and the file is deleted, else every later load would wait on it for ever."""
     import fcntl  # POSIX, as the kernels' builds are (x86-64 Linux and macOS)
 
     with open(folder / "specui.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         stale = folder / "lock"
         if stale.exists():
-            logging.getLogger("specui.weights").info("an unfinished build of SpecUI's kernels left %s: building on",
-                                                     stale)
+            log = logging.getLogger("specui.weights")
+            deadline = time.monotonic() + wait_s
+            while (running := working_in(folder)) and time.monotonic() < deadline:
+                log.info("waiting for an earlier build of SpecUI's kernels (processes %s) to finish", running)
+                time.sleep(1.0)
+            log.info("an unfinished build of SpecUI's kernels left %s: building on", stale)
             stale.unlink(missing_ok=True)
         yield
+
+
+def working_in(folder: Path) -> list[int]:
+    """The processes whose working directory is `folder` (Linux's /proc; elsewhere none are
+    known): a build's ninja and compilers run there."""
+    target = str(folder.resolve())
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(entry / "cwd") == target:
+                found.append(int(entry.name))
+        except OSError:  # gone, or another user's
+            continue
+    return found
 
 
 @functools.cache  # one build (or one failure) per process: a compiled library is process-wide anyway
