@@ -5,7 +5,7 @@ product (w4a8.py), the 8-bit x 8-bit one of its output head (q8a8.py), a greedy 
 log-sum-exp of the logits (engine/sampling.py's `row_stats`), and the softmax statistics of a draft's
 logits that SpecDec++'s and MCSD's heads read (heads/acceptance.py's `q_stats`).
 
-The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 45 s
+The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s
 on a 2-core Zen 3 (beside the reading of the first model: build_in_background), and is cached
 under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
 be built (no compiler, not x86-64 with AVX2), or with SPECUI_NATIVE=0, `native_unavailable()` says
@@ -53,7 +53,7 @@ native.cache_clear = lambda: _built.cache_clear()  # tests build again (or refus
 
 
 def build_in_background() -> threading.Thread:
-    """Start native() on its own thread, so that a new user's first build (about 45 s on a 2-core
+    """Start native() on its own thread, so that a new user's first build (about 40 s on a 2-core
     CPU, once per CPU, torch and version of the sources) runs while the model is read and
     converted, which is Python on one core; where it is built already this only loads it. Every
     use waits for it (native() holds a lock), so nothing is timed while it compiles: each model
@@ -74,7 +74,11 @@ def one_builder(folder: Path, wait_s: float = 300.0):
     import fcntl  # POSIX, as the kernels' builds are (x86-64 Linux and macOS)
 
     with open(folder / "specui.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: torch's lock file alone, as before
+            yield
+            return
         stale = folder / "lock"
         if stale.exists():
             log = logging.getLogger("specui.weights")
