@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,9 +125,13 @@ def _built() -> tuple[object | None, str]:
     tag = hashlib.sha256((text + built_for).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"native-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / f"specui_native_{tag}.so").exists():  # said where it takes a while: the app's log says it
-        logging.getLogger("specui.weights").info(
-            "building SpecUI's CPU kernels for this CPU and torch, once (about 40 s on 2 cores), in %s", folder)
+    if not (folder / f"specui_native_{tag}.so").exists():  # said, as it takes a while: in the app's log, else on stderr
+        said = f"building SpecUI's CPU kernels for this CPU and torch, once (about 40 s on 2 cores), in {folder}"
+        log = logging.getLogger("specui.weights")
+        if log.hasHandlers():
+            log.info(said)
+        else:
+            print(said, file=sys.stderr, flush=True)
     try:
         with one_builder(folder):
             module = load(name=f"specui_native_{tag}", sources=[str(source) for source in SOURCES],
