@@ -5,7 +5,7 @@ product (w4a8.py), the 8-bit x 8-bit one of its output head (q8a8.py), a greedy 
 log-sum-exp of the logits (engine/sampling.py's `row_stats`), and the softmax statistics of a draft's
 logits that SpecDec++'s and MCSD's heads read (heads/acceptance.py's `q_stats`).
 
-The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 40 s
+The build needs g++, ninja (requirements.txt installs it) and torch's headers, takes about 20 s
 on a 2-core Zen 3 (beside the reading of the first model: build_in_background), and is cached
 under the SpecUI cache by a hash of the sources, this CPU and torch. Where it cannot
 be built (no compiler, not x86-64 with AVX2), or with SPECUI_NATIVE=0, `native_unavailable()` says
@@ -57,7 +57,7 @@ native.cache_clear = lambda: _built.cache_clear()  # tests build again (or refus
 
 
 def build_in_background() -> threading.Thread:
-    """Start native() on its own thread, so that a new user's first build (about 40 s on a 2-core
+    """Start native() on its own thread, so that a new user's first build (about 20 s on a 2-core
     CPU, once per CPU, torch and version of the sources) runs while the model is read and
     converted, which is Python on one core; where it is built already this only loads it. Every
     use waits for it (native() holds a lock), so nothing is timed while it compiles: each model
@@ -129,7 +129,7 @@ def _built() -> tuple[object | None, str]:
     folder = cache_root() / "kernels" / f"native-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / f"specui_native_{tag}.so").exists():  # said, as it takes a while: in the app's log, else on stderr
-        said = f"building SpecUI's CPU kernels for this CPU and torch, once (about 40 s on 2 cores), in {folder}"
+        said = f"building SpecUI's CPU kernels for this CPU and torch, once (about 20 s on 2 cores), in {folder}"
         log = logging.getLogger("specui.weights")
         if log.hasHandlers():
             log.info(said)
