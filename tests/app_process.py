@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_GGUF = Path(sys.prefix) / "specui-test-gguf"
 # SpecUI's C++ kernels: the user's own kernel cache (read before conftest.py points XDG_CACHE_HOME at a fresh
 # folder), where `make run` builds them too. Each build's folder is named by a hash of its sources, this CPU and
-# torch (specui/weights/native.py), so a clean clone of the same sources reuses it: the build costs 40 s to
-# 2:40 on 2 cores. Beside the virtual environment where that cache cannot be written.
+# torch (specui/weights/native.py), so a clean clone of the same sources reuses it: the build costs about 20 s
+# on 2 cores (2:40 before its files were compiled in three units without <torch/extension.h>). Beside the
+# virtual environment where that cache cannot be written.
 # (the first process to import this records the user's cache root; its test workers and apps inherit the record,
 # not their parent's fresh folder)
 USER_KERNELS = Path(os.environ.setdefault("SPECUI_TEST_USER_CACHE", str(cache_root()))) / "kernels"
