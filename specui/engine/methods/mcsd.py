@@ -112,6 +112,9 @@ class MCSD(TreeMethod):
     def step(self, ctx: DecodeContext) -> StepResult:
         if self.approximate:
             return self._approximate_step(ctx)
+        # a step with no room to draft (the last token of the reply, or of the context) drafts no
+        # fork: nothing of the previous step's may describe it
+        self.fork, self.iid_rows = None, None
         return super().step(ctx)
 
     # -- drafting ------------------------------------------------------------------------
@@ -159,7 +162,7 @@ class MCSD(TreeMethod):
         return DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
 
     def ancestors(self, tree: TokenTree) -> torch.Tensor | None:
-        return None if self.ks is not None else self.mask.slice(self.fork.width, len(tree))
+        return None if self.ks is not None or self.fork is None else self.mask.slice(self.fork.width, len(tree))
 
     def verify_rows(self) -> dict[int, torch.Tensor] | None:
         return self.iid_rows
@@ -168,7 +171,7 @@ class MCSD(TreeMethod):
         """Forks: each candidate's predicted acceptance, chains, the stop, and the target's
         token the fork hangs under drawn as its root (not on the first step: that is the
         prompt's last token)."""
-        if self.ks is not None:
+        if self.ks is not None or self.fork is None:
             return result
         fork = self.fork
         for i, node in enumerate(result.nodes[: len(fork.tree)]):
