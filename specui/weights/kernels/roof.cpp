@@ -13,10 +13,9 @@
 
 namespace {
 
-constexpr int kChains = 24;  // independent sums (in registers): more than a dot product's latency times its throughput
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // vpdpbusd on 512 bits: 16 lanes x 4 products each (q4a8's VNNI path).
+constexpr int kChains = 24;  // independent sums in registers (of 32): more than the latency times the throughput
 constexpr int64_t kMacsPerStep = kChains * 64;
 
 int64_t run(int64_t steps, int seed) {
@@ -34,7 +33,10 @@ int64_t run(int64_t steps, int seed) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2's pairwise products (q4a8's AVX2 path): maddubs (32 unsigned x signed byte products into 16
-// int16 pairs) added into int16 sums.
+// int16 pairs) added into int16 sums. 12 sums and the two operands fit AVX2's 16 registers; with 24
+// (as for AVX-512) the sums spilled to the stack and the roof read 1.36x low (2-core Zen 3: 62 against
+// 84 G multiply-adds/s a thread, so the w4a8 kernel's 16 rows showed as 120% of it).
+constexpr int kChains = 12;
 constexpr int64_t kMacsPerStep = kChains * 32;
 
 int64_t run(int64_t steps, int seed) {
@@ -56,6 +58,7 @@ int64_t run(int64_t steps, int seed) {
 }
 #else
 // No vector path: q4a8's portable loop, one product at a time.
+constexpr int kChains = 12;
 constexpr int64_t kMacsPerStep = kChains;
 
 int64_t run(int64_t steps, int seed) {
