@@ -162,7 +162,9 @@ class MCSD(TreeMethod):
         return DraftedTree(tree, tree, everything, expected_accept(tree.p_hat, everything))
 
     def ancestors(self, tree: TokenTree) -> torch.Tensor | None:
-        return None if self.ks is not None or self.fork is None else self.mask.slice(self.fork.width, len(tree))
+        if self.ks is not None:
+            return None
+        return self.mask.slice(self.width if self.fork is None else self.fork.width, len(tree))  # no fork: empty
 
     def verify_rows(self) -> dict[int, torch.Tensor] | None:
         return self.iid_rows
