@@ -9,16 +9,19 @@ def test_every_method_equals_its_reference_on_tiny_folders(tiny_dirs, capsys):
     target, draft, _ = tiny_dirs
     assert odd_prompts.main(["--target", str(target), "--draft", str(draft), "--lengths", "1,3,9"]) == 0
     out = capsys.readouterr().out
-    methods = len(odd_prompts.parse_methods(odd_prompts.METHODS))
+    methods = len(odd_prompts.METHODS.split(","))
     assert methods == 12
     assert f"0 of {(len(odd_prompts.ODD) + 2) * 3 * methods} replies differ or failed" in out
 
 
 def test_methods_parse_with_their_parameters():
-    assert odd_prompts.parse_methods("speculative:3,tree,opt-tree:8@adaptive,mcsd,mcsd:4,2,1,dsbd:3,lookup") == [
+    from specui.bench.rows import parse_method
+
+    specs = "speculative:3,tree:eagle-25,opt-tree:8@adaptive,mcsd,mcsd:4-2-1,mcsd:4,dsbd:3,lookup".split(",")
+    assert [parse_method(spec) for spec in specs] == [
         ("speculative", {"gamma": 3}), ("tree", {"preset": "eagle-25"}),
-        ("opt-tree", {"nodes": 8, "adaptive_nodes": True}), ("mcsd", {"k_config": ""}),
-        ("mcsd", {"k_config": "4,2,1"}), ("dsbd", {"width": 3}), ("lookup", {})]
+        ("opt-tree", {"nodes": 8, "adaptive_nodes": True}), ("mcsd", {}),
+        ("mcsd", {"k_config": "4,2,1"}), ("mcsd", {"width": 4}), ("dsbd", {"width": 3}), ("lookup", {})]
 
 
 def test_a_difference_and_a_crash_are_reported(tiny_dirs, monkeypatch, capsys):

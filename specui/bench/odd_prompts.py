@@ -5,7 +5,7 @@ raw token ids outside any template, each at a few reply lengths (1 and 2 tokens:
 to draft). DSBD is compared with beam search (greedy, both are beam search).
 
     python -m specui.bench.odd_prompts [--target ...] [--quantization w4a8] [--dtype float32]
-        [--capture off|on] [--lengths 1,2,48] [--methods speculative:1,opt-tree:25,...]
+        [--capture off|on] [--lengths 1,2,48] [--methods speculative:1,opt-tree:25,mcsd:4-2-2-1-1,...]
 
 Greedy. Where every logit of a token is the same scored alone or with others (float32 or float64,
 w8a8 / w4a8 on SpecUI's row-exact attention) every difference is a bug; in bfloat16 and on other
@@ -19,6 +19,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from specui.bench.rows import parse_method
+from specui.chat import render_ids
 from specui.engine import GenerationRequest, SamplingConfig, make_method
 from specui.engine.engine import Engine
 from specui.service.pair import default_draft_source, load_pair
@@ -35,47 +37,14 @@ ODD = {
 }
 # (name, parameters) of each method compared with autoregressive decoding; DSBD with beam search
 METHODS = ("speculative:1,speculative:5,auto,lookup,specdec++,tree:eagle-25,tree:mcsd-42211,opt-tree:25,"
-           "opt-tree:8@adaptive,mcsd,mcsd:4,2,2,1,1,dsbd:2")
-
-
-def parse_methods(text: str) -> list[tuple[str, dict]]:
-    """'speculative:3,tree:eagle-25,opt-tree:8@adaptive,mcsd:4,2,1,dsbd:2' -> [(name, params)]: a bare
-    number after mcsd's colon continues its k-config."""
-    out: list[tuple[str, dict]] = []
-    for item in text.split(","):
-        name, _, arg = item.strip().partition(":")
-        if not name:
-            continue
-        if name.isdigit() and out and out[-1][0] == "mcsd":  # 4,2,2,1,1: one k-config
-            out[-1][1]["k_config"] += f",{name}"
-            continue
-        arg, _, flag = arg.partition("@")
-        out.append((name, _params(name, arg, flag)))
-    return out
-
-
-def _params(name: str, arg: str, flag: str) -> dict:
-    if name == "speculative":
-        return {"gamma": int(arg or 3)}
-    if name == "tree":
-        return {"preset": arg or "eagle-25"}
-    if name == "opt-tree":
-        return {"nodes": int(arg or 25), "adaptive_nodes": flag == "adaptive"}
-    if name == "mcsd":
-        return {"k_config": arg}
-    return {"width": int(arg or 2)} if name == "dsbd" else {}
+           "opt-tree:8@adaptive,mcsd,mcsd:4-2-2-1-1,dsbd:2")  # the bench's method specs (bench/rows.py)
 
 
 def prompts(tokenizer) -> dict[str, list[int]]:
-    """Each odd message in the chat template, plus raw ids: a single token and a run of 40."""
-    def chat(text: str) -> list[int]:
-        if not getattr(tokenizer, "chat_template", None):  # a base model's tokenizer: the text alone
-            return list(tokenizer(text)["input_ids"]) or [1 % len(tokenizer)]
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
+    """Each odd message as the app sends it (specui.chat.render_ids: typed special tokens stay text),
+    plus raw ids: a single token and a run of 40."""
     vocab = len(tokenizer)
-    return {name: chat(text) for name, text in ODD.items()} | {
+    return {name: render_ids(tokenizer, [{"role": "user", "content": text}]) for name, text in ODD.items()} | {
         "one raw token": [1 % vocab], "raw ids": [(100 + i) % vocab for i in range(40)]}
 
 
@@ -87,7 +56,7 @@ def compare(engine: Engine, cases: dict[str, list[int]], methods: Sequence[tuple
         for n in lengths:
             refs = {}
             for name, params in methods:
-                ref_name, ref_params = ("beam", {"width": params["width"]}) if name == "dsbd" else (
+                ref_name, ref_params = ("beam", {"width": params.get("width", 2)}) if name == "dsbd" else (
                     "autoregressive", {})
                 key = (ref_name, tuple(ref_params.items()))
                 if key not in refs:
@@ -127,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = pair.engine(args.capture)
     if args.capture == "on":
         engine.settle()
-    cases, methods = prompts(pair.target.tokenizer), parse_methods(args.methods)
+    cases = prompts(pair.target.tokenizer)
+    methods = [parse_method(spec.strip()) for spec in args.methods.split(",") if spec.strip()]
     print(f"target {pair.target.label}; draft {pair.draft.label}; capture {args.capture}; "
           f"{len(cases)} prompts x {len(lengths)} lengths x {len(methods)} methods, greedy")
     found = compare(engine, cases, methods, lengths)

@@ -250,13 +250,16 @@ def parse_method(spec: str) -> tuple[str, dict]:
     """'speculative:3' -> gamma 3; 'speculative:6@0.4' also stops drafting below confidence 0.4;
     'opt-tree:25@adaptive': a node budget chosen per step from the cost profile, at most 25;
     'dsbd:2@adaptive': W_L = 2, each forest's depth chosen per step by measurement (0..gamma);
-    'auto@nolookup': auto without its prompt-lookup candidate."""
+    'auto@nolookup': auto without its prompt-lookup candidate; 'mcsd:4-2-2-1-1': MCSD on that k-config
+    ('mcsd:4': forks of 4 chains)."""
     spec, _, extra = spec.partition("@")  # 'auto@0.2' has no ':'
     name, _, value = spec.partition(":")
     switch = "adaptive_gamma" if name == "dsbd" else "adaptive_nodes"
     params: dict = {switch: True} if extra == "adaptive" else {"lookup": False} if extra == "nolookup" else \
         {"confidence": float(extra)} if extra else {}
-    if value and name in PARAM_OF:
+    if name == "mcsd" and "-" in value:
+        params["k_config"] = value.replace("-", ",")
+    elif value and name in PARAM_OF:
         key, kind = PARAM_OF[name]
         params[key] = kind(value)
     return name, params
