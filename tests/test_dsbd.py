@@ -131,6 +131,22 @@ def test_a_spare_store_is_taken_at_its_own_capacity_and_only_where_it_fits(tiny_
     assert fourth.store.shape[0] == len(fourth.layers) and fourth.capacity == 64
 
 
+def test_a_rows_cache_grows_by_powers_of_two(tiny_target, monkeypatch):
+    """A static rows cache's capacity is STATIC_SLOTS times a power of two, whatever the prompt's length
+    and the forwards' widths: a compiled rows forward takes the capacity as a constant (rows.mark_sizes),
+    so each capacity is a compile of its own, and these keep them few."""
+    from specui.engine.rows import room_for
+
+    monkeypatch.setattr("specui.engine.rows.STATIC_SLOTS", 4)
+    assert [room_for(n) for n in (1, 4, 5, 9, 700)] == [4, 4, 8, 16, 1024]
+    rows = RowSession(tiny_target, runner=rows_runner(tiny_target, "static"))
+    rows.prefill(list(range(1, 12)))  # 11 slots
+    assert rows.cache.capacity == 16
+    rows.commit([(0, []), (0, [])])
+    rows.forward([[(7, -1)] + [(7, j) for j in range(6)]] * 2)  # 18 slots
+    assert rows.cache.capacity == 32
+
+
 def test_shared_entries_follow_the_rows_through_commits():
     from specui.engine.rows import copied_from, shared_after
 

@@ -17,7 +17,8 @@ How it runs is the mode:
 `compiled` (what `--capture on` asks for): the shapes run through torch.compile (inductor:
 fused kernels; inside the CUDA graphs on a GPU). Sizes are seen as tensor sizes, so two
 compiles (one token; any other count) serve every size and window (automatic dynamic shapes),
-and outside CUDA graphs a forward runs its own token count, unpadded (`width_for`); a compile that fails
+and outside CUDA graphs a forward runs its own token count, unpadded (`width_for`); beam rows
+(engine/rows.py) compile per rows count and capacity (`rows.mark_sizes`); a compile that fails
 leaves the model eager, with a note. With `background` (what `--capture auto` runs on a CPU
 that measured compiled forwards faster) no forward waits for a compile: a Warmup compiles each
 shape on a scratch cache of the same size, one thread per shape, at the lowest CPU priority,
@@ -253,7 +254,7 @@ class StaticForward:
         forwards eager (with a note)."""
         fn, eager = (self.hidden_fn, self.hidden_call) if hidden else (self.fn, self.model)
         if fn is not eager:
-            _mark_dynamic(kw, self.cache)
+            mark_dynamic_sizes(kw, self.cache)
             shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity) + ((HIDDEN,) if hidden else ())
             try:
                 with grouped_attention(*self.grouped) if self.grouped else nullcontext():
@@ -313,7 +314,7 @@ def _real_rows(out: torch.Tensor, m: int, keep: int) -> torch.Tensor:
     return rows[-keep:] if 0 < keep < m else rows
 
 
-def _mark_dynamic(kw: dict, cache: StaticKVCache) -> None:
+def mark_dynamic_sizes(kw: dict, cache: StaticKVCache) -> None:
     """Sizes a compile sees as symbols: one compile for every bucket and window (size 1 is
     specialised anyway), the window a size, not a constant."""
     for name, dims in (("input_ids", (1,)), ("position_ids", (1,)), ("attention_mask", (2, 3))):

@@ -32,7 +32,8 @@ import torch
 from specui.engine.warmup import RECOMPILE, compile_cache_dir
 
 COMPILED = "_specui_compiled"  # where a model keeps its compiled callables (its id, {variant: callable})
-RECOMPILES = 64  # torch.compile's recompiles per code object (a few shapes each; size 1 is its own)
+RECOMPILES = 128  # torch.compile's recompiles per code object: one row's widths take two, beam rows one per rows
+# count, capacity and width class (engine/rows.py mark_sizes: DSBD's up to 6 rows x 2 x a few capacities)
 
 
 def compile_model(model: torch.nn.Module, variant: object = None, call=None):

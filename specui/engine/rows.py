@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention
-from specui.engine.capture import round_up
+from specui.engine.capture import mark_dynamic_sizes, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
@@ -85,7 +85,7 @@ class RowSession:
             raise RuntimeError("prefill starts a fresh session")
         if ids:
             if self.runner is not None:  # exact shapes, eager: attention reads the prompt's n slots
-                self.cache.grow(len(ids))
+                self.cache.grow(room_for(len(ids)))
                 self.cache.prepare(0, len(ids))
             self.clock.run(self.model, input_ids=torch.tensor([list(ids)], device=self.device),
                            past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -134,7 +134,7 @@ class RowSession:
                   attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
         try:
             if self.runner is not None:
-                self.cache.grow(window)
+                self.cache.grow(room_for(window))
                 self.cache.prepare(start, window)
             real = [r * width + j for r, nodes in enumerate(new) for j in range(len(nodes))]
             out = self.clock.run(self._call, kw, real if len(real) < self.rows * width else None)
@@ -193,15 +193,7 @@ class RowSession:
         padding; an eager forward's matrix products then skip the padding (engine/unpadded.py)."""
         runner = self.runner
         if self.compiled and runner.compiled:
-            for name, dims in (("input_ids", (0, 1)), ("position_ids", (0, 1)), ("attention_mask", (0, 2, 3))):
-                for dim in dims:
-                    torch._dynamo.maybe_mark_dynamic(kw[name], dim)
-            torch._dynamo.maybe_mark_dynamic(self.cache.columns, 0)
-            torch._dynamo.maybe_mark_dynamic(self.cache.offsets, 0)
-            for layer in self.cache.layers:  # rows and capacity: sizes, so one compile serves them all
-                for buf in (layer._kbuf, layer._vbuf):
-                    torch._dynamo.maybe_mark_dynamic(buf, 0)
-                    torch._dynamo.maybe_mark_dynamic(buf, 2)
+            mark_sizes(kw, self.cache)
             shape = (kw["input_ids"].shape[1], self.cache.window, self.cache.capacity, self.rows)
             try:
                 with grouped_attention(*runner.grouped) if runner.grouped else nullcontext():
@@ -250,6 +242,33 @@ class RowSession:
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values) of the cache (tests)."""
         return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+def room_for(slots: int) -> int:
+    """The capacity a rows cache grows to for `slots` slots: STATIC_SLOTS times a power of two, so the
+    capacities a compiled rows forward meets (a compile each: `mark_sizes`) are few."""
+    capacity = STATIC_SLOTS
+    while capacity < slots:
+        capacity *= 2
+    return capacity
+
+
+def mark_sizes(kw: dict, cache: StaticKVCache) -> None:
+    """What a rows forward's compile sees as sizes: its token count and window, as the runner's own
+    forward (one compile serves every width from 2); its rows and the cache's capacity are constants
+    (a compile per pair). The layers' keys and values are views of one store, so where their sizes are
+    symbols their storage offsets are too, and torch checks every pair of such aliased inputs for
+    overlap: 120 views of the bundled target gave ~5,500 shape guards a compile, sympy's work for
+    51-99 s on each of a beam reply's two compiles with the disk cache warm (2-core Zen 3), against
+    11-14 s with rows and capacity constant; a DSBD reply's compiles 156 s -> 70 s (2026-12-07)."""
+    mark_dynamic_sizes(kw, cache)
+    for name in ("input_ids", "position_ids", "attention_mask"):
+        torch._dynamo.mark_static(kw[name], 0)
+    torch._dynamo.mark_static(cache.offsets, 0)
+    for layer in cache.layers:
+        for buf in (layer._kbuf, layer._vbuf):
+            torch._dynamo.mark_static(buf, 0)
+            torch._dynamo.mark_static(buf, 2)
 
 
 def compile_shape(probe, shape: tuple[int, int, int, int]) -> str:
