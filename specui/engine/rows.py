@@ -259,8 +259,8 @@ def mark_sizes(kw: dict, cache: StaticKVCache) -> None:
     (a compile per pair). The layers' keys and values are views of one store, so where their sizes are
     symbols their storage offsets are too, and torch checks every pair of such aliased inputs for
     overlap: 120 views of the bundled target gave ~5,500 shape guards a compile, sympy's work for
-    51-99 s on each of a beam reply's two compiles with the disk cache warm (2-core Zen 3), against
-    11-14 s with rows and capacity constant; a DSBD reply's compiles 156 s -> 70 s (2026-12-07)."""
+    51-99 s a compile with the disk cache warm (2-core Zen 3), against 11-17 s with rows and capacity
+    constant; a first beam W = 2 reply 176 -> 57 s, DSBD W = 2 151 -> 45 s (README, 2026-12-07)."""
     mark_dynamic_sizes(kw, cache)
     for name in ("input_ids", "position_ids", "attention_mask"):
         torch._dynamo.mark_static(kw[name], 0)
