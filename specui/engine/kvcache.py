@@ -18,7 +18,15 @@ from transformers.cache_utils import DynamicLayer
 
 from specui.engine.attention import cache_dtype
 
-MIN_CAPACITY = 256
+MIN_CAPACITY = 256  # slots a buffer starts with (doubling from there)
+
+
+def doubled(capacity: int, need: int) -> int:
+    """`capacity` doubled until it holds `need` slots: every cache here grows by doubling, so the
+    shapes its buffers take (and the compiles that see them) are few."""
+    while capacity < need:
+        capacity *= 2
+    return capacity
 
 
 class GrowingLayer(DynamicLayer):
@@ -77,9 +85,7 @@ class GrowingLayer(DynamicLayer):
         start = self._len
         end = start + key_states.shape[-2]
         if end > self.capacity:
-            capacity = max(MIN_CAPACITY, self.capacity)
-            while capacity < end:
-                capacity *= 2
+            capacity = doubled(max(MIN_CAPACITY, self.capacity), end)
             self._kbuf = self._grown(self._kbuf, key_states, start, capacity)
             self._vbuf = self._grown(self._vbuf, value_states, start, capacity)
         self._kbuf[..., start:end, :] = key_states

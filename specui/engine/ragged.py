@@ -38,7 +38,8 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine.attention import attention_configs, cache_dtype
-from specui.engine.ragged_cache import MIN_CAPACITY, RaggedCache
+from specui.engine.kvcache import MIN_CAPACITY, doubled
+from specui.engine.ragged_cache import RaggedCache
 from specui.engine.ragged_layout import Layout, PaddingStats, ragged_attention_in
 from specui.engine.session import common_prefix
 from specui.errors import SpecUIError
@@ -98,10 +99,7 @@ class RaggedSession:
 
     def cache_bytes(self, rows: int, tokens: int) -> int:
         """The buffers for `rows` rows holding up to `tokens` each (capacity grows by doubling)."""
-        capacity = MIN_CAPACITY
-        while capacity < tokens:
-            capacity *= 2
-        return rows * capacity * self.bytes_per_slot()
+        return rows * doubled(MIN_CAPACITY, tokens) * self.bytes_per_slot()
 
     # -- rows --------------------------------------------------------------------------
     def add_row(self) -> SessionRow:

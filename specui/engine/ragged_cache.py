@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specui.engine.attention import cache_dtype
+from specui.engine.kvcache import MIN_CAPACITY, doubled
 from specui.errors import SpecUIError
 
 
@@ -23,8 +24,6 @@ class RowsInLayout(Protocol):
     model: torch.nn.Module
     rows: list
     layout: Any
-
-MIN_CAPACITY = 256  # slots a row's buffer starts with (doubling from there)
 
 
 class RaggedLayer(DynamicLayer):
@@ -63,9 +62,7 @@ class RaggedLayer(DynamicLayer):
         self._grow_rows()
         lay = self.session.layout
         if lay.kv_len > self.kbuf.shape[2]:
-            capacity = self.kbuf.shape[2]
-            while capacity < lay.kv_len:
-                capacity *= 2
+            capacity = doubled(self.kbuf.shape[2], lay.kv_len)
             self.kbuf, self.vbuf = (_resized(b, self.live, len(b), capacity) for b in (self.kbuf, self.vbuf))
         for buf, new in ((self.kbuf, key_states), (self.vbuf, value_states)):
             src = new[0].transpose(0, 1) if lay.packed else new[lay.rows, :, lay.cols]  # (T, H, D)

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.attention import grouped_attention
 from specui.engine.capture import mark_dynamic_sizes, round_up
-from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.engine.kvcache import GrowingCache, GrowingLayer, doubled
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.unpadded import real_tokens_only, token_modules
@@ -247,10 +247,7 @@ class RowSession:
 def room_for(slots: int) -> int:
     """The capacity a rows cache grows to for `slots` slots: STATIC_SLOTS times a power of two, so the
     capacities a compiled rows forward meets (a compile each: `mark_sizes`) are few."""
-    capacity = STATIC_SLOTS
-    while capacity < slots:
-        capacity *= 2
-    return capacity
+    return doubled(STATIC_SLOTS, slots)
 
 
 def mark_sizes(kw: dict, cache: StaticKVCache) -> None:
