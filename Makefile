@@ -3,8 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
-# test files run on this many processes (pytest-xdist, a file per worker: its fixtures load once), in the
-# order tests/conftest.py gives them (longest first; xdist's own reorder puts the files of most tests first)
+# test files run on this many processes (pytest-xdist, a file per worker: its fixtures load once)
 TEST_WORKERS ?= 2
 
 .PHONY: setup setup-test browser run cli test lint bench measured clean
@@ -40,7 +39,7 @@ cli: setup
 
 test: setup-test
 	$(PY) -m ruff check specui app.py tests
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 bench: setup
 	$(PY) -m specui.bench.run $(ARGS)

@@ -26,23 +26,6 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "specu
 # every test that loads a pair (a compile per model beside the other tests); its own tests ask for it
 os.environ["SPECUI_MEASURE_CAPTURE"] = "0"
 
-# The longest test files first (seconds on a 2-core AVX2 EPYC, `pytest --durations=0` summed per
-# file): pytest-xdist's `--dist loadfile` hands files out in collection order, so a long file met
-# last keeps one worker busy while the other idles; longest-first leaves short files for the end.
-LONGEST_FILES = {
-    "test_browser.py": 162, "test_sampling_distribution.py": 118, "test_soak.py": 88,
-    "test_background_compile.py": 82, "test_capture_measured_in_background.py": 69, "test_share_app.py": 67,
-    "test_gpu_run.py": 56, "test_dsbd.py": 55, "test_gguf_packed.py": 46, "test_quant_choice.py": 45,
-    "test_tree_methods.py": 43, "test_bundled.py": 43, "test_engine_process.py": 40, "test_bench_suite.py": 38,
-    "test_capture.py": 35, "test_mcsd_fork.py": 32, "test_q4k.py": 31, "test_train.py": 31,
-}
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    """Longest files first, each file's tests in their own order (a stable sort by file)."""
-    items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))
-
-
 TINY_VOCAB = 64
 EOS = 2
 

@@ -113,25 +113,47 @@ class Generation:
 
     # 4. commit: apply stops (EOS, max tokens, stop strings), update text, caches, stats
     def commit_step(self, result: StepResult, step_ms: float) -> StepTrace:
-        ctx, stats = self._ctx, self.stats
+        ctx = self._ctx
         base = [] if result.replace else self.output_ids
-        tokens = list(result.tokens)
-        from_draft = list(result.from_draft) if result.from_draft else [False] * len(tokens)
-        reason = "finished" if result.finished else ""
-        for i, tok in enumerate(tokens):
-            if tok in ctx.eos_ids:
-                tokens, from_draft, reason = tokens[: i + 1], from_draft[: i + 1], "eos"
-                break
-        room = ctx.max_new_tokens - len(base)
-        if len(tokens) >= room:
-            tokens, from_draft = tokens[:room], from_draft[:room]
-            reason = reason or "length"
+        tokens, from_draft, reason = self._cut(result, ctx.max_new_tokens - len(base))
         self.output_ids = base + tokens
         ctx.ids = ctx.ids[: ctx.prompt_len] + self.output_ids
         ctx.target.commit(ctx.ids)
         if ctx.draft is not None and self.method.uses_draft:
             ctx.draft.commit(ctx.ids)
+        new_text, draft_chars, reason = self._new_text(result, base, tokens, from_draft, reason)
+        stats = self.stats
+        stats.target_forwards += 1
+        stats.drafted += result.drafted
+        stats.max_draft_len += result.max_draft_len
+        # accepted drafts that survived EOS / length cuts; a rewriting (beam) step says its own
+        stats.accepted += result.accepted if result.replace else sum(from_draft)
+        stats.new_tokens = len(self.output_ids)
+        stats.finish_reason = reason
+        trace = self._trace(result, tokens, from_draft, new_text, draft_chars, step_ms)
+        self.steps.append(trace)
+        return trace
 
+    def _cut(self, result: StepResult, room: int) -> tuple[list[int], list[bool], str]:
+        """The step's tokens (and which came from the draft) up to an EOS and within `room`, and
+        the reason the generation ends there ("" if it goes on)."""
+        tokens = list(result.tokens)
+        from_draft = list(result.from_draft) if result.from_draft else [False] * len(tokens)
+        reason = "finished" if result.finished else ""
+        for i, tok in enumerate(tokens):
+            if tok in self._ctx.eos_ids:
+                tokens, from_draft, reason = tokens[: i + 1], from_draft[: i + 1], "eos"
+                break
+        if len(tokens) >= room:
+            tokens, from_draft = tokens[:room], from_draft[:room]
+            reason = reason or "length"
+        return tokens, from_draft, reason
+
+    def _new_text(self, result: StepResult, base: list[int], tokens: list[int], from_draft: list[bool],
+                  reason: str) -> tuple[str, int, str]:
+        """The reply's text after this step (cut at a stop string, a half-decoded character or a
+        partial stop string held back): (the text new this step, how many of its characters the
+        accepted drafts gave, the reason, "stop" where a stop string ended it)."""
         n_drafted = next((i for i, d in enumerate(from_draft) if not d), len(from_draft))
         # the text up to the accepted drafts first (for the new text's draft share), then the whole
         drafted = self._text_of(base + tokens[:n_drafted]) if 0 < n_drafted < len(tokens) else None
@@ -147,19 +169,15 @@ class Generation:
         previous = "" if result.replace else self.text
         new_text = text[len(previous):] if text.startswith(previous) else text
         self.text = text
-        draft_chars = _draft_chars(n_drafted, len(tokens), drafted, previous, new_text)
+        return new_text, _draft_chars(n_drafted, len(tokens), drafted, previous, new_text), reason
 
-        stats.target_forwards += 1
-        stats.drafted += result.drafted
-        stats.max_draft_len += result.max_draft_len
-        # accepted drafts that survived EOS / length cuts; a rewriting (beam) step says its own
-        stats.accepted += result.accepted if result.replace else sum(from_draft)
-        stats.new_tokens = len(self.output_ids)
-        stats.finish_reason = reason
+    def _trace(self, result: StepResult, tokens: list[int], from_draft: list[bool], new_text: str,
+               draft_chars: int, step_ms: float) -> StepTrace:
+        """The step as plain data for the UI: the method's own record plus what the commit kept."""
         for node in result.nodes:
             node.text = self._token_text(node.token_id)
-        ms = ctx.timer.ms
-        trace = StepTrace(
+        ms = self._ctx.timer.ms
+        return StepTrace(
             index=len(self.steps),
             method=self.method.name,
             nodes=result.nodes,
@@ -170,7 +188,7 @@ class Generation:
             new_text=new_text,
             replaces=bool(result.replace),
             new_draft_chars=draft_chars,
-            text=text,
+            text=self.text,
             gamma=result.gamma,
             beam_width=result.beam_width,
             tree_nodes=result.tree_nodes,
@@ -190,8 +208,6 @@ class Generation:
             verify_ms=ms.get("verify", 0.0),
             step_ms=step_ms,
         )
-        self.steps.append(trace)
-        return trace
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)
