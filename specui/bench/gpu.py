@@ -248,7 +248,7 @@ def in_child(command: list[str], name: str, out: Path, timeout_s: float) -> dict
         return {"name": name, "note": f"failed: its process {ended}: {tail}"}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--target", default=BUNDLED, help="the bundled GGUF, or its path on a machine without the package")
@@ -272,35 +272,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isolate", choices=("yes", "no"), default=None,
                     help="each section in a process of its own (default: yes on a GPU, no in a dry run)")
     ap.add_argument("--section", default="", help=argparse.SUPPRESS)  # a child: run exactly this one
-    given = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(given)
-    if args.dry_run:
-        args.limit, args.max_new_tokens, args.repeats = min(args.limit, 2), min(args.max_new_tokens, 6), 1
-        args.dtype = "float32"
-    elif not torch.cuda.is_available():
-        ap.error("no CUDA device: run on a GPU, or pass --dry-run")
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
-    meta = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": cpu_model(), "python": platform.python_version(), "budget_s": args.budget_s,
-            "command": "python -m specui.bench.gpu " + " ".join(given),
-            "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    run = Run(args.out, args.budget_s, meta)
-    if args.smoke:
-        t0 = time.perf_counter()
-        run.add(smoke("cpu", 8, (2, 64, 4, 2), 16) if args.dry_run else smoke(args.device), t0)
-        print((args.out / "results.md").read_text())
-        return 0
-    isolate = not args.section and (args.isolate == "yes" or (args.isolate is None and not args.dry_run))
-    prompts = [] if isolate else bench_prompts(load_tokenizer(ModelSpec(args.target)), args.prompts, args.limit)
+    return ap
+
+
+def chosen_sections(args: argparse.Namespace) -> list[tuple[str, float, callable]]:
+    """The sections this run does, in order: a child's one section, else those `--only` names in the
+    order it names them (every section without it)."""
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
 
     def rank(name: str) -> int | None:  # its place in --only (None: not named); 0 for all without --only
         return next((i for i, w in enumerate(wanted) if name.startswith(w)), None) if wanted else 0
 
     plan = [p for p in sections(args) if (p[0] == args.section if args.section else rank(p[0]) is not None)]
-    plan.sort(key=lambda p: rank(p[0]) or 0)
-    for i, (name, needs, work) in enumerate(plan):
+    return sorted(plan, key=lambda p: rank(p[0]) or 0)
+
+
+def run_sections(run: Run, args: argparse.Namespace, given: list[str], isolate: bool) -> None:
+    """Each section while the budget lasts: in a child process of its own (`isolate`: a CUDA error
+    is sticky) or here, a failure noted and the run going on."""
+    prompts = [] if isolate else bench_prompts(load_tokenizer(ModelSpec(args.target)), args.prompts, args.limit)
+    for i, (name, needs, work) in enumerate(chosen_sections(args)):
         if run.left_s < needs:
             run.add({"name": name, "note": f"skipped: {run.left_s:.0f} s of the budget left, it needs {needs}"})
             continue
@@ -319,6 +310,30 @@ def main(argv: list[str] | None = None) -> int:
         del work
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    given = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(given)
+    if args.dry_run:
+        args.limit, args.max_new_tokens, args.repeats = min(args.limit, 2), min(args.max_new_tokens, 6), 1
+        args.dtype = "float32"
+    elif not torch.cuda.is_available():
+        ap.error("no CUDA device: run on a GPU, or pass --dry-run")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu (dry run)"
+    meta = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu": cpu_model(), "python": platform.python_version(), "budget_s": args.budget_s,
+            "command": "python -m specui.bench.gpu " + " ".join(given),
+            "dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    run = Run(args.out, args.budget_s, meta)
+    if args.smoke:
+        t0 = time.perf_counter()
+        run.add(smoke("cpu", 8, (2, 64, 4, 2), 16) if args.dry_run else smoke(args.device), t0)
+    else:
+        isolate = not args.section and (args.isolate == "yes" or (args.isolate is None and not args.dry_run))
+        run_sections(run, args, given, isolate)
     print((args.out / "results.md").read_text())
     return 0
 
