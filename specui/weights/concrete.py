@@ -148,7 +148,7 @@ def _read(plan: _Plan, spec: ModelSpec, role: str, say: Progress) -> tuple[PreTr
         raise SpecUIError(f"could not load model '{spec.source}'{hint}: {short_error(e)}") from None
 
 
-def _packed_note(plan: _Plan, role: str, spec: ModelSpec, groups: dict | None, eight_bit: dict | None) -> str:
+def _packed_note(plan: _Plan, role: str, groups: dict | None, eight_bit: dict | None) -> str:
     why = f" ({plan.source.problem})" if plan.source.problem else ""
     said = [f"its {len(groups)} 4-bit matrices packed from the file's blocks one by one, never dequantized"
             ] if groups else []
@@ -191,7 +191,7 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     plan = _plan(spec, source)
     tokenizer = load_tokenizer(spec, (plan.where, plan.gguf, plan.local))
     model, groups, eight_bit = _read(plan, spec, role, say)
-    notes: tuple[str, ...] = given + ((_packed_note(plan, role, spec, groups, eight_bit),) if plan.packs else ())
+    notes: tuple[str, ...] = given + ((_packed_note(plan, role, groups, eight_bit),) if plan.packs else ())
     four_bit = plan.source is not None and spec.quantization in ("int4", "w4a8")
     blocks = groups if plan.packs else plan.source.four_bit(model) if four_bit else None
     if plan.shape is not None:
