@@ -93,7 +93,7 @@ def build_ui(service, defaults: ChatSettings | None = None, title: str = "SpecUI
                 with gr.Tab("model", elem_id="model-tab"):
                     _model_tab(page, ui)
                 with gr.Tab("compare", elem_id="compare-tab"):
-                    compare_tab(page, page.service.methods, [ui.controls[name] for name in SETTING_FIELDS],
+                    compare_tab(page, page.service.methods, ui.settings,
                                 [m for m in ("autoregressive", "speculative") if m in page.service.methods])
         _panels(ui)
         with gr.Accordion("step inspector", open=True):
@@ -139,6 +139,7 @@ def _method_tab(page: ChatPage, ui: SimpleNamespace) -> None:
                             elem_id="method")
     ui.controls = settings_controls(page.access.defaults_for(VISITOR if page.access.shared else OWNER, defaults),
                                     page.service.tree_presets, *page.slider_ends())
+    ui.settings = [ui.controls[name] for name in SETTING_FIELDS]  # in the order the handlers receive them
 
 
 def _model_tab(page: ChatPage, ui: SimpleNamespace) -> None:
@@ -231,7 +232,7 @@ def _inspect(page: ChatPage, ui: SimpleNamespace) -> dict:
 
 def _chat_events(page: ChatPage, ui: SimpleNamespace) -> None:
     """Send, Retry, Stop, Clear, the method's settings and the panels' toggles."""
-    engine, settings = page.engine_events, [ui.controls[name] for name in SETTING_FIELDS]
+    engine, settings = page.engine_events, ui.settings
     outputs = [ui.chatbot, ui.tree, ui.accept, ui.choices, ui.timing, ui.stats, ui.prov, ui.steps, ui.slider,
                ui.export, ui.carrier]
     clock = gr.Number(visible=False)  # the browser's clock when Send / Retry / Stop / Clear was pressed
@@ -265,7 +266,7 @@ def _inspector_events(page: ChatPage, ui: SimpleNamespace) -> None:
 def _model_events(page: ChatPage, ui: SimpleNamespace, demo: gr.Blocks) -> None:
     """The model tab's buttons, the memory line's clock, and what a page shows once loaded (a
     shared app's owner gets the model controls back)."""
-    engine, settings = page.engine_events, [ui.controls[name] for name in SETTING_FIELDS]
+    engine, settings = page.engine_events, ui.settings
     ui.preset.change(page.preset_chosen, ui.preset, [ui.target, ui.draft, ui.quant, ui.preset_info], queue=False,
                      **HIDDEN)
     ui.measure.click(page.measure_profile, None, [ui.profile_plot, ui.load_status], **engine, **HIDDEN)
