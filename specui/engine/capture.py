@@ -51,6 +51,7 @@ from specui.engine.compiled import compile_model
 from specui.engine.giving_way import DYNAMO
 from specui.engine.graphs import CudaGraphs, Graph
 from specui.engine.hidden import logits_and_hidden
+from specui.engine.host_ids import HostIds
 from specui.engine.masks import StaticMasks
 from specui.engine.static_cache import SpareStore, StaticKVCache
 from specui.engine.timing import ForwardClock
@@ -122,6 +123,7 @@ class StaticForward:
         self._generation = cache.generation
         self.clock = ForwardClock(cache.device)  # time inside the forwards (the session reads it)
         self.masks = StaticMasks(cache, self.mask_dtype, BUCKETS[-1])  # every forward's additive mask
+        self.host_ids = HostIds(BUCKETS[-1])  # every forward's positions on a CPU
         self.replays = 0  # forwards that ran as a replayed graph
         self.eager = 0  # forwards that ran eagerly (a graph's capture counts as one)
         self.spare_rows = SpareStore()  # a finished beam rows cache's store, for the next (engine/rows.py)
@@ -187,9 +189,10 @@ class StaticForward:
         positions = list(range(start, start + m)) if positions is None else list(positions)
         mask = self.masks.build(start, m, width, window, attend)
         padded = positions + [positions[-1]] * (width - m)  # padded rows repeat the last position
-        positions_t = torch.tensor([padded], dtype=torch.long)
-        if cache.device.type != "cpu":
-            positions_t = positions_t.to(cache.device, non_blocking=True)
+        if cache.device.type == "cpu":
+            positions_t = self.host_ids.row(padded)  # (a kept tensor: engine/host_ids.py)
+        else:
+            positions_t = torch.tensor([padded], dtype=torch.long).to(cache.device, non_blocking=True)
         if width > m:
             ids = torch.cat([ids, ids.new_zeros(width - m)])
         cache.prepare(start, window)

@@ -14,8 +14,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specui.engine import sampling
-from specui.engine.capture import StaticForward, capture_mode, round_up
+from specui.engine.capture import BUCKETS, StaticForward, capture_mode, round_up
 from specui.engine.hidden import capture_features, feature_sources, output_layer_inputs
+from specui.engine.host_ids import HostIds
 from specui.engine.kvcache import GrowingCache, GrowingLayer
 from specui.engine.static_cache import StaticKVCache, activation_dtype
 from specui.engine.timing import ForwardClock
@@ -66,6 +67,7 @@ class ModelSession:
         self._hooked = 0  # forwards under way whose hidden states are read through hooks (eager)
         self._hidden: list[torch.Tensor] | None = None  # hidden states the runner returned (with_hidden, no hook)
         self.cached_ids: list[int] = []
+        self._host_ids = HostIds(BUCKETS[-1])  # the new tokens' ids of a forward on a CPU
         self._tree_base = 0  # where the last scored tree's entries start in the cache
         self._tree_pending = False  # tree entries in the cache that commit_path has not settled
         # SpecDec++: the draft's acceptance head (engine-attached), its config, or why there is none
@@ -75,9 +77,7 @@ class ModelSession:
         # MCSD: the draft's early-stop decision models by kind ("hidden", "entropy"), or why there are none
         self.decision_models: dict[str, torch.nn.Module] = {}
         self.decision_problem = "no MCSD decision models are loaded for this draft"
-        # a feature draft's input: this (target) session's hidden states after the final norm,
-        # one row per cached position (None: not kept)
-        self.features: torch.Tensor | None = None
+        self.features: torch.Tensor | None = None  # a feature draft's input: keep_features (None: not kept)
         self.feature_layers: tuple[int, ...] = ()  # () : after the final norm
 
     def keep_features(self, layers: Sequence[int] = ()) -> None:
@@ -160,13 +160,9 @@ class ModelSession:
         n = 0 if pending is None else pending.numel()
         need = max(1, min(need, len(ids) + n))
         keep = self._sync(ids, max(1, need - n))
-        new = torch.tensor([list(ids[keep:])], dtype=torch.long)
-        if self.device.type != "cpu":
-            new = new.to(self.device, non_blocking=True)
-        if n:
-            new = torch.cat([new, pending.reshape(1, n).to(torch.long)], 1)
-        logits = self._forward(new, keep=need)
-        self.cached_ids.extend(list(ids[keep:]) + [PENDING] * n)
+        fresh = list(ids[keep:])
+        logits = self._forward(self._fed(fresh, pending), keep=need)
+        self.cached_ids.extend(fresh + [PENDING] * n)
         if logits.shape[0] == need and logits.shape[1] == self.vocab_size:
             return logits
         return logits[-need:, : self.vocab_size]
@@ -278,14 +274,19 @@ class ModelSession:
         attend[m:, base - m:base] = True
         attend[m:, base:] = (tree.ancestor_mask() if ancestors is None else ancestors)[start:n, :n]
         positions = list(range(base - m, base)) + [base - 1 + d for d in tree.depths[start:]]
-        fed = torch.tensor([fresh + (new if pending is None else [])], dtype=torch.long)
-        fed = fed.to(self.device, non_blocking=True)
-        if pending is not None:
-            fed, new = torch.cat([fed, pending.reshape(1, -1).to(torch.long)], 1), [PENDING] * len(new)
+        fed = self._fed(fresh + (new if pending is None else []), pending)
         logits = self._forward(fed, positions=positions, attend=attend)
-        self.cached_ids.extend(fresh + new)  # tree entries: provisional until commit_path
+        self.cached_ids.extend(fresh + (new if pending is None else [PENDING] * len(new)))  # until commit_path
         self._tree_pending = True
         return logits[max(m - 1, 0):, : self.vocab_size]
+
+    def _fed(self, tokens: list[int], pending: torch.Tensor | None) -> torch.Tensor:
+        """The ids (1, m) a forward feeds: `tokens`, then `pending` (tokens still on the device); on
+        a CPU without pending ones, written into a kept tensor (engine/host_ids.py)."""
+        if self.device.type == "cpu" and pending is None:
+            return self._host_ids.row(tokens)
+        fed = torch.tensor([tokens], dtype=torch.long).to(self.device, non_blocking=True)
+        return fed if pending is None else torch.cat([fed, pending.reshape(1, -1).to(torch.long)], 1)
 
     def _forward(self, input_ids: torch.Tensor, positions: list[int] | None = None,
                  attend: torch.Tensor | None = None, keep: int = 0, **extra) -> torch.Tensor:
