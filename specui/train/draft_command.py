@@ -55,22 +55,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     if args.feature_layers and not args.features:
         raise SpecUIError("--feature-layers says which target states a feature draft reads: add --features")
     train_set, heldout = answer_sets(args, target)
-    eos = stop_token_ids(target.tokenizer, target.model.generation_config)
-    layers = [int(x) for x in (args.layers or "0,-1").split(",")]
     torch.manual_seed(args.seed)
-    if args.init:  # go on from a trained draft: its layers, head tokens and weights (float32)
-        draft = load_draft(args.init, target.model, target.tokenizer, kernels=False, dtype=torch.float32)
-        draft.model.embed_tokens.weight.requires_grad_(False)  # the target's, shared
-        head = draft.token_map.clone()
-        own = draft.config.specui_draft.get("init_layers", layers)
-        n = target.model.config.num_hidden_layers
-        if args.layers is None or [i % n for i in layers] == [i % n for i in own]:
-            layers = own
-        else:  # deeper: the new target layers start as no-ops (grow_draft)
-            draft = grow_draft(draft, target.model, layers)
-    else:
-        head = choose_head_tokens(train_set, args.head_size, eos)
-        draft = build_draft(target.model, layers, head)
+    draft, head, layers = start_draft(args, target, train_set)
     reads = args.features or draft.feature_fc is not None
     read_layers = feature_layers(draft.config) if draft.feature_fc is not None else args.feature_layers
     train_states = states(args, target, train_set, reads, read_layers)
@@ -82,19 +68,8 @@ def cmd_draft(args, target: LoadedModel) -> dict:
     batches = make_batches(train_set, head, draft.config.vocab_size, args.batch_tokens, train_states)
     print(f"train: {len(train_set)} answers, {train_set.answer_tokens} tokens, {len(batches)} batches; "
           f"held-out: {len(heldout)} answers, {heldout.answer_tokens} tokens", file=sys.stderr)
-    recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
-                                         args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
-                                         args.temperatures, args.init, args.features, args.unknown_state,
-                                         args.teacher_dtype))
-    if args.feature_layers:
-        recipe += f"|feature layers {args.feature_layers}"
-    if args.feature_lr_scale != 1.0:
-        recipe += f"|feature lr x{args.feature_lr_scale}"
-    if args.quant_aware:
-        recipe += f"|as stored, {args.layer_bits}-bit layers"
-    run_id = hashlib.sha1(recipe.encode()).hexdigest()[:10]  # same settings resume, new settings start fresh
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed, weight_decay=args.weight_decay,
-                      checkpoint=args.work / f"draft-{args.out.name}-{run_id}.ckpt",
+                      checkpoint=args.work / f"draft-{args.out.name}-{run_id(args, layers)}.ckpt",
                       probe_every=max(1, args.epochs * len(batches) // max(1, args.curve_points)),
                       lr_scale={"feature_fc.": args.feature_lr_scale},
                       time_limit_s=None if args.time_limit is None else args.time_limit * 60)
@@ -118,18 +93,57 @@ def cmd_draft(args, target: LoadedModel) -> dict:
                   command="python -m specui.train " + " ".join(sys.argv[1:]),
                   curve=curve.run_points(log.probes, train_set.answer_tokens, len(batches)),
                   history=curve.history(args.init, before.agreement))
+    ship(args, target, draft, report, heldout, heldout_states)
+    return report
+
+
+def start_draft(args, target: LoadedModel, train_set: AnswerSet) -> tuple[torch.nn.Module, torch.Tensor, list[int]]:
+    """The draft training begins from, its head's tokens and its target layers: a new one (`--layers`,
+    head tokens chosen from the answers), or `--init`'s (float32), grown deeper where `--layers` adds
+    target layers to its own (the new ones start as no-ops: grow_draft)."""
+    layers = [int(x) for x in (args.layers or "0,-1").split(",")]
+    if not args.init:
+        head = choose_head_tokens(train_set, args.head_size, stop_token_ids(target.tokenizer,
+                                                                             target.model.generation_config))
+        return build_draft(target.model, layers, head), head, layers
+    draft = load_draft(args.init, target.model, target.tokenizer, kernels=False, dtype=torch.float32)
+    draft.model.embed_tokens.weight.requires_grad_(False)  # the target's, shared
+    head = draft.token_map.clone()
+    own = draft.config.specui_draft.get("init_layers", layers)
+    n = target.model.config.num_hidden_layers
+    if args.layers is None or [i % n for i in layers] == [i % n for i in own]:
+        return draft, head, own
+    return grow_draft(draft, target.model, layers), head, layers
+
+
+def run_id(args, layers: list[int]) -> str:
+    """What names a training run's checkpoint: the same settings resume it, new settings start afresh."""
+    recipe = "|".join(str(v) for v in (args.target, layers, args.head_size, args.epochs, args.lr, args.weight_decay,
+                                         args.batch_tokens, args.seed, *map(str, args.train_prompts), args.labels,
+                                         args.temperatures, args.init, args.features, args.unknown_state,
+                                         args.teacher_dtype))
+    if args.feature_layers:
+        recipe += f"|feature layers {args.feature_layers}"
+    if args.feature_lr_scale != 1.0:
+        recipe += f"|feature lr x{args.feature_lr_scale}"
+    if args.quant_aware:
+        recipe += f"|as stored, {args.layer_bits}-bit layers"
+    return hashlib.sha1(recipe.encode()).hexdigest()[:10]
+
+
+def ship(args, target: LoadedModel, draft, report: dict, heldout: AnswerSet, heldout_states) -> None:
+    """Save the trained draft beside --out, load it back and measure it as stored (its metrics and
+    learning curve written with it), then let it replace --out (whose hand-written README stays)."""
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_draft(draft, tmp, target.tokenizer, layer_bits=args.layer_bits)
     shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
     report.update(measure(shipped, target, heldout, heldout_states))  # figures of the stored (int8) weights
     (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
-    curve.write(tmp, report["curve"], report["history"], train_set.answer_tokens, report["agreement"])
+    curve.write(tmp, report["curve"], report["history"], report["train_answer_tokens"], report["agreement"])
     for kept in ("README.md",):  # hand-written notes about the draft survive a retrain (update them)
         if (args.out / kept).is_file() and not (tmp / kept).exists():
             shutil.copy2(args.out / kept, tmp / kept)
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.replace(args.out)
-    return report
-
