@@ -120,7 +120,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=4, help="held-out prompts")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -134,66 +134,87 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capture", default="auto", help="the forwards: auto (the app's default), on, off")
     ap.add_argument("--engine", default="process", choices=("process", "thread"),
                     help="the engine in a process of its own (the app's default) or in the app's (--no-engine-process)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def start_service(args: argparse.Namespace) -> tuple:
+    """(service, the main thread's runner of model work or None, the CPU meter, the page's submit):
+    the engine in a process of its own, or on this process's main thread (--engine thread)."""
     spec = ModelSpec(BUNDLED, dtype=args.dtype, device="auto", quantization=args.quantization)
     make = partial(bench_service, spec, args.capture, args.threads)
     if args.engine == "process":
-        service, runner = RemoteService(make), None
-        meter = ProcessMeter(service.engine_process.process.pid)
-        submit = run_in_new_thread
-    else:
-        service, runner, meter = make(), MainThreadRunner(), JobMeter()
-        submit = lambda fn, *a: runner.submit(meter.wrap(fn), *a)  # noqa: E731
+        service = RemoteService(make)
+        return service, None, ProcessMeter(service.engine_process.process.pid), run_in_new_thread
+    service, runner, meter = make(), MainThreadRunner(), JobMeter()
+    return service, runner, meter, lambda fn, *a: runner.submit(meter.wrap(fn), *a)
+
+
+def start_page(service, submit, browser: bool, live_panels: bool) -> tuple:
+    """The app's page on a free port, and its clients in processes of their own: (the page, [pipe to
+    the API client, pipe to the browser or None], the client processes)."""
     port = _free_port()
-    # the shares while a reply decodes: measured around the job on the model thread (one process),
-    # or around the whole request (the engine's own process)
-    outside = meter.wrap if runner is None else (lambda fn: fn)
     demo = build_ui(service, submit=submit).queue(default_concurrency_limit=1)
     demo.launch(server_port=port, prevent_thread_lock=True, quiet=True, css=PAGE_CSS)
     url = f"http://127.0.0.1:{port}"
     spawn = mp.get_context("spawn")
     conn, child_conn = spawn.Pipe()
-    workers = [spawn.Process(target=_client_worker, args=(url, child_conn))]
-    if args.browser:
+    workers, bconn = [spawn.Process(target=_client_worker, args=(url, child_conn))], None
+    if browser:
         bconn, bchild = spawn.Pipe()
-        workers.append(spawn.Process(target=_browser_worker, args=(url, bchild, not args.no_live_panels)))
+        workers.append(spawn.Process(target=_browser_worker, args=(url, bchild, live_panels)))
     for worker in workers:
         worker.start()
+    return demo, [conn, bconn], workers
+
+
+def bench_method(method: str, prompts: list[str], args: argparse.Namespace, service, runner, meter, conns: list,
+                 workers: list) -> None:
+    """One method's row: each prompt answered by the CLI's path, the API client and (--browser) the
+    page, in turn, `--repeats` times; prints engine tokens/s (medians) and each channel's CPU shares."""
+    # the shares while a reply decodes: measured around the job on the model thread (one process),
+    # or around the whole request (the engine's own process)
+    outside = meter.wrap if runner is None else (lambda fn: fn)
+    settings = settings_for(method, args.max_new_tokens)
+    direct(service, prompts[0], settings)  # warm-up
+    channels = ("cli", "api", "browser") if args.browser else ("cli", "api")
+    tps: dict[str, list[float]] = {c: [] for c in channels}
+    cpu = {c: CpuShares() for c in channels}
+    same = True
+    for prompt in prompts:
+        for _ in range(args.repeats):
+            service.settle()  # background compiles (capture auto) done before timing
+            meter.client_pid, meter.shares = None, cpu["cli"]
+            _, d_text, d_tps = meter.wrap(direct)(service, prompt, settings)
+            meter.client_pid, meter.shares = workers[0].pid, cpu["api"]
+            _, u_text, _, u_tps = outside(through_ui)(conns[0], runner, prompt, settings)
+            tps["cli"].append(d_tps)
+            tps["api"].append(u_tps)
+            same &= d_text.strip() == u_text.strip()
+            if args.browser:
+                meter.client_pid, meter.shares = workers[1].pid, cpu["browser"]
+                _, b_text, _, b_tps = outside(through_browser)(conns[1], runner, prompt, settings)
+                tps["browser"].append(b_tps)
+    cli = statistics.median(tps["cli"])
+    cols = [f"{cli:>8.1f}"] + [f"{statistics.median(tps[c]):>12.1f} ({statistics.median(tps[c]) / cli:.2f}x)"
+                               for c in channels[1:]]
+    print(f"{method:<18}{''.join(cols)}  {same}", flush=True)
+    for channel in channels:
+        print(f"{'':<18}{channel}: {cpu[channel].line()}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    service, runner, meter, submit = start_service(args)
+    demo, conns, workers = start_page(service, submit, args.browser, not args.no_live_panels)
     prompts = [p.messages[-1]["content"] for p in load_prompts(HELDOUT)[: args.limit]]
     print(f"engine tok/s (median over {args.limit} prompts x {args.repeats}); ratio to the CLI path in brackets")
     print(f"{'method':<18}{'CLI':>8}{'API client':>20}" + (f"{'browser':>20}" if args.browser else "") + "  same text")
     for method in args.methods.split(","):
-        settings = settings_for(method, args.max_new_tokens)
-        direct(service, prompts[0], settings)  # warm-up
-        tps: dict[str, list[float]] = {"cli": [], "api": [], "browser": []}
-        cpu = {"cli": CpuShares(), "api": CpuShares(), "browser": CpuShares()}
-        same = True
-        for prompt in prompts:
-            for _ in range(args.repeats):
-                service.settle()  # background compiles (capture auto) done before timing
-                meter.client_pid, meter.shares = None, cpu["cli"]
-                _, d_text, d_tps = meter.wrap(direct)(service, prompt, settings)
-                meter.client_pid, meter.shares = workers[0].pid, cpu["api"]
-                _, u_text, _, u_tps = outside(through_ui)(conn, runner, prompt, settings)
-                tps["cli"].append(d_tps)
-                tps["api"].append(u_tps)
-                same &= d_text.strip() == u_text.strip()
-                if args.browser:
-                    meter.client_pid, meter.shares = workers[1].pid, cpu["browser"]
-                    _, b_text, _, b_tps = outside(through_browser)(bconn, runner, prompt, settings)
-                    tps["browser"].append(b_tps)
-        cli = statistics.median(tps["cli"])
-        cols = [f"{cli:>8.1f}", f"{statistics.median(tps['api']):>12.1f} ({statistics.median(tps['api']) / cli:.2f}x)"]
-        if args.browser:
-            b = statistics.median(tps["browser"])
-            cols.append(f"{b:>12.1f} ({b / cli:.2f}x)")
-        print(f"{method:<18}{''.join(cols)}  {same}", flush=True)
-        for channel in ("cli", "api", "browser") if args.browser else ("cli", "api"):
-            print(f"{'':<18}{channel}: {cpu[channel].line()}", flush=True)
+        bench_method(method, prompts, args, service, runner, meter, conns, workers)
     print(f"capture {args.capture}: {capture_line(service.capture_report())}")
-    conn.send(None)
-    if args.browser:
-        bconn.send(None)
+    for conn in conns:
+        if conn is not None:
+            conn.send(None)
     for worker in workers:
         worker.join(30)
     demo.close()
