@@ -16,7 +16,7 @@ from specui.service.chat_service import ChatService, validate_settings
 from specui.service.pair import load_pair
 from specui.settings import ChatSettings, check_settings
 from specui.ui.chat_ui import ChatPage, build_ui
-from specui.ui.streaming import settings_from_values, to_messages
+from specui.ui.streaming import content_text, settings_from_values, to_messages
 from specui.weights.loading import ModelSpec
 
 METHODS, PRESETS = ["autoregressive", "speculative", "tree"], ["eagle-25"]
@@ -178,6 +178,17 @@ def test_named_api_from_a_client(service, tiny_dirs):
         info = client.predict(api_name="/info")
         assert info["draft"].endswith("draft") and "speculative" in info["methods"] and info["context_len"] == 256
         assert client.predict("w4", api_name="/chat")["reply"]  # still answering
+
+        # the page shows each message's text as it is (gradio's Chatbot dedents a string content,
+        # trims its blank lines and expands its tabs) and gets it back so with the next message
+        pasted = "\nw1\n    w2\n\tw3\n"
+        history = client.predict(pasted, [], "autoregressive", *form_values(max_new_tokens=4), None,
+                                 api_name="/respond")[1]
+        assert [m["role"] for m in history] == ["user", "assistant"]
+        assert content_text(history[0]["content"]) == pasted and content_text(history[1]["content"])
+        again = client.predict("w5", history, "autoregressive", *form_values(max_new_tokens=4), None,
+                               api_name="/respond")[1]
+        assert [content_text(m["content"]) for m in again[:2]] == [content_text(m["content"]) for m in history]
     finally:
         demo.close()
 

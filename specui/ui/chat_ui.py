@@ -37,6 +37,7 @@ from specui.ui.figures import (
 )
 from specui.ui.live_panels import CARRIER_ID, DRAW_JS
 from specui.ui.model_tab import ModelTab
+from specui.ui.outputs import shown_exactly
 from specui.ui.replay import SPEEDS
 from specui.ui.reply_panels import REPLAY_LAST, ReplyPanels
 from specui.ui.roles import COMPILE_TICK_S, MODEL_BUTTONS, MODEL_CONTROLS, Roles
@@ -238,10 +239,10 @@ def _chat_events(page: ChatPage, ui: SimpleNamespace) -> None:
     clock = gr.Number(visible=False)  # the browser's clock when Send / Retry / Stop / Clear was pressed
     send_inputs, retry_inputs = [ui.box, ui.chatbot, ui.method, *settings, clock], [ui.chatbot, ui.method,
                                                                                     *settings, clock]
-    gr.on([ui.box.submit, ui.send.click], page.respond, send_inputs, [ui.box, *outputs], trigger_mode="once",
-          **engine, js=stamp_js(len(send_inputs)), api_name="respond",
+    gr.on([ui.box.submit, ui.send.click], shown_exactly(page.respond, 1), send_inputs, [ui.box, *outputs],
+          trigger_mode="once", **engine, js=stamp_js(len(send_inputs)), api_name="respond",
           api_visibility="undocumented").then(**_inspect(page, ui))
-    ui.retry.click(page.retry, retry_inputs, outputs, trigger_mode="once", **engine,
+    ui.retry.click(shown_exactly(page.retry, 0), retry_inputs, outputs, trigger_mode="once", **engine,
                    js=stamp_js(len(retry_inputs)), **HIDDEN).then(**_inspect(page, ui))
     ui.stop.click(page.stop, clock, None, queue=False, js=stamp_js(1), **HIDDEN)
     ui.clear.click(page.clear, clock, outputs, queue=False, js=stamp_js(1), **HIDDEN).then(**_inspect(page, ui))
