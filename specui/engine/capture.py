@@ -52,7 +52,7 @@ from specui.engine.giving_way import DYNAMO
 from specui.engine.graphs import CudaGraphs, Graph
 from specui.engine.hidden import logits_and_hidden
 from specui.engine.host_ids import HostIds
-from specui.engine.masks import StaticMasks
+from specui.engine.masks import StaticMasks, mask_dtype
 from specui.engine.static_cache import SpareStore, StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.warmup import HIDDEN, RECOMPILE, Warmup
@@ -106,7 +106,7 @@ class StaticForward:
                 raise SpecUIError("CUDA graphs need a model on a CUDA device")
             graphs = CudaGraphs()
         self.model, self.cache, self.mode, self.backend = model, cache, mode, graphs
-        self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        self.mask_dtype = mask_dtype(model)
         self.graphs: dict[tuple, Graph] = {}  # (bucket, window), or (bucket, window, HIDDEN)
         self.failed: dict[tuple, str] = {}
         self.grouped = (routed_attention(model), grouped) if compiled and grouped else None

@@ -10,6 +10,18 @@ import torch
 from specui.engine.static_cache import StaticKVCache, cpu_view
 
 
+def mask_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of a model's additive attention masks: its own, float32 where that is not a
+    floating dtype (a quantized model's). `model.dtype` walks the parameters: read it once."""
+    dtype = model.dtype
+    return dtype if dtype.is_floating_point else torch.float32
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of a boolean one: 0 where `allowed`, the dtype's lowest value elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 class StaticMasks:
     """Masks (width, window) in `mask_dtype` for forwards over `cache`; the causal template holds
     at least `widest` rows (the biggest bucket)."""

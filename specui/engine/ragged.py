@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 
 from specui.engine.attention import attention_configs, cache_dtype
 from specui.engine.kvcache import MIN_CAPACITY, doubled
+from specui.engine.masks import additive, mask_dtype
 from specui.engine.ragged_cache import RaggedCache
 from specui.engine.ragged_layout import Layout, PaddingStats, ragged_attention_in
 from specui.engine.session import common_prefix
@@ -88,7 +89,7 @@ class RaggedSession:
         self.kernel = kernel or ("flex" if self.device.type == "cuda" else "sdpa")
         self._flex: Callable | None = None
         self.notes: list[str] = []  # what the session fell back on (FlexAttention failing)
-        self.mask_dtype = model.dtype if model.dtype.is_floating_point else torch.float32  # (read once: a walk)
+        self.mask_dtype = mask_dtype(model)
 
     def bytes_per_slot(self) -> int:
         """Cache bytes one token of one row takes (keys and values, every layer)."""
@@ -201,8 +202,7 @@ class RaggedSession:
         computed = real if self.padding == "unpad" else b * width
         self.stats.input_tokens += computed
         self.stats.input_padding += computed - real
-        dtype = self.mask_dtype
-        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        mask = additive(attend, self.mask_dtype)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         packed = self.padding == "unpad"
         kernel = self.kernel if packed else "sdpa"

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from specui.engine.attention import grouped_attention
 from specui.engine.capture import mark_dynamic_sizes, round_up
 from specui.engine.kvcache import GrowingCache, GrowingLayer, doubled
+from specui.engine.masks import additive, mask_dtype
 from specui.engine.static_cache import StaticKVCache
 from specui.engine.timing import ForwardClock
 from specui.engine.unpadded import real_tokens_only, token_modules
@@ -55,6 +56,7 @@ class RowSession:
         self.vocab_size = vocab_size or model.config.vocab_size
         self.device = next(model.parameters()).device
         self.clock = clock or ForwardClock(self.device)
+        self.mask_dtype = mask_dtype(model)
         self.runner = runner
         if runner is None:
             self.cache = GrowingCache(config=model.config)
@@ -112,8 +114,7 @@ class RowSession:
         total = start + width
         window = round_up(total) if self.compiled else total  # eager: no masked slots to read
         ids, positions, attend = self._place(new, start, width, window)
-        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
-        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        mask = additive(attend, self.mask_dtype)
         kw = dict(input_ids=ids.to(self.device), past_key_values=self.cache, use_cache=True,
                   attention_mask=mask[:, None].to(self.device), position_ids=positions.to(self.device))
         try:

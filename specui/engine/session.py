@@ -18,6 +18,7 @@ from specui.engine.capture import BUCKETS, StaticForward, capture_mode, round_up
 from specui.engine.hidden import capture_features, feature_sources, output_layer_inputs
 from specui.engine.host_ids import HostIds
 from specui.engine.kvcache import GrowingCache, GrowingLayer
+from specui.engine.masks import additive, mask_dtype
 from specui.engine.static_cache import StaticKVCache, activation_dtype
 from specui.engine.timing import ForwardClock
 from specui.engine.tree import TokenTree
@@ -315,8 +316,7 @@ class ModelSession:
             exact = self._hooked > 0 or self.features is not None
             return self.runner.run(input_ids[0], positions, attend, keep, exact=exact, **extra)
         if attend is not None:
-            dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
-            mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+            mask = additive(attend, mask_dtype(self.model))
             extra = dict(extra, attention_mask=mask[None, None].to(self.device, non_blocking=True),  # no wait
                          position_ids=torch.tensor([positions]).to(self.device, non_blocking=True))
         out = self.clock.run(self.model, input_ids=input_ids, past_key_values=self.cache, use_cache=True,

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from specui.engine.hidden import output_layer_inputs
+from specui.engine.masks import additive, mask_dtype
 from specui.heads.acceptance import AcceptanceHead, draft_fingerprint, q_stats
 from specui.train.data import AnswerSet, SavedFields
 from specui.train.trainer import TrainConfig, train
@@ -219,8 +220,7 @@ def greedy_answer(draft, prompt: list[int], answer: list[int]) -> GreedyAnswer:
         for j, t in enumerate(wrong):
             attend[base + n + j, : base + t] = True
             attend[base + n + j, base + n + j] = True
-        dtype = draft.dtype if draft.dtype.is_floating_point else torch.float32
-        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        mask = additive(attend, mask_dtype(draft))
         positions = list(range(base + n)) + [base + t for t in wrong]
         _, side = forward_hidden(draft, prompt + answer + [guess[t] for t in wrong], len(wrong),
                                  attention_mask=mask[None, None].to(draft.device),
