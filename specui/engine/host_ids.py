@@ -4,9 +4,9 @@ next instead of a new tensor each time.
 Right after a compiled forward has streamed the weights through the caches, every small op the
 step runs is slow: `torch.tensor([[id]])` took about 50 us there against 3 in a loop, and a
 decoding step built two such tensors (the new token's id, its position). Writing the values
-through a kept tensor's numpy view costs a few microseconds even then; an autoregressive step
-measured in one process, the two ways alternating (bundled target, compiled w4a8, 2-core AMD EPYC
-Zen 3): 0.39 -> 0.34 ms a token outside the forwards (4.7% -> 4.1% of a step).
+through a kept tensor's numpy view costs a few microseconds even then; autoregressive decoding
+measured in one process, the two ways alternating (bundled pair, compiled w4a8, 2-core AMD EPYC
+Zen 3): 0.535 -> 0.456 ms a token outside the forwards (5.8% -> 5.1% of a step; README).
 
 Each row is read only by the forward it was written for (on a CPU a forward has finished when it
 returns), so the next forward may overwrite it. Rows are kept per length and per inference mode:
