@@ -289,7 +289,7 @@ def run_cli(args: argparse.Namespace) -> int:
         generation.stats.finish_reason = "cancelled"
     stats = generation.stats.to_dict()
     if args.trace:
-        args.trace.write_text(traces_to_json(generation.steps, generation.stats))
+        args.trace.write_text(traces_to_json(generation.steps, generation.stats), encoding="utf-8")
     if args.json:
         print(json.dumps({"prompt": args.prompt[0], "reply": generation.text, "text": generation.text, "stats": stats},
                          ensure_ascii=False))
@@ -335,7 +335,8 @@ def run_prompts(service: ChatService, settings: ChatSettings, args: argparse.Nam
         for g in generations:
             g.stats.finish_reason = g.stats.finish_reason or "cancelled"
     if args.trace:
-        args.trace.write_text("[" + ",\n".join(traces_to_json(g.steps, g.stats) for g in generations) + "]")
+        args.trace.write_text("[" + ",\n".join(traces_to_json(g.steps, g.stats) for g in generations) + "]",
+                              encoding="utf-8")
     for i, (prompt, g) in enumerate(zip(args.prompt, generations)):
         record = {"prompt": prompt, "reply": g.text, "text": g.text, "stats": g.stats.to_dict()}
         if batch is not None:

@@ -144,3 +144,28 @@ def test_the_checker_sees_a_circle_and_an_upward_import():
     """The checks above are not vacuous: a made-up graph with a circle is caught."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert FLOOR["engine"] < FLOOR["weights"] < FLOOR["service"]
+
+
+def _text_mode(call: ast.Call) -> bool:
+    """Whether an open(...) / Path.open(...) call opens a file as text (no "b" in a constant mode)."""
+    positional = call.args[1:] if isinstance(call.func, ast.Name) else call.args
+    modes = [a.value for a in positional[:1] if isinstance(a, ast.Constant)]
+    modes += [k.value.value for k in call.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)]
+    return "b" not in (modes[0] if modes else "r")
+
+
+def test_every_text_file_is_read_and_written_as_utf8():
+    """Text files (prompt sets, presets, caches, traces, READMEs) are UTF-8 whatever the machine's
+    locale: Python's default encoding is the locale's (Latin-1 or cp1252 on some machines), where a
+    prompt set or README with non-ASCII text would be misread or fail to write."""
+    unspecified = []
+    for path in sorted(ROOT.rglob("*.py")) + [ROOT.parent / "app.py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            opened = name == "open" and not (isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "os")
+            if name in ("read_text", "write_text") or (opened and _text_mode(node)):
+                unspecified.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not unspecified, f"text files opened without encoding='utf-8': {unspecified}"

@@ -17,7 +17,7 @@ def child_pids(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            out += [int(c) for c in (task / "children").read_text().split()]
+            out += [int(c) for c in (task / "children").read_text(encoding="utf-8").split()]
         except OSError:
             continue
     return out
@@ -41,7 +41,7 @@ def tree_cpu_seconds(pid: int) -> float | None:
 def _stat_seconds(path: str) -> float | None:
     """user + system CPU seconds from a /proc stat file (a process's or a thread's); None if gone."""
     try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text(encoding="utf-8").rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     url = f"http://127.0.0.1:{args.port}/"
     root = Path(__file__).resolve().parents[2]
-    with open(args.app_log, "w") as log:
+    with open(args.app_log, "w", encoding="utf-8") as log:
         app = subprocess.Popen([sys.executable, str(root / "app.py"), "--port", str(args.port)], env=env,
                                stdout=log, stderr=subprocess.STDOUT, cwd=root)
     t0 = time.monotonic()

@@ -80,8 +80,9 @@ class Run:
 
     def save(self) -> None:
         self.meta["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
-        (self.out / "results.json").write_text(json.dumps({"meta": self.meta, "sections": self.sections}, indent=1))
-        (self.out / "results.md").write_text(markdown(self.meta, self.sections))
+        (self.out / "results.json").write_text(json.dumps({"meta": self.meta, "sections": self.sections}, indent=1),
+                                               encoding="utf-8")
+        (self.out / "results.md").write_text(markdown(self.meta, self.sections), encoding="utf-8")
 
 
 def markdown(meta: dict, sections: list[dict]) -> str:
@@ -235,15 +236,15 @@ def in_child(command: list[str], name: str, out: Path, timeout_s: float) -> dict
     its own, so a CUDA error that poisons its context (they are sticky) ends that section only;
     its recorded section, or a note saying how the process ended and the end of its stderr."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "stderr.txt", "w") as err:
+    with open(out / "stderr.txt", "w", encoding="utf-8") as err:
         try:
             rc = subprocess.run(command, stderr=err, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = None
     try:
-        return json.loads((out / "results.json").read_text())["sections"][-1]
+        return json.loads((out / "results.json").read_text(encoding="utf-8"))["sections"][-1]
     except (OSError, ValueError, KeyError, IndexError):
-        tail = (out / "stderr.txt").read_text(errors="replace")[-600:].strip()
+        tail = (out / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-600:].strip()
         ended = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with status {rc}"
         return {"name": name, "note": f"failed: its process {ended}: {tail}"}
 
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         isolate = not args.section and (args.isolate == "yes" or (args.isolate is None and not args.dry_run))
         run_sections(run, args, given, isolate)
-    print((args.out / "results.md").read_text())
+    print((args.out / "results.md").read_text(encoding="utf-8"))
     return 0
 
 

@@ -91,7 +91,7 @@ def prepare(out: Path, repo: Path, wheels: tuple[str, ...] = WHEELS) -> int:
     for k, call in enumerate(calls, 1):
         folder = out / str(k)
         folder.mkdir()
-        (folder / "manifest.json").write_text(json.dumps(manifest))
+        (folder / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
         for name, offset, length in call:
             with open(name, "rb") as f:
                 f.seek(offset)
@@ -121,7 +121,8 @@ def arrive(k: int, travel: Path, into: Path) -> int:
         with open(target, "ab") as f:
             f.write(part.read_bytes())
         print(f"appended {part.name} ({part.stat().st_size / MIB:.1f} MiB)")
-    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").is_file() else {}
+    listed = folder / "manifest.json"
+    manifest = json.loads(listed.read_text(encoding="utf-8")) if listed.is_file() else {}
     for name, meta in manifest.items():
         partial = into / (name + ".partial")
         if not partial.exists() or partial.stat().st_size != meta["bytes"]:

@@ -55,6 +55,6 @@ def save_figure(figure, out: Path, stem: str) -> list[Path]:
 
 def save_results(out: Path, stem: str, results: dict, figure) -> None:
     """A bench's outputs: results.json, and the figure as `stem`.html and `stem`.png."""
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
     save_figure(figure, out, stem)
     print(f"wrote {out}/results.json and {stem}.html/png")

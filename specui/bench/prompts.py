@@ -25,7 +25,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[PromptItem]:
     if not Path(path).is_file():
         raise SpecUIError(f"prompt file '{path}' does not exist")
     items = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:

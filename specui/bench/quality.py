@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in points:
         print(f"{p.name:52} {p.tokens_per_s:7.2f} ({p.tokens_per_s_min:.2f}-{p.tokens_per_s_max:.2f})"
               f"{'':>5} {p.loglik_per_token:14.3f} {p.perplexity:11.2f}")
-    (out / "results.json").write_text(json.dumps({"header": header, "points": [p.__dict__ for p in points]}, indent=1))
+    saved = {"header": header, "points": [p.__dict__ for p in points]}
+    (out / "results.json").write_text(json.dumps(saved, indent=1), encoding="utf-8")
     title = "DSBD: throughput vs quality" + (f"<br><sup>A STAND-IN: {pair.target.label}</sup>" if args.stand_in else "")
     written = save_figure(figure(points, title), out, "quality")
     print(f"\nwrote {out / 'results.json'} and " + " and ".join(str(p) for p in written))

@@ -70,12 +70,12 @@ def block(data: dict, folder: Path, readme: Path) -> str:
 
 
 def rewrite(readme: Path, new_block: str) -> None:
-    text = readme.read_text()
+    text = readme.read_text(encoding="utf-8")
     if BEGIN not in text or END not in text:
         raise SystemExit(f"error: {readme} has no {BEGIN} ... {END} block to rewrite")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(head + new_block + tail)
+    readme.write_text(head + new_block + tail, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results.is_file():
         print(f"error: no {results}: run `python -m specui.bench --out {args.folder}` first", file=sys.stderr)
         return 2
-    data = json.loads(results.read_text())
+    data = json.loads(results.read_text(encoding="utf-8"))
     if not data.get("rows"):
         print(f"error: {results} has no rows", file=sys.stderr)
         return 2

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     bench(rows, prompts, args.max_new_tokens, args.repeats)
     print("\n" + table(rows, len(prompts)))
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w", encoding="utf-8") as f:
             json.dump(to_json(rows), f, indent=1)
     return 0
 

@@ -122,7 +122,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], dict[str, Path], li
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         probe = args.out / ".write-test"
-        probe.write_text("ok")
+        probe.write_text("ok", encoding="utf-8")
         probe.unlink()
     except OSError as e:
         raise SpecUIError(f"cannot write to {args.out}: {e}") from None
@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 joules_per_token=ReplyMeter(torch.device(meta_device)).note,
                 command="python -m specui.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     quality_rows = [p.__dict__ for p in points]
-    (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=results, quality=quality_rows), indent=1))
+    saved = dict(meta=meta, rows=results, quality=quality_rows)
+    (args.out / "results.json").write_text(json.dumps(saved, indent=1), encoding="utf-8")
     subtitle = f"{cpu_model()}, {meta['date']}"
     write_figures(results, args.out, subtitle)
     write_pareto_figures(results, points, args.out, subtitle)

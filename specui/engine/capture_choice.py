@@ -49,7 +49,7 @@ def choice_key(model: PreTrainedModel) -> str:
 
 def read(path: Path | None = None) -> dict:
     try:
-        data = json.loads((path or cache_file()).read_text())
+        data = json.loads((path or cache_file()).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -169,5 +169,5 @@ def decide(model: PreTrainedModel, kinds: dict, path: Path | None = None) -> dic
 def _write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     tmp.replace(path)

@@ -25,7 +25,7 @@ def free_memory(device: torch.device, cgroup: Path = CGROUP) -> int | None:
 
         return torch.cuda.mem_get_info(device)[0]
     try:
-        with open("/proc/meminfo") as info:
+        with open("/proc/meminfo", encoding="utf-8") as info:
             available = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
@@ -40,7 +40,7 @@ def cgroup_room(root: Path = CGROUP, membership: str | None = None) -> int | Non
     (memory.max, memory.current) and v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes)."""
     if membership is None:
         try:
-            membership = Path("/proc/self/cgroup").read_text()
+            membership = Path("/proc/self/cgroup").read_text(encoding="utf-8")
         except OSError:
             membership = ""
     rooms = [room for group in _groups(root, membership) if (room := _room(group)) is not None]
@@ -76,17 +76,17 @@ def _groups(root: Path, membership: str) -> list[tuple[Path, str, str, str]]:
 def _room(group: tuple[Path, str, str, str]) -> int | None:
     folder, limit_name, usage_name, cached = group
     try:
-        text = (folder / limit_name).read_text().strip()
+        text = (folder / limit_name).read_text(encoding="utf-8").strip()
     except OSError:
         return None
     if not text.isdigit() or int(text) >= UNLIMITED:  # "max": no limit
         return None
     try:
-        usage = int((folder / usage_name).read_text().strip())
+        usage = int((folder / usage_name).read_text(encoding="utf-8").strip())
     except (OSError, ValueError):
         return None
     try:
-        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines()
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text(encoding="utf-8").splitlines()
                     if len(line.split()) >= 2)
         cache = int(stat.get(cached, 0))
     except (OSError, ValueError):

@@ -32,7 +32,7 @@ def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo; {} where there is none (macOS, Windows)."""
     fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if not line.strip():
                 break
             key, _, value = line.partition(":")

@@ -253,7 +253,7 @@ def default_cache_dir() -> Path:
 def load_cached(path: Path, key: str) -> CostProfile | None:
     """The profile at `path` if it parses and carries `key`; None otherwise (re-measure)."""
     try:
-        profile = CostProfile.from_dict(json.loads(path.read_text()))
+        profile = CostProfile.from_dict(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return profile if profile.key == key and not disturbed(profile) else None

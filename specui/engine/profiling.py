@@ -53,7 +53,7 @@ def get_profile(
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1), encoding="utf-8")
         tmp.replace(path)
         where = f"cached in {path}"
     except OSError as e:

@@ -171,7 +171,7 @@ def save_head(head: AcceptanceHead, folder: Path, draft_print: str, meta: dict) 
     config = {HEAD_MARKER: 1, "hidden_size": head.hidden_size, "depth": head.depth, "use_q": head.use_q,
               "reads": head.reads,
               "draft_fingerprint": draft_print, **meta}
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(folder / "head.safetensors"), metadata={"format": "pt"})
 
@@ -183,7 +183,7 @@ def read_marked_config(folder: str | Path, marker: str, what: str, command: str)
     if not path.is_file():
         raise SpecUIError(f"no {what} at {folder} (no config.json); train one with: {command}")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise SpecUIError(f"the {what} config {path} is unreadable ({e}); retrain it with: {command}") from None
     if not isinstance(config, dict) or marker not in config:
@@ -214,7 +214,8 @@ def _replay_of(folder: Path, config: dict) -> list[dict]:
     if isinstance(config.get("threshold_replay"), list):
         return config["threshold_replay"]
     try:
-        return threshold_replay(json.loads((folder / "metrics.json").read_text()).get("heldout_replay", []))
+        metrics = json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
+        return threshold_replay(metrics.get("heldout_replay", []))
     except (OSError, ValueError, AttributeError):
         return []
 

@@ -75,7 +75,7 @@ def save_decision_models(models: dict[str, DecisionModel], folder: Path, draft_p
     folder.mkdir(parents=True, exist_ok=True)
     config = {MARKER: 1, "draft_fingerprint": draft_print,
               "models": {k: {"hidden_size": m.hidden_size, "width": m.width} for k, m in models.items()}, **meta}
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     for kind, model in models.items():
         state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(folder / f"{kind}.safetensors"), metadata={"format": "pt"})

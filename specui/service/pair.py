@@ -55,7 +55,7 @@ class Preset:
 
 def load_presets(path: Path = PRESETS_FILE) -> dict[str, Preset]:
     """Named model pairs from models/presets.json."""
-    raw = json.loads(path.read_text())
+    raw = json.loads(path.read_text(encoding="utf-8"))
     return {name: Preset(name=name, **entry) for name, entry in raw.items()}
 
 

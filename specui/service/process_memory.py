@@ -13,7 +13,7 @@ def rss_bytes(pid: int | str = "self") -> int | None:
     """Resident memory of this process (or `pid`; Linux), or None where /proc is not there (or
     the process ended)."""
     try:
-        with open(f"/proc/{pid}/status") as status:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as status:
             lines = status.readlines()
     except OSError:
         return None

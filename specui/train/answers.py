@@ -70,7 +70,7 @@ class AnswerStore:
         self.folder = Path(folder)
         manifest = self.folder / "manifest.json"
         if manifest.is_file():
-            meta = json.loads(manifest.read_text())
+            meta = json.loads(manifest.read_text(encoding="utf-8"))
             if meta.get("vocab_fingerprint") != fingerprint:
                 raise SpecUIError(
                     f"{self.folder} holds answers of another target (vocabulary {meta.get('vocab_fingerprint')}, "
@@ -78,7 +78,7 @@ class AnswerStore:
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             manifest.write_text(json.dumps({"format": FORMAT, "vocab_fingerprint": fingerprint,
-                                            "target": target_label}, indent=1) + "\n")
+                                            "target": target_label}, indent=1) + "\n", encoding="utf-8")
         self._answers: dict[str, Answer] | None = None
 
     def chunks(self) -> list[Path]:

@@ -25,7 +25,7 @@ def history(init_folder: Path | None, init_agreement: float | None) -> list[dict
         return []
     path = Path(init_folder) / "metrics.json"
     try:
-        metrics = json.loads(path.read_text())
+        metrics = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []
     past = [dict(h) for h in metrics.get("history", []) if isinstance(h, dict)]

@@ -128,8 +128,8 @@ def cmd_decision(args, target: LoadedModel, train_set: AnswerSet, heldout: Answe
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_decision_models(models, tmp, draft_fingerprint(draft), {"threshold": args.threshold, "draft": args.draft.name})
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    (tmp / "README.md").write_text(readme(metrics, command, args.draft.name))
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+    (tmp / "README.md").write_text(readme(metrics, command, args.draft.name), encoding="utf-8")
     if args.out.exists():
         shutil.rmtree(args.out)
     tmp.replace(args.out)

@@ -139,7 +139,7 @@ def ship(args, target: LoadedModel, draft, report: dict, heldout: AnswerSet, hel
     save_draft(draft, tmp, target.tokenizer, layer_bits=args.layer_bits)
     shipped = load_draft(tmp, target.model, target.tokenizer)  # it must load before it replaces anything
     report.update(measure(shipped, target, heldout, heldout_states))  # figures of the stored (int8) weights
-    (tmp / "metrics.json").write_text(json.dumps(report, indent=1))
+    (tmp / "metrics.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     curve.write(tmp, report["curve"], report["history"], report["train_answer_tokens"], report["agreement"])
     for kept in ("README.md",):  # hand-written notes about the draft survive a retrain (update them)
         if (args.out / kept).is_file() and not (tmp / kept).exists():

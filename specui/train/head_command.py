@@ -245,8 +245,8 @@ def cmd_head(args, target: LoadedModel, train_set: AnswerSet, heldout: AnswerSet
     metrics = dict(heldout_bce=quality.bce, heldout_kl=quality.kl, calibration=quality.calibration,
                    heldout_replay=points, sweep=plain_rows, costs=costs[2], command=command,
                    train_minutes=(time.time() - t0) / 60)
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    (tmp / "README.md").write_text(readme(plain_rows, best, points, costs[2], command))
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+    (tmp / "README.md").write_text(readme(plain_rows, best, points, costs[2], command), encoding="utf-8")
     figures(tmp, quality, points)
     if args.out.exists():
         shutil.rmtree(args.out)

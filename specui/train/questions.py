@@ -90,13 +90,13 @@ def generate(collector: Collector, train_items: Sequence[PromptItem], heldout_it
     `asked` marker), append the usable ones to `out`; returns how many were kept."""
     out.parent.mkdir(parents=True, exist_ok=True)
     state = out.with_suffix(".state.json")
-    asked = json.loads(state.read_text())["asked"] if state.is_file() else 0
+    asked = json.loads(state.read_text(encoding="utf-8"))["asked"] if state.is_file() else 0
     plan = requests(single_turn(train_items), count, seed, start=asked)
     jobs = question_jobs(collector, plan, f"{out.stem}-s{seed}")
     collector.gather(jobs, desc="target-written requests")
     answers = collector.store.answers()
     heldout = [words(m["content"]) for it in heldout_items for m in it.messages if m["role"] == "user"]
-    lines = out.read_text().splitlines() if out.is_file() else []
+    lines = out.read_text(encoding="utf-8").splitlines() if out.is_file() else []
     seen = {json.loads(line)["messages"][0]["content"].lower() for line in lines if line.strip()}
     kept = []
     for (qid, cat, shown), job in zip(plan, jobs):
@@ -107,7 +107,7 @@ def generate(collector: Collector, train_items: Sequence[PromptItem], heldout_it
             continue
         seen.add(text.lower())
         kept.append({"id": qid, "category": cat, "messages": [{"role": "user", "content": text}]})
-    with out.open("a") as f:
+    with out.open("a", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in kept)
-    state.write_text(json.dumps({"asked": asked + count, "seed": seed}) + "\n")
+    state.write_text(json.dumps({"asked": asked + count, "seed": seed}) + "\n", encoding="utf-8")
     return len(kept)

@@ -51,7 +51,7 @@ class Check:
 def _meminfo() -> dict[str, int]:
     out: dict[str, int] = {}
     with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
             key, _, value = line.partition(":")
             out[key] = int(value.split()[0]) * 1024
     return out
@@ -286,7 +286,7 @@ def _when(stamp: dict | None, created: float | None = None) -> str:
 
 def _read_json(path: Path) -> tuple[object | None, str]:
     try:
-        return json.loads(path.read_text()), ""
+        return json.loads(path.read_text(encoding="utf-8")), ""
     except OSError as e:
         return None, f"unreadable ({e.strerror})"
     except ValueError:

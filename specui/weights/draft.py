@@ -148,7 +148,7 @@ def _groups(state: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, tor
 
 def is_specui_draft(folder: str | Path) -> bool:
     cfg = Path(folder) / "config.json"
-    return cfg.is_file() and MARKER in json.loads(cfg.read_text())
+    return cfg.is_file() and MARKER in json.loads(cfg.read_text(encoding="utf-8"))
 
 
 def vocab_fingerprint(tokenizer) -> str:

@@ -74,7 +74,7 @@ def choice_key(model: torch.nn.Module, extra: str = "", with_code: bool = True) 
 
 def read_cache(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -151,7 +151,7 @@ def write_cache(path: Path, cache: dict, keep: int = KEEP) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.write_text(json.dumps(cache, indent=1), encoding="utf-8")
         tmp.replace(path)
     except OSError:
         pass

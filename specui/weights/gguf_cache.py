@@ -155,7 +155,7 @@ def _convert(path: Path, reader, folder: Path, trust_remote_code: bool) -> None:
         if groups:
             save_four_bit(groups, tmp / FOUR_BIT)
         (tmp / MANIFEST).write_text(json.dumps({"source": str(path), "types": types, "format": FORMAT,
-                                                "eight_bit": eight_bit_names(reader)}))
+                                                "eight_bit": eight_bit_names(reader)}), encoding="utf-8")
         try:
             tmp.rename(folder)
         except OSError:  # another process finished first: use its folder
@@ -170,7 +170,7 @@ def open_source(path: Path, trust_remote_code: bool = False) -> GGUFSource:
     or, where that cannot be built, the file with its open reader."""
     try:
         folder = folder_for(path)
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
         return GGUFSource(path, folder, {str(k): int(v) for k, v in manifest["types"].items()},
                           eight_bit_names=tuple(str(name) for name in manifest.get("eight_bit", ())))
     except FileNotFoundError:
@@ -208,7 +208,7 @@ def _drop_stale(path: Path, keep: Path) -> None:
         if folder == keep or not folder.is_dir():
             continue
         try:
-            source = json.loads((folder / MANIFEST).read_text()).get("source")
+            source = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("source")
         except (OSError, ValueError, AttributeError):
             continue  # not one of ours, or being written
         if source == str(path):

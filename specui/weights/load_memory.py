@@ -64,7 +64,7 @@ def weight_files(folder: Path) -> list[Path]:
     hub folders ship beside their shards)."""
     index = folder / "model.safetensors.index.json"
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         return [folder / name for name in names]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass

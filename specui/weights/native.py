@@ -77,7 +77,7 @@ def one_builder(folder: Path, wait_s: float = 300.0):
     and the file is deleted, else every later load would wait on it for ever."""
     import fcntl  # POSIX, as the kernels' builds are (x86-64 Linux and macOS)
 
-    with open(folder / "specui.lock", "a") as handle:
+    with open(folder / "specui.lock", "a", encoding="utf-8") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError:  # a filesystem without locks: torch's lock file alone, as before
@@ -123,7 +123,7 @@ def _built() -> tuple[object | None, str]:
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", arch):
         return None, f"{ARCH_ENV}={arch!r} is not a compiler's -march name (e.g. native, x86-64-v3)"
     _ninja_on_path()
-    text = "".join(source.read_text() for source in SOURCES + HEADERS)
+    text = "".join(source.read_text(encoding="utf-8") for source in SOURCES + HEADERS)
     built_for = cpu_signature() + torch.__version__ + (arch if arch != "native" else "")
     tag = hashlib.sha256((text + built_for).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"native-{tag}"
