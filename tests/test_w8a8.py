@@ -93,6 +93,19 @@ def test_a_bad_native_arch_is_refused_before_any_build(monkeypatch):
         assert native()[0] is None and "SPECUI_NATIVE_ARCH" in native_unavailable()
 
 
+def test_a_cpu_without_avx2_is_refused_before_any_build(monkeypatch):
+    """A CPU without AVX2 and FMA (an old one, or a VM that hides them) is told so without a
+    build that would fail on the kernels' #error at every start; torch's ops run."""
+    from specui.weights import native as native_module
+
+    monkeypatch.setattr(native_module, "has_avx2_fma", lambda: False)
+    native.cache_clear()
+    try:
+        assert native()[0] is None and "need AVX2 and FMA" in native_unavailable()
+    finally:
+        native.cache_clear()
+
+
 def test_a_use_waits_for_the_build_started_in_the_background(monkeypatch):
     """load_model starts the kernels' build on its own thread (native.build_in_background) while the
     model is read; the first use waits for that build instead of starting a second one beside it."""

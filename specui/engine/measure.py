@@ -51,6 +51,15 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(isa)})"
 
 
+def has_avx2_fma() -> bool:
+    """Whether this CPU runs AVX2 and FMA instructions (what SpecUI's kernels need): its
+    /proc/cpuinfo flags where there are some, else what torch's own dispatch found."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    if flags:
+        return {"avx2", "fma"} <= flags
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def cpu_signature() -> str:
     """What the cost caches are keyed by: the name and instructions (cpu_model) and the CPU's
     family, model and stepping, so a choice timed on one machine is never read on another

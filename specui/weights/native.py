@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from specui.engine.measure import cpu_signature
+from specui.engine.measure import cpu_signature, has_avx2_fma
 from specui.engine.paths import cache_root
 
 ENV = "SPECUI_NATIVE"  # "0": none of SpecUI's kernels (torch's own everywhere, to compare or to rule them out)
@@ -122,6 +122,8 @@ def _built() -> tuple[object | None, str]:
     arch = os.environ.get(ARCH_ENV) or "native"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", arch):
         return None, f"{ARCH_ENV}={arch!r} is not a compiler's -march name (e.g. native, x86-64-v3)"
+    if arch == "native" and not has_avx2_fma():  # else every start would spend a build failing on its #error
+        return None, "SpecUI's kernels need AVX2 and FMA, which this CPU does not have (torch's kernels run instead)"
     _ninja_on_path()
     text = "".join(source.read_text(encoding="utf-8") for source in SOURCES + HEADERS)
     built_for = cpu_signature() + torch.__version__ + (arch if arch != "native" else "")
