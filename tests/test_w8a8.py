@@ -69,7 +69,9 @@ def test_the_fused_rounding_and_scaling_give_the_torch_ops_bits(dtype):
 
 @contextmanager
 def native_under(monkeypatch, variable: str, value: str):
-    """native() as built (or refused) with `variable` set to `value`; the process's own build after."""
+    """native() as built (or refused) with `variable` set to `value` and the kernels otherwise on (a
+    run of the suite under SPECUI_NATIVE=0 included); the process's own build after."""
+    monkeypatch.delenv("SPECUI_NATIVE", raising=False)
     monkeypatch.setenv(variable, value)
     native.cache_clear()  # the build (or its refusal) is once per process
     try:
@@ -99,6 +101,8 @@ def test_a_cpu_without_avx2_is_refused_before_any_build(monkeypatch):
     from specui.weights import native as native_module
 
     monkeypatch.setattr(native_module, "has_avx2_fma", lambda: False)
+    monkeypatch.delenv("SPECUI_NATIVE", raising=False)
+    monkeypatch.delenv("SPECUI_NATIVE_ARCH", raising=False)
     native.cache_clear()
     try:
         assert native()[0] is None and "need AVX2 and FMA" in native_unavailable()
