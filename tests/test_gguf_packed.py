@@ -160,3 +160,36 @@ def test_asking_whether_a_matrix_is_in_the_file_decodes_nothing():
                  FileMatrices({"model.layers.0.mlp.down_proj": (object(), None)})):  # no .data: a decode raises
         assert "model.layers.0.mlp.down_proj" in lazy and "model.layers.0.mlp.up_proj" not in lazy
         assert list(lazy) == ["model.layers.0.mlp.down_proj"] and len(lazy) == 1
+
+
+def test_a_load_parses_the_gguf_once_and_leaves_the_gguf_module_as_it_was(tiny_gguf, tmp_path, monkeypatch):
+    """transformers parses a GGUF's header for the config, the tokenizer and the weights, and SpecUI's
+    reader once more: during a load every parse of that file is SpecUI's one reader (specui/weights/
+    gguf_reads.py), converted or read directly, with the same model as transformers' own load (the
+    tests above); afterwards the `gguf` module's names are its own again."""
+    import gguf
+
+    parsed = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    names = gguf.get_tensor_name_map
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spec = ModelSpec(str(tiny_gguf), "float32", "cpu", "int4")
+    load_concrete(spec, "target")  # converted now: its folder's config, tokenizer and weights
+    assert parsed == [str(tiny_gguf)]
+    parsed.clear()
+    reader = open_gguf(tiny_gguf)
+    load_concrete(spec, "target", source=GGUFSource(tiny_gguf, types=block_types(reader), reader=reader))  # direct
+    assert parsed == [str(tiny_gguf)]  # open_gguf's, above: transformers' three parses were that reader
+    assert gguf.GGUFReader is Counted and gguf.get_tensor_name_map is names
+    other = tmp_path / "other.gguf"
+    other.write_bytes(tiny_gguf.read_bytes())
+    from specui.weights.gguf_reads import shared_reads
+
+    with shared_reads(reader, tiny_gguf):
+        assert gguf.GGUFReader(str(tiny_gguf)) is reader and gguf.GGUFReader(str(other)) is not reader

@@ -20,6 +20,7 @@ from specui.weights.dtypes import auto_dtype_model
 from specui.weights.gguf_blocks import four_bit_tensors
 from specui.weights.gguf_cache import GGUFSource
 from specui.weights.gguf_packed import load_packed, packed_params
+from specui.weights.gguf_reads import shared_reads
 from specui.weights.load_memory import PACKED_BYTES, check_plain_load
 from specui.weights.native import native
 from specui.weights.on_kernels import on_kernels
@@ -112,8 +113,9 @@ def _plan(spec: ModelSpec, source: GGUFSource | None) -> _Plan:
     built = torch.float32 if spec.quantization in ROUNDS_ACTIVATIONS else dtype
     quant = _quantization_config(spec.quantization, dtype)
     lazy = spec.quantization == "w4a8" and covers_matrices(source)  # matrices from the GGUF's blocks alone
-    shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant, lazy) if spec.stand_in else None
     direct = source.reader if source is not None and source.folder is None else None  # a GGUF read as it is
+    with shared_reads(direct, source.path if direct is not None else None):
+        shape = plan_stand_in(spec, where, gguf, local, dtype, device, quant, lazy) if spec.stand_in else None
     wide = spec.quantization == "w4a8"  # a GGUF's matrices in more than 4 bits on 8-bit groups
     packed = packed_params(direct, wide) if direct is not None and device.type == "cpu" else 0
     if shape is None:  # refused here, with the figures, rather than killed by the kernel halfway through
@@ -189,8 +191,9 @@ def load_concrete(spec: ModelSpec, role: str, given: tuple[str, ...] = (),
     parts (reading, building a stand-in, quantizing matrix by matrix)."""
     say = progress or (lambda _fraction, _what: None)
     plan = _plan(spec, source)
-    tokenizer = load_tokenizer(spec, (plan.where, plan.gguf, plan.local))
-    model, groups, eight_bit = _read(plan, spec, role, say)
+    with shared_reads(plan.direct, plan.source.path if plan.direct is not None else None):  # one parse of a GGUF
+        tokenizer = load_tokenizer(spec, (plan.where, plan.gguf, plan.local))
+        model, groups, eight_bit = _read(plan, spec, role, say)
     notes: tuple[str, ...] = given + ((_packed_note(plan, role, groups, eight_bit),) if plan.packs else ())
     four_bit = plan.source is not None and spec.quantization in ("int4", "w4a8")
     blocks = groups if plan.packs else plan.source.four_bit(model) if four_bit else None

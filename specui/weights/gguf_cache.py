@@ -37,6 +37,7 @@ from specui.weights.gguf_blocks import (
     open_gguf,
     read_four_bit,
 )
+from specui.weights.gguf_reads import shared_reads
 
 FORMAT = 3  # bump when what the folder holds changes (2: Q4_K blocks kept too; 3: its 8-bit matrices named)
 MANIFEST = "specui_gguf.json"
@@ -145,10 +146,11 @@ def _convert(path: Path, reader, folder: Path, trust_remote_code: bool) -> None:
         tmp.mkdir(parents=True)  # an unwritable cache fails here, before the slow part
         types = block_types(reader)
         where, name = str(path.parent), path.name
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, trust_remote_code=trust_remote_code,
-                                                  local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
-                                                     trust_remote_code=trust_remote_code, local_files_only=True)
+        with shared_reads(reader, path):  # transformers' three parses of the header are this one
+            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, trust_remote_code=trust_remote_code,
+                                                      local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
+                                                         trust_remote_code=trust_remote_code, local_files_only=True)
         _save_weights(model, tmp)
         tokenizer.save_pretrained(tmp)
         groups = matched(read_four_bit(reader), model)
