@@ -8,8 +8,8 @@ table included, as hundreds of thousands of small numpy views: 3.1 s for the bun
 for the architecture once per module of the model (397 times for the bundled one, 17 ms each).
 
 `shared_reads(reader, path)`: while it lasts, a GGUFReader asked for the file at `path` is
-`reader` (that file's) (any other file gets a new one, as before), and the name table is built once per
-architecture and depth. Both stand in where transformers looks them up when it runs (`from gguf
+`reader`, that file's open reader (any other file gets a new one, as before), and the name table
+is built once per architecture and depth. Both stand in where transformers looks them up when it runs (`from gguf
 import GGUFReader` inside its functions), so nothing of transformers is copied or changed; where a
 later transformers looks them up otherwise, its loads are as slow as before and the same. One such
 load at a time in a process (the lookups are the `gguf` module's)."""
@@ -22,7 +22,8 @@ import os
 import threading
 
 # the `gguf` module's two names are swapped for a load's duration: one load at a time in the process
-_SWAPPING = threading.Lock()
+# (re-entrant: a load inside a load swaps again and puts back the outer load's names)
+_SWAPPING = threading.RLock()
 
 
 @contextlib.contextmanager
