@@ -191,5 +191,10 @@ def test_a_load_parses_the_gguf_once_and_leaves_the_gguf_module_as_it_was(tiny_g
     other.write_bytes(tiny_gguf.read_bytes())
     from specui.weights.gguf_reads import shared_reads
 
+    second = open_gguf(other)
     with shared_reads(reader, tiny_gguf):
         assert gguf.GGUFReader(str(tiny_gguf)) is reader and gguf.GGUFReader(str(other)) is not reader
+        with shared_reads(second, other):  # a load within a load: both files shared, then the outer's alone
+            assert gguf.GGUFReader(str(other)) is second and gguf.GGUFReader(str(tiny_gguf)) is reader
+        assert gguf.GGUFReader(str(other)) is not second
+    assert gguf.GGUFReader is Counted
