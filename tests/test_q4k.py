@@ -106,6 +106,17 @@ def q6_k_bytes(rows: int, inputs: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_q6_k_dequantized_in_torch_has_ggufs_bits(seed):
+    """dequantize_q6_k (torch's threaded ops; a directly read file's Q6_K matrices at every load)
+    gives exactly gguf's `dequantize`, every payload byte drawn, signed scales included."""
+    from specui.weights.gguf_blocks import dequantize_q6_k
+
+    raw = q6_k_bytes(24, 768, seed)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert torch.equal(dequantize_q6_k(torch.from_numpy(raw)), want) and want.shape == (24, 768)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_q6_k_weights_on_8_bit_groups_stay_within_an_eighth_of_their_own_step(seed):
     """What w4a8 does with a Q4_K_M file's Q6_K matrices (gguf_blocks.EIGHT_BIT): each weight moves
     at most an eighth (and a little, for float16's d) of the coarser step of its two 16-input sub-blocks."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from specui.errors import SpecUIError
-from specui.weights.gguf_blocks import Groups, decode_tensor, eight_bit_matrix, four_bit_matrix
+from specui.weights.gguf_blocks import Groups, decode_tensor, dequantized, eight_bit_matrix, four_bit_matrix
 
 
 class _FromFile(Mapping):
@@ -59,10 +59,8 @@ class FileMatrices(_FromFile):
     float32 (rows in transformers' order), for w4a8 to put on 8-bit groups one at a time."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         tensor, rows = self._tensors[name]
-        weight = torch.from_numpy(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        weight = torch.from_numpy(np.asarray(dequantized(tensor), dtype=np.float32))
         return weight if rows is None else weight[torch.from_numpy(rows)].contiguous()
 
 
@@ -104,7 +102,6 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
     of the GGUF `where`/`gguf` (`reader`: its open reader); the other tensors in `dtype`. `progress(done,
     total)` as each tensor starts. A file that leaves one of the model's tensors unset is refused."""
     from accelerate import init_empty_weights
-    from gguf.quants import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
@@ -129,7 +126,7 @@ def load_packed(where: str, gguf: str, reader, dtype: torch.dtype, trust_remote_
             left[name.removesuffix(".weight")] = (tensor, _row_order(processor, tensor, shape[0]))
             _put(model, name, torch.zeros((), dtype=dtype).expand(shape))
             continue
-        processed = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
+        processed = processor.process(weights=dequantized(tensor), name=tensor.name)
         value = torch.from_numpy(np.array(processed.weights, dtype=np.float32))
         if tuple(value.shape) != shape:
             raise SpecUIError(f"the GGUF's tensor {tensor.name} has shape {tuple(value.shape)}, "
