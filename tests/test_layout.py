@@ -154,18 +154,27 @@ def _text_mode(call: ast.Call) -> bool:
     return "b" not in (modes[0] if modes else "r")
 
 
+def unnamed_encodings(tree: ast.AST) -> list[int]:
+    """The lines of `tree`'s read_text / write_text / text-mode open calls that name no encoding."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        opened = name == "open" and not (isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "os")
+        if name in ("read_text", "write_text") or (opened and _text_mode(node)):
+            lines.append(node.lineno)
+    return lines
+
+
 def test_every_text_file_is_read_and_written_as_utf8():
     """Text files (prompt sets, presets, caches, traces, READMEs) are UTF-8 whatever the machine's
     locale: Python's default encoding is the locale's (Latin-1 or cp1252 on some machines), where a
     prompt set or README with non-ASCII text would be misread or fail to write."""
-    unspecified = []
-    for path in sorted(ROOT.rglob("*.py")) + [ROOT.parent / "app.py"]:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
-                continue
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            opened = name == "open" and not (isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "os")
-            if name in ("read_text", "write_text") or (opened and _text_mode(node)):
-                unspecified.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    unspecified = [f"{path.relative_to(ROOT.parent)}:{line}"
+                   for path in sorted(ROOT.rglob("*.py")) + [ROOT.parent / "app.py"]
+                   for line in unnamed_encodings(ast.parse(path.read_text(encoding="utf-8")))]
     assert not unspecified, f"text files opened without encoding='utf-8': {unspecified}"
+    made_up = 'p.read_text()\nopen(f, "w")\nopen(f, "rb")\nos.open(f, 0)\np.write_text(t, encoding="utf-8")\nf.open()'
+    assert unnamed_encodings(ast.parse(made_up)) == [1, 2, 6]  # and the check is not vacuous
