@@ -7,9 +7,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from specui.cli import build_parser, run_cli
+    from specui.engine.host_cpus import threads_for_quota
     from specui.errors import SpecUIError
 
     args = build_parser().parse_args(argv)
+    if note := threads_for_quota():  # before torch is imported, here or in the engine's process
+        print(note, file=sys.stderr)
     try:
         if args.cli or args.doctor or args.profile or args.quantization_options:
             return run_cli(args)

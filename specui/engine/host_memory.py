@@ -10,10 +10,12 @@ import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specui.engine import cgroups
+from specui.engine.cgroups import CGROUP, group_folders, read_text
+
 if TYPE_CHECKING:
     import torch
 
-CGROUP = Path("/sys/fs/cgroup")
 LOAD_SHARE = 0.9  # of the memory free, the most a load (a model, a stand-in, a GGUF's conversion) may plan to take
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
 
@@ -38,52 +40,22 @@ def cgroup_room(root: Path = CGROUP, membership: str | None = None) -> int | Non
     (the limit less what the group uses, its file cache counted as free: the kernel reclaims that
     before it kills); None without a limit. `membership`: /proc/self/cgroup's text. cgroup v2
     (memory.max, memory.current) and v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes)."""
-    if membership is None:
-        try:
-            membership = Path("/proc/self/cgroup").read_text(encoding="utf-8")
-        except OSError:
-            membership = ""
-    rooms = [room for group in _groups(root, membership) if (room := _room(group)) is not None]
+    groups = group_folders(root, cgroups.membership() if membership is None else membership, "memory")
+    rooms = [room for folder, version in groups if (room := _room(folder, *_MEMORY_FILES[version])) is not None]
     return min(rooms) if rooms else None
 
 
-def _groups(root: Path, membership: str) -> list[tuple[Path, str, str, str]]:
-    """Each (folder, limit file, usage file, file cache key) from the process's own group up to
-    the hierarchy's root (a container sees its own group as the root)."""
-    found = []
-    for line in membership.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            base, files = root, ("memory.max", "memory.current", "file")
-        elif "memory" in parts[1].split(","):
-            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
-        else:
-            continue
-        folder = base / parts[2].strip("/")
-        while True:
-            found.append((folder, *files))
-            if folder == base:
-                break
-            folder = folder.parent
-    if not found:  # no membership to read: the hierarchy's roots
-        found = [(root, "memory.max", "memory.current", "file"),
-                 (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")]
-    return found
+_MEMORY_FILES = {2: ("memory.max", "memory.current", "file"),  # limit, usage, the file cache's key in memory.stat
+                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")}
 
 
-def _room(group: tuple[Path, str, str, str]) -> int | None:
-    folder, limit_name, usage_name, cached = group
-    try:
-        text = (folder / limit_name).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    if not text.isdigit() or int(text) >= UNLIMITED:  # "max": no limit
+def _room(folder: Path, limit_name: str, usage_name: str, cached: str) -> int | None:
+    text = read_text(folder / limit_name)
+    if text is None or not text.isdigit() or int(text) >= UNLIMITED:  # "max": no limit
         return None
     try:
-        usage = int((folder / usage_name).read_text(encoding="utf-8").strip())
-    except (OSError, ValueError):
+        usage = int(read_text(folder / usage_name) or "")
+    except ValueError:
         return None
     try:
         stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text(encoding="utf-8").splitlines()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specui.engine.host_cpus import affinity_cores, cgroup_cpus
 from specui.engine.host_memory import cgroup_room
 from specui.engine.measure import cache_root, cpu_model, cpu_signature
 from specui.weights import q8a8, w4a8, w8a8
@@ -77,12 +78,15 @@ def _gpu_lines() -> list[str]:
 def machine_lines() -> list[str]:
     mem = _meminfo()
     cores = os.cpu_count() or 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    usable = affinity_cores()
+    quota = cgroup_cpus()
     gib = 2**30
     return [
         f"CPU: {cpu_model()}",
         f"CPU signature (cache key): {cpu_signature()}",
-        f"cores: {cores} ({usable} usable by this process); torch threads: {torch.get_num_threads()}",
+        f"cores: {cores} ({usable} usable by this process"
+        + (f"; its control group's CPU quota: {quota[0]:g} CPUs of time, {quota[1]}" if quota else "")
+        + f"); torch threads: {torch.get_num_threads()}",
         f"memory: {mem.get('MemTotal', 0) / gib:.1f} GiB total, {mem.get('MemAvailable', 0) / gib:.1f} GiB available"
         + (f"; {room / gib:.1f} GiB left under this process's control group limit (what loads are checked against)"
            if (room := cgroup_room()) is not None else ""),

@@ -30,6 +30,7 @@ from specui.weights.sources import (
     resolve_device,
     resolve_dtype,
 )
+from specui.weights.threads import threads_within_quota
 
 __all__ = [
     "BUNDLED", "BUNDLED_GGUF", "CPU_KERNELS", "DTYPES", "QUANTIZATIONS", "LoadedModel", "ModelSpec",
@@ -44,14 +45,24 @@ def load_model(spec: ModelSpec, role: str = "model", progress: Progress | None =
     Quantization `auto` becomes the one candidate there is, or the fastest of several as
     measured on this machine (specui.weights.quant_choice; cached; `capture`, the forwards the
     engines will run, auto / on / off: as those run, where that was measured).
-    `progress(fraction, what)` hears the slow parts of the load."""
-    if resolve_device(spec.device).type == "cpu":
+    `progress(fraction, what)` hears the slow parts of the load. On a CPU, torch's threads are first
+    cut to what a CPU quota allows (specui.weights.threads.threads_within_quota)."""
+    device = resolve_device(spec.device)
+    threads_note = threads_within_quota() if device.type == "cpu" else None
+    loaded = _load_model(spec, device, role, progress, capture)
+    if threads_note:
+        loaded.notes = (threads_note, *loaded.notes)
+    return loaded
+
+
+def _load_model(spec: ModelSpec, device, role: str, progress: Progress | None, capture: str) -> LoadedModel:
+    if device.type == "cpu":
         build_in_background()  # SpecUI's kernels build beside the reading of the model, not after it
     if spec.quantization != "auto":
         return load_concrete(spec, role, progress=progress)
     source = gguf_source(spec)
     types = source.types if source is not None and source.types else None
-    candidates, note = auto_candidates(spec, resolve_device(spec.device), types, role)
+    candidates, note = auto_candidates(spec, device, types, role)
     if len(candidates) > 1:
         return choose_quantization(spec, candidates, note or "", role, source=source, progress=progress,
                                    capture=capture)

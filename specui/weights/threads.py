@@ -16,6 +16,7 @@ process: the page is idle then), and where every core is faster, forwards that l
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specui.engine.host_cpus import usable_cpus
 from specui.weights.quantize import LONG_ROWS
 
 SPIN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
@@ -77,10 +79,11 @@ def choose_threads(model, local_browser: bool, requested: int = 0) -> ThreadChoi
     if requested:
         torch.set_num_threads(requested)
         return ThreadChoice(requested, f"{requested} (--threads)")
+    default = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch default"
     if next(model.parameters()).device.type != "cpu" or cores < 2:
-        return ThreadChoice(cores, f"{cores} (torch default)")
+        return ThreadChoice(cores, f"{cores} ({default})")
     if not local_browser:
-        return ThreadChoice(cores, f"{cores} (torch default: no browser on this machine to leave room for)")
+        return ThreadChoice(cores, f"{cores} ({default}: no browser on this machine to leave room for)")
     spinner = subprocess.Popen([sys.executable, "-c", SPIN])
     try:
         time.sleep(0.2)
@@ -98,6 +101,21 @@ def choose_threads(model, local_browser: bool, requested: int = 0) -> ThreadChoi
         return ThreadChoice(best, reason + f"; {cores} for inputs of {LONG_ROWS}+ tokens, while the page waits "
                                            f"({long_ms[cores]:.0f} vs {long_ms[best]:.0f} ms)", long_threads=cores)
     return ThreadChoice(best, reason)
+
+
+def threads_within_quota() -> str | None:
+    """torch's thread count cut to what this process's CPU quota allows (specui.engine.host_cpus),
+    where nothing chose the count (no OMP_NUM_THREADS): for processes not started through app.py,
+    which sets that before torch is imported (the benches, training). The note that says so."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    allowed, why = usable_cpus()
+    before = torch.get_num_threads()
+    if why is None or before <= allowed:
+        return None
+    torch.set_num_threads(allowed)
+    os.environ["OMP_NUM_THREADS"] = str(allowed)  # processes started from here (inductor's, an engine's) too
+    return f"torch threads: {allowed} of {before}, as {why} (more would wait on each other; OMP_NUM_THREADS to choose)"
 
 
 def use_long_threads(model: torch.nn.Module, threads: int, rows: int = LONG_ROWS) -> None:
