@@ -9,9 +9,17 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from app_process import bundled_converted, shared_gguf_cache
-from transformers import LlamaConfig, LlamaForCausalLM
+
+# The suite tests the CPU product on any machine: a GPU's paths are measured by the prepared GPU run
+# (specui.bench.gpu), and with a CUDA build of torch on a machine with a GPU, `device auto` (the
+# default of most tests and of the apps they start) would place models there. Hidden before torch
+# is imported, here and in every process a test starts; SPECUI_TEST_GPU=1 leaves the GPUs visible.
+if os.environ.get("SPECUI_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+from app_process import bundled_converted, shared_gguf_cache  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 # under pytest-xdist the workers share the cores: one thread each on a 2-core machine
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
