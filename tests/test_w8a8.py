@@ -110,6 +110,34 @@ def test_a_cpu_without_avx2_is_refused_before_any_build(monkeypatch):
         native.cache_clear()
 
 
+def test_a_machine_without_a_compiler_is_told_so_before_any_build_and_auto_says_what_it_lacks(tmp_path, monkeypatch):
+    """A slim container image has no C++ compiler: the build used to start and fail at every load,
+    its reason a compiler command line; now it is said at once, and quantization auto's note names
+    what the machine goes without (w4a8)."""
+    from specui.weights import native as native_module
+    from specui.weights.sources import ModelSpec, auto_candidates
+
+    monkeypatch.setattr(native_module, "has_avx2_fma", lambda: True)
+    monkeypatch.setenv("CXX", "/nonexistent/specui-no-such-g++ -O2")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernels built in this cache
+    monkeypatch.delenv("SPECUI_NATIVE", raising=False)
+    monkeypatch.delenv("SPECUI_NATIVE_ARCH", raising=False)
+    native.cache_clear()
+    try:
+        assert native()[0] is None
+        assert "need a C++ compiler" in native_unavailable()
+        assert "'/nonexistent/specui-no-such-g++' is not on PATH" in native_unavailable()
+        assert not list(tmp_path.rglob("build.ninja"))  # no build was started
+        candidates, note = auto_candidates(ModelSpec("model.gguf", dtype="auto"), torch.device("cpu"),
+                                           {"Q4_0": 210, "F32": 61}, "target")
+        assert candidates == ("int4", "none") and "; w4a8 not weighed: SpecUI's kernels need a C++ compiler" in note
+        candidates, note = auto_candidates(ModelSpec("model.gguf", dtype="bfloat16"), torch.device("cpu"),
+                                           {"Q4_0": 210, "F32": 61}, "target")
+        assert candidates == ("int4", "none") and "w4a8" not in note  # not weighed at that dtype anyway
+    finally:
+        native.cache_clear()
+
+
 def test_a_use_waits_for_the_build_started_in_the_background(monkeypatch):
     """load_model starts the kernels' build on its own thread (native.build_in_background) while the
     model is read; the first use waits for that build instead of starting a second one beside it."""

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import re
+import shlex
 import shutil
 import sys
 import threading
@@ -130,6 +131,8 @@ def _built() -> tuple[object | None, str]:
     tag = hashlib.sha256((text + built_for).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"native-{tag}"
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / f"specui_native_{tag}.so").exists() and (missing := _missing_compiler()):
+        return None, missing
     if not (folder / f"specui_native_{tag}.so").exists():  # said, as it takes a while: in the app's log, else on stderr
         said = f"building SpecUI's CPU kernels for this CPU and torch, once (about 20 s on 2 cores), in {folder}"
         log = logging.getLogger("specui.weights")
@@ -146,8 +149,8 @@ def _built() -> tuple[object | None, str]:
         for part in (*folder.glob("*.o"), *folder.glob("*.so")):  # the next process builds from the start
             part.unlink(missing_ok=True)
         lines = str(e).strip().splitlines() or [type(e).__name__]
-        said = next((line for line in lines if "error" in line.lower() and "building extension" not in line.lower()),
-                    lines[0])
+        said = next((line for line in lines if ("error" in line.lower() or "not found" in line)
+                     and "building extension" not in line.lower()), lines[0])
         return None, f"SpecUI's kernels could not be built here ({said.strip()[:200]})"
     _register_fakes()
     return module, ""
@@ -176,6 +179,17 @@ def _register_fakes() -> None:
     for name, fake in (("q4a8_mm", product), ("q8a8_mm", product), ("stream_mm", stream), ("attend", attention),
                        ("row_stats", stats), ("softmax_stats", softmax_stats)):
         torch.library.register_fake(f"specui_native::{name}")(fake)
+
+
+def _missing_compiler() -> str | None:
+    """Why a build cannot start, where the C++ compiler torch's builder runs ($CXX, else c++) is not
+    on PATH (a slim container image): said at once, not after a failed build at every start."""
+    command = os.environ.get("CXX") or "c++"
+    words = shlex.split(command) or ["c++"]
+    if shutil.which(words[0]) is not None:
+        return None
+    return (f"SpecUI's kernels need a C++ compiler and there is none here ({words[0]!r} is not on PATH; install g++, "
+            "e.g. `apt install g++`, for the w4a8 path and the row-exact attention; torch's kernels run meanwhile)")
 
 
 def _ninja_on_path() -> None:

@@ -112,11 +112,21 @@ def auto_candidates(spec: ModelSpec, device: torch.device, types: dict[str, int]
             return ("none", "w4a8"), f"the GGUF's {took.removeprefix('its ')}, on SpecUI's w4a8 kernel"
         rounded = f", rounding its {', '.join(others)} matrices to 4 bits" if others else ""
         return ("none",), (f"{role} quantization auto -> none: this GGUF's blocks ({kinds}) are not all Q4_0 / "
-                           f"Q4_1, so it loads dequantized; --quantization w4a8 computes with {took}{rounded}")
+                           f"Q4_1, so it loads dequantized; --quantization w4a8 computes with {took}{rounded}"
+                           f"{_without_kernels(spec)}")
     why = f"the GGUF's own 4-bit blocks ({four_bit} matrices) on torch's int4 kernel"
     if spec.dtype == "auto" and _w4a8_vector():
         return ("int4", "none", "w4a8"), why
-    return ("int4", "none"), why
+    return ("int4", "none"), why + _without_kernels(spec)
+
+
+def _without_kernels(spec: ModelSpec) -> str:
+    """Where w4a8 would be weighed but SpecUI's kernels are not there, why (no compiler, no AVX2):
+    what a user on a slim container image would otherwise not know they are without."""
+    from specui.weights.native import native_unavailable
+
+    why = native_unavailable() if spec.dtype == "auto" else ""
+    return f"; w4a8 not weighed: {why}" if why else ""
 
 
 def _w4a8_vector() -> bool:
