@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the engine's side: imported where the engine runs (this pro
     from specui.weights.threads import ThreadChoice
 
 RESTART_WAIT_S = 30  # between tries to start a failed engine process again
+PORTS = (7860, 7959)  # without --port: the first free one of these (Gradio's own range)
 SHARED_THREADS = 100  # Gradio's worker threads on a shared app: every waiting turn holds one
 
 
@@ -59,6 +61,43 @@ def access_from_args(args: argparse.Namespace, credentials: Credentials | None) 
     if credentials is None:
         print(f"warning: no --auth: {who} can use this app", file=sys.stderr)
     return access
+
+
+def choose_port(host: str, port: int | None, ports: tuple[int, int] = PORTS) -> int:
+    """The port to serve on, checked before any model loads (a taken port used to end the start in
+    a traceback after the load): `port` if given and free on `host`, else the first free one of
+    `ports` (said where it is not the first: another SpecUI may be running)."""
+    if port is not None:
+        if not 0 < port < 65536:
+            raise SpecUIError(f"--port must be in [1, 65535], got {port}")
+        if (problem := _bind_problem(host, port)) is not None:
+            raise SpecUIError(f"cannot serve on {host}:{port} ({problem}): another SpecUI or program may be using "
+                              "it; choose another with --port N, or leave --port out for the first free one from "
+                              f"{ports[0]}")
+        return port
+    problems = {}
+    for candidate in range(ports[0], ports[1] + 1):
+        if (problem := _bind_problem(host, candidate)) is None:
+            if candidate != ports[0]:
+                print(f"port {ports[0]} is taken ({problems[ports[0]]}): serving on {candidate}", file=sys.stderr)
+            return candidate
+        problems[candidate] = problem
+        if "in use" not in problem.lower():  # not a taken port (a --host this machine does not have): say so now
+            break
+    raise SpecUIError(f"cannot serve on {host}: {problems[ports[0]]} (ports {ports[0]}-{candidate} tried); "
+                      "check --host, or name a free --port")
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (as uvicorn binds: SO_REUSEADDR), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _log_to_stderr() -> None:
@@ -129,6 +168,7 @@ def launch(args: argparse.Namespace) -> int:
     access = access_from_args(args, credentials)  # before loading anything: a refusal is at once
     if args.threads < 0:
         raise SpecUIError(f"--threads must be >= 0 (0: measured), got {args.threads}")
+    port = choose_port(args.host, args.port)
     print("loading models…", file=sys.stderr)
     runner = MainThreadRunner()  # model work stays on this (the main) thread: see specui/service/runner.py
     if args.engine_process:
@@ -140,7 +180,7 @@ def launch(args: argparse.Namespace) -> int:
         service.gate = FairGate()
     demo = build_ui(service, settings_from_args(args), submit=submit, access=access).queue(
         max_size=args.queue, default_concurrency_limit=1)
-    kwargs = dict(server_name=args.host, server_port=args.port, auth=auth, prevent_thread_lock=True, css=PAGE_CSS)
+    kwargs = dict(server_name=args.host, server_port=port, auth=auth, prevent_thread_lock=True, css=PAGE_CSS)
     if access.shared:
         kwargs["max_threads"] = SHARED_THREADS
     if not args.share:

@@ -152,7 +152,8 @@ def parse_credentials(value: str | None) -> Credentials | None:
 def add_web_flags(ap: argparse.ArgumentParser) -> None:
     u = ap.add_argument_group("web app")
     u.add_argument("--host", default="127.0.0.1", help="where to listen (not loopback: everyone is a visitor)")
-    u.add_argument("--port", type=int, default=7860)
+    u.add_argument("--port", type=int, default=None,
+                   help="where to listen (default: 7860, or the first free port up to 7959 where it is taken)")
     u.add_argument("--share", action="store_true",
                    help="public Gradio link; needs --auth (or --public); its users are visitors")
     u.add_argument("--auth", help="user:pass, or a file holding user:pass lines ('admin user:pass': an owner)")

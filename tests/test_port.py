@@ -1,0 +1,59 @@
+"""The port is checked before any model loads: a taken one used to end the start in a traceback
+after the models had loaded (40 s here); without --port a second SpecUI takes the next free one."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from specui.errors import SpecUIError
+from specui.webapp import choose_port
+
+
+@pytest.fixture()
+def taken_port():
+    """A port another program listens on (127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _free_after(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port + 1))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_named_port_that_is_taken_is_refused_with_what_to_do(taken_port):
+    with pytest.raises(SpecUIError, match=rf"cannot serve on 127.0.0.1:{taken_port} \(.*in use\).*--port N"):
+        choose_port("127.0.0.1", taken_port)
+    with pytest.raises(SpecUIError, match=r"--port must be in \[1, 65535\], got 70000"):
+        choose_port("127.0.0.1", 70000)
+
+
+def test_without_a_port_the_first_free_one_is_taken_and_said(taken_port, capsys):
+    if not _free_after(taken_port):
+        pytest.skip("the port after the taken one is in use too on this machine right now")
+    assert choose_port("127.0.0.1", None, (taken_port, taken_port + 5)) == taken_port + 1
+    assert f"port {taken_port} is taken" in capsys.readouterr().err
+    with pytest.raises(SpecUIError, match=r"ports .* tried"):  # every port of the range taken
+        choose_port("127.0.0.1", None, (taken_port, taken_port))
+
+
+def test_a_host_this_machine_does_not_have_is_said_at_once():
+    with pytest.raises(SpecUIError, match=r"cannot serve on 203\.0\.113\.7: .*check --host"):
+        choose_port("203.0.113.7", None)  # TEST-NET-3: never an address of this machine
+
+
+def test_the_app_refuses_a_taken_port_before_loading_anything(taken_port, capsys):
+    import app
+
+    assert app.main(["--port", str(taken_port)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot serve on 127.0.0.1:{taken_port}" in err and "loading models" not in err
