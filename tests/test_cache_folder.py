@@ -14,7 +14,8 @@ from specui.engine.paths import cache_root
 def test_a_usable_cache_folder_is_used_and_nothing_is_said(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="specui"):
-        assert cache_root() == tmp_path / "cache" / "specui" and (tmp_path / "cache" / "specui").is_dir()
+        assert cache_root() == tmp_path / "cache" / "specui"
+    assert not (tmp_path / "cache").exists()  # asking makes nothing: the writers make what they write
     assert os.environ["XDG_CACHE_HOME"] == str(tmp_path / "cache") and not caplog.records
 
 
@@ -30,7 +31,17 @@ def test_an_unusable_cache_folder_falls_back_to_a_private_temporary_one_said_onc
     assert root == own / "specui" and root.is_dir() and os.environ["XDG_CACHE_HOME"] == str(own)
     assert own.stat().st_mode & 0o777 == 0o700
     assert len(caplog.records) == 1 and "cache folder cannot be used" in caplog.records[0].getMessage()
-    assert "Not a directory" in caplog.records[0].getMessage() and str(own) in caplog.records[0].getMessage()
+    assert f"{tmp_path / 'a-file'} is not a folder" in caplog.records[0].getMessage()
+    assert str(own) in caplog.records[0].getMessage()
+
+
+def test_a_folder_that_cannot_be_written_to_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert cache_root() == tmp_path / "tmp" / f"specui-cache-{os.getuid()}" / "specui"
 
 
 def test_a_temporary_folder_open_to_others_is_not_trusted(tmp_path, monkeypatch):

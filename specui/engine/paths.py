@@ -15,15 +15,13 @@ def cache_root() -> Path:
     home, a container user without one, a path through a file), a folder of this user's own under
     the system's temporary directory instead, for this process and those it starts (XDG_CACHE_HOME
     is set to it), said once: the app runs, and what it caches lasts until that folder is cleared."""
-    problem = None
     try:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specui"
-        root.mkdir(parents=True, exist_ok=True)
-        if os.access(root, os.W_OK | os.X_OK):
+    except (RuntimeError, KeyError) as e:  # Path.home() without a home (a container's user)
+        problem = f"no home folder ({e})"
+    else:
+        if (problem := _unusable(root)) is None:
             return root
-        problem = f"{root} is not writable"
-    except (OSError, RuntimeError, KeyError) as e:  # Path.home(): RuntimeError / KeyError without a home
-        problem = str(e)
     fallback = _own_temporary_folder()
     os.environ["XDG_CACHE_HOME"] = str(fallback)
     logging.getLogger("specui").warning(
@@ -31,6 +29,19 @@ def cache_root() -> Path:
         "folder to keep what is measured, converted and compiled across restarts)", problem, fallback)
     (fallback / "specui").mkdir(exist_ok=True)
     return fallback / "specui"
+
+
+def _unusable(root: Path) -> str | None:
+    """Why `root` could not be made and written to (its nearest existing folder decides: nothing is
+    made here), or None."""
+    existing = root
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def _own_temporary_folder() -> Path:

@@ -7,9 +7,12 @@ quantization) and are importable from here, the path callers use."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
+from specui.errors import SpecUIError
 from specui.settings import QUANTIZATIONS
 from specui.weights.concrete import Progress, load_concrete
+from specui.weights.gguf_whole import gguf_problem
 from specui.weights.native import build_in_background
 from specui.weights.quant_choice import choose_quantization
 from specui.weights.sources import (
@@ -56,6 +59,9 @@ def load_model(spec: ModelSpec, role: str = "model", progress: Progress | None =
 
 
 def _load_model(spec: ModelSpec, device, role: str, progress: Progress | None, capture: str) -> LoadedModel:
+    where, gguf, local = locate(spec.source)
+    if gguf and local and (problem := gguf_problem(Path(where) / gguf)):  # a download cut short, said as such
+        raise SpecUIError(f"{role}: {problem}")
     if device.type == "cpu":
         build_in_background()  # SpecUI's kernels build beside the reading of the model, not after it
     if spec.quantization != "auto":
