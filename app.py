@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecUIError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C before the app was up (a load takes a while): no traceback
+        print("\nstopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The port is checked before any model loads: a taken one used to end the start in a traceback
-after the models had loaded (40 s here); without --port a second SpecUI takes the next free one."""
+"""The app's start: the port is checked before any model loads (a taken one used to end the start
+in a traceback after the models had loaded, 40 s here; without --port a second SpecUI takes the next
+free one), and Ctrl+C while the models load stops it without a traceback."""
 
 from __future__ import annotations
 
@@ -57,3 +58,15 @@ def test_the_app_refuses_a_taken_port_before_loading_anything(taken_port, capsys
     assert app.main(["--port", str(taken_port)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot serve on 127.0.0.1:{taken_port}" in err and "loading models" not in err
+
+
+def test_ctrl_c_while_the_models_load_stops_the_app_without_a_traceback(monkeypatch, capsys):
+    import app
+    from specui import webapp
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(webapp, "launch", interrupted)
+    assert app.main([]) == 130
+    assert capsys.readouterr().err.strip() == "stopped"
