@@ -41,7 +41,7 @@ def group_folders(root: Path, membership: str, controller: str) -> list[tuple[Pa
     return found or [(root, 2), (root / controller, 1)]
 
 
-def read_text(path: Path) -> str | None:
+def control_file(path: Path) -> str | None:
     """A control file's text, stripped; None where it cannot be read."""
     try:
         return path.read_text(encoding="utf-8").strip()

@@ -12,7 +12,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from specui.engine import cgroups
-from specui.engine.cgroups import CGROUP, group_folders, read_text
+from specui.engine.cgroups import CGROUP, control_file, group_folders
 
 
 def cgroup_cpus(root: Path = CGROUP, membership: str | None = None) -> tuple[float, str] | None:
@@ -26,12 +26,12 @@ def cgroup_cpus(root: Path = CGROUP, membership: str | None = None) -> tuple[flo
 
 def _quota(folder: Path, version: int) -> tuple[float, str] | None:
     if version == 2:
-        text = read_text(folder / "cpu.max")
+        text = control_file(folder / "cpu.max")
         parts = (text or "").split()
         quota, period = (parts + ["100000"])[:2] if parts else (None, None)
         where = f"{folder / 'cpu.max'}: {text}"
     else:
-        quota, period = read_text(folder / "cpu.cfs_quota_us"), read_text(folder / "cpu.cfs_period_us")
+        quota, period = control_file(folder / "cpu.cfs_quota_us"), control_file(folder / "cpu.cfs_period_us")
         where = f"{folder / 'cpu.cfs_quota_us'}: {quota} per {period} us"
     try:
         quota_us, period_us = int(quota), int(period)  # "max" or -1: no quota

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specui.engine import cgroups
-from specui.engine.cgroups import CGROUP, group_folders, read_text
+from specui.engine.cgroups import CGROUP, control_file, group_folders
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,11 @@ _MEMORY_FILES = {2: ("memory.max", "memory.current", "file"),  # limit, usage, t
 
 
 def _room(folder: Path, limit_name: str, usage_name: str, cached: str) -> int | None:
-    text = read_text(folder / limit_name)
+    text = control_file(folder / limit_name)
     if text is None or not text.isdigit() or int(text) >= UNLIMITED:  # "max": no limit
         return None
     try:
-        usage = int(read_text(folder / usage_name) or "")
+        usage = int(control_file(folder / usage_name) or "")
     except ValueError:
         return None
     try:

@@ -76,17 +76,13 @@ def _gpu_lines() -> list[str]:
 
 
 def machine_lines() -> list[str]:
-    mem = _meminfo()
-    cores = os.cpu_count() or 0
-    usable = affinity_cores()
-    quota = cgroup_cpus()
-    gib = 2**30
+    mem, gib, quota = _meminfo(), 2**30, cgroup_cpus()
+    quota_text = f"; its control group's CPU quota: {quota[0]:g} CPUs of time, {quota[1]}" if quota else ""
     return [
         f"CPU: {cpu_model()}",
         f"CPU signature (cache key): {cpu_signature()}",
-        f"cores: {cores} ({usable} usable by this process"
-        + (f"; its control group's CPU quota: {quota[0]:g} CPUs of time, {quota[1]}" if quota else "")
-        + f"); torch threads: {torch.get_num_threads()}",
+        f"cores: {os.cpu_count() or 0} ({affinity_cores()} usable by this process{quota_text}); "
+        f"torch threads: {torch.get_num_threads()}",
         f"memory: {mem.get('MemTotal', 0) / gib:.1f} GiB total, {mem.get('MemAvailable', 0) / gib:.1f} GiB available"
         + (f"; {room / gib:.1f} GiB left under this process's control group limit (what loads are checked against)"
            if (room := cgroup_room()) is not None else ""),
