@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specui.engine.host_cpus import cgroup_cpus, threads_for_quota, usable_cpus
+from specui.engine.host_cpus import WORKER_VARIABLES, cgroup_cpus, threads_for_quota, usable_cpus
 
 V2 = "0::/app/worker\n"
 V1 = "4:memory:/box\n3:cpu,cpuacct:/box\n"
@@ -59,17 +59,20 @@ def test_app_start_sets_omp_threads_only_under_a_quota_and_never_over_the_users(
     assert threads_for_quota(environ, tmp_path, V2, cores=8) is None and environ == {}
     (group / "cpu.max").write_text("200000 100000\n")
     note = threads_for_quota(environ, tmp_path, V2, cores=8)
-    assert environ == {"OMP_NUM_THREADS": "2"} and note.startswith("torch threads: 2, as")
-    environ = {"OMP_NUM_THREADS": "6"}  # the user's choice stands
-    assert threads_for_quota(environ, tmp_path, V2, cores=8) is None and environ == {"OMP_NUM_THREADS": "6"}
+    assert environ == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "2", "MAX_JOBS": "2"}
+    assert note.startswith("torch threads: 2, as")
+    environ = {"OMP_NUM_THREADS": "6", "MAX_JOBS": "3"}  # the user's choices stand; the compile pool is sized
+    assert threads_for_quota(environ, tmp_path, V2, cores=8) is None
+    assert environ == {"OMP_NUM_THREADS": "6", "MAX_JOBS": "3", "TORCHINDUCTOR_COMPILE_THREADS": "2"}
 
 
 @pytest.fixture()
 def two_threads(monkeypatch):
     """torch on 2 threads with no OMP_NUM_THREADS set; both as they were afterwards."""
     before = torch.get_num_threads()
-    monkeypatch.setenv("OMP_NUM_THREADS", "0")  # so that the variable's state is restored afterwards ...
-    monkeypatch.delenv("OMP_NUM_THREADS")  # ... whatever the load sets
+    for name in ("OMP_NUM_THREADS", *WORKER_VARIABLES):
+        monkeypatch.setenv(name, "0")  # so that the variable's state is restored afterwards ...
+        monkeypatch.delenv(name)  # ... whatever the load sets
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
@@ -85,6 +88,7 @@ def test_a_load_outside_app_py_cuts_torchs_threads_to_the_quota_and_says_so(tiny
     monkeypatch.setattr(threads, "usable_cpus", lambda: (1, "a made-up quota of 1 CPU"))
     loaded = load_model(ModelSpec(str(tiny_dirs[0]), dtype="float32", device="cpu"), role="target")
     assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and os.environ["MAX_JOBS"] == "1"  # pool, build
     assert loaded.notes[0] == ("torch threads: 1 of 2, as a made-up quota of 1 CPU (more would wait on each other; "
                                "OMP_NUM_THREADS to choose)")
     torch.set_num_threads(2)  # a count someone chose (OMP_NUM_THREADS now set) is left alone
@@ -100,7 +104,7 @@ def test_no_quota_leaves_the_threads_and_the_notes_alone(tiny_dirs, monkeypatch,
 
     monkeypatch.setattr(threads, "usable_cpus", lambda: (2, None))
     loaded = load_model(ModelSpec(str(tiny_dirs[0]), dtype="float32", device="cpu"), role="target")
-    assert torch.get_num_threads() == 2 and "OMP_NUM_THREADS" not in os.environ
+    assert torch.get_num_threads() == 2 and not {"OMP_NUM_THREADS", *WORKER_VARIABLES} & set(os.environ)
     assert not any(n.startswith("torch threads") for n in loaded.notes)
 
 

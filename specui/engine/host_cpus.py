@@ -64,14 +64,28 @@ def usable_cpus(root: Path = CGROUP, membership: str | None = None, cores: int |
 
 def threads_for_quota(environ: MutableMapping[str, str] = os.environ, root: Path = CGROUP,
                       membership: str | None = None, cores: int | None = None) -> str | None:
-    """Where a CPU quota allows fewer threads than this process's cores and OMP_NUM_THREADS is not
-    set: set it (in `environ`) to the threads allowed, so torch, imported after this here or in a
-    process started from here (the engine's), starts that many; the note that says so."""
-    if "OMP_NUM_THREADS" in environ:
-        return None
+    """Where a CPU quota allows fewer threads than this process's cores: the workers started a core
+    each sized to it too (fit_workers), and where OMP_NUM_THREADS is not set, it set (in `environ`)
+    to the threads allowed, so torch, imported after this here or in a process started from here (the
+    engine's), starts that many; the note that says so."""
     allowed, why = usable_cpus(root, membership, cores)
     if why is None:
+        return None
+    fit_workers(allowed, environ)
+    if "OMP_NUM_THREADS" in environ:
         return None
     environ["OMP_NUM_THREADS"] = str(allowed)
     return f"torch threads: {allowed}, as {why} (more threads would wait on each other; OMP_NUM_THREADS or " \
            f"--threads to choose)"
+
+
+# what else starts a worker a core: inductor's pool of compile processes (about 0.3 GB each: sixteen in
+# a 2-CPU container on a 16-core host) and the kernels' build (ninja's jobs, a compiler each)
+WORKER_VARIABLES = ("TORCHINDUCTOR_COMPILE_THREADS", "MAX_JOBS")
+
+
+def fit_workers(allowed: int, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Those workers sized to the threads a quota allows, where nobody chose their number (read when
+    the first compile or build starts, after the models' load begins)."""
+    for name in WORKER_VARIABLES:
+        environ.setdefault(name, str(allowed))

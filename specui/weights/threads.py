@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specui.engine.host_cpus import usable_cpus
+from specui.engine.host_cpus import fit_workers, usable_cpus
 from specui.weights.quantize import LONG_ROWS
 
 SPIN = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
@@ -107,11 +107,12 @@ def threads_within_quota() -> str | None:
     """torch's thread count cut to what this process's CPU quota allows (specui.engine.host_cpus),
     where nothing chose the count (no OMP_NUM_THREADS): for processes not started through app.py,
     which sets that before torch is imported (the benches, training). The note that says so."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
     allowed, why = usable_cpus()
+    if why is None:
+        return None
+    fit_workers(allowed)
     before = torch.get_num_threads()
-    if why is None or before <= allowed:
+    if "OMP_NUM_THREADS" in os.environ or before <= allowed:
         return None
     torch.set_num_threads(allowed)
     os.environ["OMP_NUM_THREADS"] = str(allowed)  # processes started from here (inductor's, an engine's) too
