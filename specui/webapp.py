@@ -88,6 +88,19 @@ def choose_port(host: str, port: int | None, ports: tuple[int, int] = PORTS) -> 
                       "check --host, or name a free --port")
 
 
+def _launch_local(demo, kwargs: dict, host: str, named_port: bool) -> None:
+    """demo.launch on the port chosen before the load; where another program took it meanwhile (two
+    SpecUIs started together), the next free one, unless the port was named."""
+    try:
+        demo.launch(**kwargs)
+    except OSError as e:
+        demo.close()
+        if named_port:
+            raise SpecUIError(f"cannot serve on {host}:{kwargs['server_port']} ({e})") from None
+        kwargs["server_port"] = choose_port(host, None)
+        demo.launch(**kwargs)
+
+
 def _bind_problem(host: str, port: int) -> str | None:
     """Why a server could not listen on host:port (as uvicorn binds: SO_REUSEADDR), or None."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -184,7 +197,7 @@ def launch(args: argparse.Namespace) -> int:
     if access.shared:
         kwargs["max_threads"] = SHARED_THREADS
     if not args.share:
-        demo.launch(**kwargs)
+        _launch_local(demo, kwargs, args.host, named_port=args.port is not None)
     else:
         try:
             demo.launch(share=True, **kwargs)

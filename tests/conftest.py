@@ -26,6 +26,7 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 # cost profiles and dtype choices measured by the tests (and the apps they start) go to a
 # fresh cache, never the user's ~/.cache/specui
+os.environ.pop("SPECUI_CACHE_DIR", None)  # (a user's own, or the fallback's for an unusable home cache)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specui-test-cache-")
 shared_gguf_cache(Path(os.environ["XDG_CACHE_HOME"]))  # but the bundled GGUF converts once for all
 # and compiled code is kept across test runs (inductor's cache; the app's goes under XDG_CACHE_HOME)

@@ -8,7 +8,16 @@ import logging
 import os
 import tempfile
 
-from specui.engine.paths import cache_root
+import pytest
+
+from specui.engine.paths import CACHE_VARIABLE, cache_root
+
+
+@pytest.fixture(autouse=True)
+def own_cache_variable(monkeypatch):
+    """SPECUI_CACHE_DIR unset, and as it was after each test (the fallback sets it)."""
+    monkeypatch.setenv(CACHE_VARIABLE, "")
+    monkeypatch.delenv(CACHE_VARIABLE)
 
 
 def test_a_usable_cache_folder_is_used_and_nothing_is_said(tmp_path, monkeypatch, caplog):
@@ -17,6 +26,9 @@ def test_a_usable_cache_folder_is_used_and_nothing_is_said(tmp_path, monkeypatch
         assert cache_root() == tmp_path / "cache" / "specui"
     assert not (tmp_path / "cache").exists()  # asking makes nothing: the writers make what they write
     assert os.environ["XDG_CACHE_HOME"] == str(tmp_path / "cache") and not caplog.records
+    assert CACHE_VARIABLE not in os.environ
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "mine"))  # the user's own choice comes first
+    assert cache_root() == tmp_path / "mine"
 
 
 def test_an_unusable_cache_folder_falls_back_to_a_private_temporary_one_said_once(tmp_path, monkeypatch, caplog):
@@ -28,7 +40,8 @@ def test_an_unusable_cache_folder_falls_back_to_a_private_temporary_one_said_onc
         root = cache_root()
         assert cache_root() == root  # the process (and those it starts) go on there: said once
     own = tmp_path / "tmp" / f"specui-cache-{os.getuid()}"
-    assert root == own / "specui" and root.is_dir() and os.environ["XDG_CACHE_HOME"] == str(own)
+    assert root == own / "specui" and root.is_dir() and os.environ[CACHE_VARIABLE] == str(root)
+    assert os.environ["XDG_CACHE_HOME"] == str(tmp_path / "a-file" / "cache")  # other libraries' caches untouched
     assert own.stat().st_mode & 0o777 == 0o700
     assert len(caplog.records) == 1 and "cache folder cannot be used" in caplog.records[0].getMessage()
     assert f"{tmp_path / 'a-file'} is not a folder" in caplog.records[0].getMessage()

@@ -68,13 +68,16 @@ def test_app_start_sets_omp_threads_only_under_a_quota_and_never_over_the_users(
 
 @pytest.fixture()
 def two_threads(monkeypatch):
-    """torch on 2 threads with no OMP_NUM_THREADS set; both as they were afterwards."""
+    """torch on 2 threads with no OMP_NUM_THREADS set; both as they were afterwards (inductor's pool too)."""
+    import torch._inductor.config as inductor
+
     before = torch.get_num_threads()
     for name in ("OMP_NUM_THREADS", *WORKER_VARIABLES):
         monkeypatch.setenv(name, "0")  # so that the variable's state is restored afterwards ...
         monkeypatch.delenv(name)  # ... whatever the load sets
     torch.set_num_threads(2)
-    yield
+    with inductor.patch(compile_threads=2):
+        yield
     torch.set_num_threads(before)
 
 
@@ -89,6 +92,9 @@ def test_a_load_outside_app_py_cuts_torchs_threads_to_the_quota_and_says_so(tiny
     loaded = load_model(ModelSpec(str(tiny_dirs[0]), dtype="float32", device="cpu"), role="target")
     assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
     assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and os.environ["MAX_JOBS"] == "1"  # pool, build
+    import torch._inductor.config as inductor
+
+    assert inductor.compile_threads == 1  # (this process's inductor read its variable before the load)
     assert loaded.notes[0] == ("torch threads: 1 of 2, as a made-up quota of 1 CPU (more would wait on each other; "
                                "OMP_NUM_THREADS to choose)")
     torch.set_num_threads(2)  # a count someone chose (OMP_NUM_THREADS now set) is left alone

@@ -6,29 +6,41 @@ import logging
 import os
 import stat
 import tempfile
+import threading
 from pathlib import Path
+
+CACHE_VARIABLE = "SPECUI_CACHE_DIR"  # SpecUI's cache folder itself, where set (by the user, or by the fallback)
+# the fallback is chosen once a process (the kernels' build asks from its own thread while the load asks)
+_FALLBACK = threading.Lock()
 
 
 def cache_root() -> Path:
-    """Where SpecUI caches what it measured and converted: $XDG_CACHE_HOME/specui, else
-    ~/.cache/specui; read when called. Where that folder cannot be made or written to (a read-only
-    home, a container user without one, a path through a file), a folder of this user's own under
-    the system's temporary directory instead, for this process and those it starts (XDG_CACHE_HOME
-    is set to it), said once: the app runs, and what it caches lasts until that folder is cleared."""
+    """Where SpecUI caches what it measured and converted: $SPECUI_CACHE_DIR, else
+    $XDG_CACHE_HOME/specui, else ~/.cache/specui; read when called. Where that folder cannot be
+    made or written to (a read-only home, a container user without one, a path through a file), a
+    folder of this user's own under the system's temporary directory instead, for this process and
+    those it starts (SPECUI_CACHE_DIR is set to it; XDG_CACHE_HOME, which other libraries read, is
+    left as it is), said once: the app runs, and what it caches lasts until that folder is cleared."""
     try:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specui"
+        root = Path(os.environ.get(CACHE_VARIABLE) or
+                    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specui")
     except (RuntimeError, KeyError) as e:  # Path.home() without a home (a container's user)
-        problem = f"no home folder ({e})"
+        root, problem = None, f"no home folder ({e})"
     else:
         if (problem := _unusable(root)) is None:
             return root
-    fallback = _own_temporary_folder()
-    os.environ["XDG_CACHE_HOME"] = str(fallback)
+    with _FALLBACK:
+        chosen = os.environ.get(CACHE_VARIABLE)
+        if chosen and Path(chosen) != root and _unusable(Path(chosen)) is None:  # another thread chose it
+            return Path(chosen)
+        fallback = _own_temporary_folder() / "specui"
+        fallback.mkdir(exist_ok=True)
+        os.environ[CACHE_VARIABLE] = str(fallback)
     logging.getLogger("specui").warning(
-        "SpecUI's cache folder cannot be used (%s): caching under %s instead (set XDG_CACHE_HOME to a writable "
-        "folder to keep what is measured, converted and compiled across restarts)", problem, fallback)
-    (fallback / "specui").mkdir(exist_ok=True)
-    return fallback / "specui"
+        "SpecUI's cache folder cannot be used (%s): caching under %s instead (set %s or XDG_CACHE_HOME to a "
+        "writable folder to keep what is measured, converted and compiled across restarts)",
+        problem, fallback, CACHE_VARIABLE)
+    return fallback
 
 
 def _unusable(root: Path) -> str | None:

@@ -16,6 +16,7 @@ DEFAULT_ALIGNMENT = 32
 # uint64, int64, float64); 8 is a string, 9 an array
 FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 STRING, ARRAY, UINT32 = 8, 9, 4
+KEY_BYTES = 256  # of a key, what is compared (general.alignment); a corrupt length is never copied whole
 
 
 class _Cut(Exception):
@@ -39,17 +40,18 @@ class _Walker:
             raise _Cut
         self.at += size
 
-    def string(self) -> bytes:
+    def string(self, keep: bool = False) -> bytes:
+        """A string skipped (its bytes kept only where asked: a key, which is short)."""
         size = self.take("<Q")
         start = self.at
         self.skip(size)
-        return bytes(self.data[start:self.at])
+        return bytes(self.data[start:start + min(size, KEY_BYTES)]) if keep else b""
 
     def value(self, kind: int):
         if kind in FIXED:
             start = self.at
             self.skip(FIXED[kind])
-            return self.data[start:self.at]
+            return bytes(self.data[start:self.at])
         if kind == STRING:
             return self.string()
         if kind != ARRAY:
@@ -58,6 +60,7 @@ class _Walker:
         if item in FIXED:
             self.skip(FIXED[item] * count)
         else:
+            self.skip(0 if count * 8 <= len(self.data) - self.at else len(self.data))  # each takes 8+ bytes
             for _ in range(count):
                 self.value(item)
         return None
@@ -67,9 +70,15 @@ def gguf_problem(path: str | Path) -> str | None:
     """Why `path` is not a whole GGUF file (not one at all, cut inside its header, or shorter than
     its tensors need), or None where it is whole (or of a version this walker does not know: the
     loaders then say what they find)."""
+    try:
+        return _walk(Path(path))
+    except (OSError, ValueError):  # unreadable (permissions, a folder): the loaders say what they find
+        return None
+
+
+def _walk(path: Path) -> str | None:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    path = Path(path)
     size = path.stat().st_size
     if size < 24:
         return f"'{path}' is not a whole GGUF file: {size} bytes{_AGAIN}"
@@ -84,7 +93,7 @@ def gguf_problem(path: str | Path) -> str | None:
                 return None
             alignment = DEFAULT_ALIGNMENT
             for _ in range(fields):
-                key, kind = walker.string(), walker.take("<I")
+                key, kind = walker.string(keep=True), walker.take("<I")
                 value = walker.value(kind)
                 if key == b"general.alignment" and kind == UINT32:
                     alignment = struct.unpack("<I", value)[0] or DEFAULT_ALIGNMENT
@@ -101,7 +110,7 @@ def gguf_problem(path: str | Path) -> str | None:
                 end = max(end, offset + elements * block_bytes // block)
         except _Cut:
             return f"'{path}' ends inside its header ({size:,} bytes): it was cut short{_AGAIN}"
-        except (ValueError, KeyError):  # a type this gguf package does not know: the loaders say so
+        except (ValueError, KeyError, struct.error):  # a type this gguf package does not know: the loaders say so
             return None
         data_start = -(-walker.at // alignment) * alignment
     if tensors and data_start + end > size:  # (a file without tensors need not pad its header)

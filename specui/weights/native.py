@@ -185,7 +185,10 @@ def _missing_compiler() -> str | None:
     """Why a build cannot start, where the C++ compiler torch's builder runs ($CXX, else c++) is not
     on PATH (a slim container image): said at once, not after a failed build at every start."""
     command = os.environ.get("CXX") or "c++"
-    words = shlex.split(command) or ["c++"]
+    try:
+        words = shlex.split(command) or ["c++"]
+    except ValueError:  # unbalanced quotes
+        words = command.split() or ["c++"]
     if shutil.which(words[0]) is not None:
         return None
     return (f"SpecUI's kernels need a C++ compiler and there is none here ({words[0]!r} is not on PATH; install g++, "

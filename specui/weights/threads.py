@@ -110,6 +110,10 @@ def threads_within_quota() -> str | None:
     allowed, why = usable_cpus()
     if why is None:
         return None
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # inductor's config read it when imported
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = allowed
     fit_workers(allowed)
     before = torch.get_num_threads()
     if "OMP_NUM_THREADS" in os.environ or before <= allowed:
