@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -62,11 +63,9 @@ def _own_temporary_folder() -> Path:
     loads), a fresh private folder."""
     uid = os.getuid() if hasattr(os, "getuid") else None
     folder = Path(tempfile.gettempdir()) / f"specui-cache-{uid if uid is not None else 'user'}"
-    try:
+    with contextlib.suppress(OSError):
         folder.mkdir(mode=0o700, exist_ok=True)
         info = folder.lstat()
         if stat.S_ISDIR(info.st_mode) and (uid is None or info.st_uid == uid) and not info.st_mode & 0o022:
             return folder
-    except OSError:
-        pass
     return Path(tempfile.mkdtemp(prefix="specui-cache-"))
