@@ -72,6 +72,14 @@ def tiny_llama(
     return model
 
 
+@pytest.fixture(autouse=True)
+def _no_cache_fallback_carried_over(monkeypatch):
+    """SPECUI_CACHE_DIR as conftest left it (unset) at each test's start and after it: a test that
+    points the cache at an unusable folder makes cache_root set it to its fallback."""
+    monkeypatch.setenv("SPECUI_CACHE_DIR", "")
+    monkeypatch.delenv("SPECUI_CACHE_DIR")
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> LlamaForCausalLM:
     return tiny_llama(0, layers=3)

@@ -8,16 +8,7 @@ import logging
 import os
 import tempfile
 
-import pytest
-
 from specui.engine.paths import CACHE_VARIABLE, cache_root
-
-
-@pytest.fixture(autouse=True)
-def own_cache_variable(monkeypatch):
-    """SPECUI_CACHE_DIR unset, and as it was after each test (the fallback sets it)."""
-    monkeypatch.setenv(CACHE_VARIABLE, "")
-    monkeypatch.delenv(CACHE_VARIABLE)
 
 
 def test_a_usable_cache_folder_is_used_and_nothing_is_said(tmp_path, monkeypatch, caplog):

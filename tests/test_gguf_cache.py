@@ -44,10 +44,13 @@ def _small_gguf(path):
 
 
 def test_an_unwritable_cache_leaves_the_file_to_be_loaded_directly(tmp_path, monkeypatch):
+    from specui.weights import gguf_cache
+
     path = _small_gguf(tmp_path / "m.gguf")
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    # a cache whose writes fail (cache_root itself falls back where it can tell beforehand: test_cache_folder.py)
+    monkeypatch.setattr(gguf_cache, "cache_root", lambda: blocker / "gguf")
     source = open_source(path)
     assert source.folder is None and source.reader is not None and source.types == {"Q4_1": 1}
     assert source.problem and source.location() == (str(tmp_path), "m.gguf")
