@@ -2,7 +2,8 @@
 reply): a step with no room to draft must still commit the target's own token, and nothing of an
 earlier step may describe it. Every method, greedy (equal to autoregressive decoding; beam
 search and DSBD from two tokens on follow their own search) and sampling (seeded: as many tokens
-as asked, the same twice)."""
+as asked, the same twice; `auto` chooses its steps from timings and from what earlier replies on the
+engine measured, so its two draws need not be equal: as many tokens as asked, each a reply)."""
 
 import pytest
 from conftest import TinyTokenizer
@@ -18,6 +19,7 @@ METHODS = [
     ("mcsd", dict(width=3, gamma=3, root_selection="approximate")), ("beam", dict(width=3)), ("dsbd", dict(width=2)),
 ]
 SEARCHES = {"beam", "dsbd"}  # greedy: beam search, which equals argmax decoding for one token only
+TIMED = {"auto"}  # its steps follow measured timings and the engine's running alpha: a seed does not repeat it
 
 
 @pytest.fixture(scope="module")
@@ -39,4 +41,6 @@ def test_one_to_three_tokens(engine, name, params):
             assert not last.chains and not last.tree_depth and all(node.accept_pred is None for node in last.nodes)
         sampled = [engine.generate(GenerationRequest(list(PROMPT), n, SamplingConfig(temperature=0.9, seed=3)),
                                    make_method(name, **params)).run().output_ids for _ in range(2)]
-        assert len(sampled[0]) == n and sampled[0] == sampled[1], (name, n)
+        assert [len(s) for s in sampled] == [n, n], (name, n)
+        if name not in TIMED:
+            assert sampled[0] == sampled[1], (name, n)
