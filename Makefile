@@ -27,14 +27,16 @@ $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 # Debian's Chromium + ChromeDriver for the browser tests (no browser download). Best effort: where
 # apt-get is missing or cannot install them (macOS, Fedora, no sudo without a password, Ubuntu's snap-only
 # chromium in a container) it says so and the browser tests skip with that reason; the rest still runs.
+# A chromium that does not answer --version (Ubuntu's snap shim) counts as missing.
+CHROMIUM_OK := /usr/bin/chromium --version >/dev/null 2>&1 && /usr/bin/chromedriver --version >/dev/null 2>&1
 browser:
-	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium: present"; \
+	@if $(CHROMIUM_OK); then echo "chromium: present"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
 	  echo "chromium: no apt-get here; install chromium and chromedriver to run the browser tests (skipped without them)"; \
 	else SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
 	  { $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; } || true; \
-	  if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium: installed"; \
+	  if $(CHROMIUM_OK); then echo "chromium: installed"; \
 	  else echo "chromium: apt-get could not install chromium + chromium-driver; the browser tests will be skipped"; fi; fi
 
 run: setup

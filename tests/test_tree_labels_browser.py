@@ -4,14 +4,13 @@ area. A static page (tests/figure_page.py), not the app: no model, no timing, a 
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 from figure_page import FigurePage, covered, disjoint, overlaps
 
-from specui.bench.browser_driver import CHROMEDRIVER, CHROMIUM
+from specui.bench.browser_driver import browser_problem
 from specui.engine.trace import NodeTrace, StepTrace, traces_from_json
 from specui.ui import tree_figure as tf
 from specui.ui.figures import acceptance_figure, choices_figure, timing_figure, tree_figure
@@ -19,8 +18,8 @@ from specui.ui.palette import plain_figure
 from specui.ui.reply_panels import beams_before
 
 pytest.importorskip("selenium.webdriver")
-pytestmark = pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
-                                reason="Debian chromium + chromium-driver not installed (make setup-test)")
+BROWSER_PROBLEM = browser_problem()  # None where Chromium and its driver run here
+pytestmark = pytest.mark.skipif(BROWSER_PROBLEM is not None, reason=f"no usable browser: {BROWSER_PROBLEM}")
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
 TREES = ("mcsd-baseline", "opt-tree-25", "dsbd-w4", "mcsd-fork-w4")

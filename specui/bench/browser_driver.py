@@ -5,7 +5,9 @@ Needs selenium and Debian's chromium + chromium-driver (`make setup-test` instal
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +43,30 @@ return true;
 """
 
 
+def browser_problem() -> str | None:
+    """Why Chromium cannot be driven here, or None where it can: both programs present, each
+    answering `--version` (Ubuntu's /usr/bin/chromium may be a shim that asks for a snap and
+    exits; a browser missing a library fails the same way), with the same major version."""
+    majors = []
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not shutil.which(path):
+            return f"{path} is missing (make browser installs Debian's chromium + chromium-driver)"
+        try:
+            run = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60,
+                                 stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"{path} --version did not answer: {e}"
+        found = re.search(r"\b(\d+)\.\d+\.\d+", run.stdout)
+        if run.returncode != 0 or not found:
+            said = (run.stdout + run.stderr).strip().splitlines()
+            return (f"{path} does not run ({said[0][:160] if said else f'exit code {run.returncode}'}): "
+                    "install Debian's chromium + chromium-driver (a snap shim cannot be driven)")
+        majors.append(found.group(1))
+    if majors[0] != majors[1]:
+        return f"chromium {majors[0]} and chromedriver {majors[1]} differ: install matching versions"
+    return None
+
+
 def wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 0.1):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -60,8 +86,9 @@ class PageDriver:
             from selenium.webdriver.chrome.service import Service
         except ImportError:
             raise SpecUIError("the browser mode needs selenium: pip install -r requirements-test.txt") from None
-        if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-            raise SpecUIError("the browser mode needs Debian's chromium and chromium-driver (make browser)")
+        problem = browser_problem()
+        if problem:
+            raise SpecUIError(f"the browser mode needs a working Chromium: {problem}")
         options = webdriver.ChromeOptions()
         options.binary_location = CHROMIUM
         for flag in CHROME_FLAGS:
