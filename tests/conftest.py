@@ -80,6 +80,21 @@ def _no_cache_fallback_carried_over(monkeypatch):
     monkeypatch.delenv("SPECUI_CACHE_DIR")
 
 
+@pytest.fixture(autouse=True)
+def _thread_variables_restored():
+    """The variables a CPU quota makes app.main or a model's load set for good (OMP_NUM_THREADS and the
+    workers' counts, engine/host_cpus.py) as they were before each test: a test run in-process in a
+    container with a quota leaves none to the next (whose thread reason would name them)."""
+    names = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "MAX_JOBS")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> LlamaForCausalLM:
     return tiny_llama(0, layers=3)

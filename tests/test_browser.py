@@ -160,16 +160,28 @@ def test_live_panels_update_in_place_while_a_reply_streams(page):
     recorded trace."""
     page.clear_chat()
     page.set_checkbox("live-panels", True)
-    page.set_number("set-max_new_tokens", 160)
+    # long enough for a fast CPU to stream for some seconds; stopped once the panels were seen changing
+    page.set_number("set-max_new_tokens", 600)
     page.send("Write a long story about a dragon who learns to play the guitar.")
     _wait_until(lambda: "running" in page.stats(), 120, "the first live panels")
     page.driver.execute_script(CHART_PROBE_JS, list(LIVE_CHARTS), True)
     seen = []
+
+    def live_probes() -> list:
+        return [probe for probe in seen if all(armed for _, armed, _ in probe[:-1])]
+
+    def changed(live: list) -> bool:
+        return len(live) >= 4 and live[-1][-1] > live[0][-1] and \
+            all(len({probe[i][2] for probe in live}) >= 2 for i in range(1, len(LIVE_CHARTS)))
+
     while "running" in page.stats():
         seen.append(page.driver.execute_script(CHART_PROBE_JS, list(LIVE_CHARTS), False))
+        if changed(live_probes()):
+            page.find("#stop").click()
+            break
         time.sleep(0.3)
-    page.wait_done(1)
-    live = [probe for probe in seen if all(armed for _, armed, _ in probe[:-1])]
+    page.wait_done(1, timeout=180)
+    live = live_probes()
     assert len(live) >= 2, f"too few live probes: {seen}"
     assert live[-1][-1] > live[0][-1], "no live draw happened while the reply streamed"
     for i, chart in enumerate(LIVE_CHARTS[1:], start=1):  # the bars and the choices grow step by step

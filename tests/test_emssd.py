@@ -33,9 +33,11 @@ def greedy(engine, prompt, n):
     return engine.generate(GenerationRequest(list(prompt), n), make_method("autoregressive")).run().output_ids
 
 
-def emssd(engine, prompt, n, padding="unpad", gamma=3, sampling=None):
+def emssd(engine, prompt, n, padding="unpad", gamma=3, sampling=None, adaptive=False):
+    """A row of ems-sd; `adaptive` off by default: each step's gamma then is `gamma`, not chosen from the
+    engine's measured costs, so which step a row finishes at (and the batch sizes) repeats on any machine."""
     request = GenerationRequest(list(prompt), n, sampling or SamplingConfig())
-    return engine.generate(request, make_method("ems-sd", gamma=gamma, padding=padding))
+    return engine.generate(request, make_method("ems-sd", gamma=gamma, padding=padding, adaptive_gamma=adaptive))
 
 
 def check_rows(batch, padding):
@@ -180,7 +182,7 @@ def test_sampled_rows_keep_the_target_distribution(sampling_pair):  # noqa: F811
     counts = dict.fromkeys(itertools.product(range(VOCAB), repeat=NEW), 0)
     rows = 16
     for start in range(0, RUNS, rows):
-        gens = [emssd(engine, PROMPT, NEW, gamma=2, sampling=SamplingConfig(1.0, seed=s))
+        gens = [emssd(engine, PROMPT, NEW, gamma=2, sampling=SamplingConfig(1.0, seed=s), adaptive=True)
                 for s in range(start, start + rows)]
         batch = engine.batch(gens[0].method)
         batch.join(gens)

@@ -53,7 +53,7 @@ def reply(service, submit, prompt: str, method: str, n: int = 12, cancel: thread
     return generation, steps
 
 
-def wait_for_inbox(service, runner: GatedRunner, n: int) -> None:
+def wait_for_inbox(service, runner, n: int) -> None:
     loop = service.batch_loop(runner.submit)
     for _ in range(3000):
         with loop._lock:
@@ -131,11 +131,20 @@ def test_eight_http_clients_at_once_each_get_their_own_reply(service):
         def ask(prompt: str) -> dict:
             return Client(url, verbose=False).predict(prompt, method="ems-sd", api_name="/chat")
 
+        # the model thread busy until all eight have queued (each reply takes a few ms: clients that
+        # arrive one after another would otherwise each find the engine free)
+        busy = threading.Event()
+        runner.submit(busy.wait, 60)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            answers = list(pool.map(ask, PROMPTS))
+            asked = [pool.submit(ask, p) for p in PROMPTS]
+            try:
+                wait_for_inbox(service, runner, len(PROMPTS))
+            finally:
+                busy.set()
+            answers = [a.result() for a in asked]
         for p, out in zip(PROMPTS, answers):
             assert out["reply"] == reference[p] and out["stats"]["method"] == "ems-sd"
-        assert max(loop.sizes[before:]) > 1  # they decoded together
+        assert max(loop.sizes[before:]) == len(PROMPTS)  # they decoded together
         assert max(out["stats"]["mean_batch_size"] for out in answers) > 1
     finally:
         demo.close()

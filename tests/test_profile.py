@@ -267,24 +267,27 @@ def test_a_disturbed_profile_is_timed_again_and_never_cached(tiny_target, tiny_d
     assert load_cached(path, p.key) is None
 
 
-def test_a_long_forward_is_timed_fewer_times():
-    import time
+def test_a_long_forward_is_timed_fewer_times(monkeypatch):
+    from types import SimpleNamespace
 
-    from specui.engine.timing import median_ms
+    from specui.engine import timing
 
-    calls = []
+    clock, calls = [0.0], []
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # no sleep to overshoot
 
-    def slow():  # the first call is cold
+    def slow():  # the first call is cold: 80 ms, then 30
         calls.append(1)
-        time.sleep(0.08 if len(calls) == 1 else 0.03)
+        clock[0] += 0.08 if len(calls) == 1 else 0.03
 
-    assert 30 <= median_ms(slow, torch.device("cpu"), 3, warm_up=False, budget_ms=50) < 60 and len(calls) == 2
-    calls.clear()
-    assert median_ms(slow, torch.device("cpu"), 3, warm_up=False, budget_ms=35) >= 80 and len(calls) == 1
-    calls.clear()
-    assert median_ms(slow, torch.device("cpu"), 3, warm_up=False) < 60 and len(calls) == 3  # the median drops it
-    calls.clear()
-    assert median_ms(slow, torch.device("cpu"), 3) < 60 and len(calls) == 4  # a warm-up and three timed calls
+    def timed(**kw) -> tuple[float, int]:
+        calls.clear()
+        ms = timing.median_ms(slow, torch.device("cpu"), 3, **kw)
+        return round(ms, 6), len(calls)
+
+    assert timed(warm_up=False, budget_ms=50) == (30, 2)  # two calls took the budget; the cold one dropped
+    assert timed(warm_up=False, budget_ms=35) == (80, 1)  # one call over twice the budget
+    assert timed(warm_up=False) == (30, 3)  # the median drops it
+    assert timed() == (30, 4)  # a warm-up and three timed calls
 
 
 def test_reading_a_profile_twice_gives_the_same_figures_and_saves_nothing_extra():

@@ -62,7 +62,7 @@ def test_read_entries_gives_what_reading_one_by_one_gives(monkeypatch, waits):
 
 @pytest.mark.parametrize("method,params", [("autoregressive", {}), ("speculative", {"gamma": 3}),
                                            ("speculative", {"gamma": 5, "confidence": 0.5}), ("auto", {}),
-                                           ("opt-tree", {"nodes": 8}), ("mcsd", {}), ("specdec++", {})])
+                                           ("opt-tree", {"nodes": 8, "delta": 0.05}), ("mcsd", {}), ("specdec++", {})])
 def test_greedy_methods_decode_and_trace_the_same_when_reads_wait(monkeypatch, method, params):
     """The GPU's way of reading (stats and entries in one read each, no kernel) gives the same
     reply token for token and the same trace probabilities as the CPU's."""

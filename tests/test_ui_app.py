@@ -235,8 +235,9 @@ def _free_port() -> int:
 
 
 def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
-    """Offline, --share cannot open Gradio's tunnel: the user is told why (and warned about
-    sharing without --auth, which --public asked for on purpose), and the local app answers."""
+    """Offline (made so here even where the machine has internet), --share cannot open Gradio's
+    tunnel: the user is told why (and warned about sharing without --auth, which --public asked for
+    on purpose), and the local app answers."""
     import os
     import subprocess
     import sys
@@ -246,8 +247,12 @@ def test_share_without_a_tunnel_keeps_the_local_app_up(tiny_dirs, tmp_path):
     target, draft, _ = tiny_dirs
     port = _free_port()
     log = tmp_path / "app.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
-               HF_HOME=str(tmp_path / "hf"))  # no cached tunnel binary
+    # no cached tunnel binary, and no way out even on a machine with internet: its download and the share
+    # server's address go through a proxy that is not there (the local page is reached directly)
+    dead = "http://127.0.0.1:9"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", HF_HOME=str(tmp_path / "hf"),
+               HTTP_PROXY=dead, HTTPS_PROXY=dead, ALL_PROXY=dead, http_proxy=dead, https_proxy=dead,
+               all_proxy=dead, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "app.py", "--target", str(target), "--draft", str(draft),
                                  "--share", "--public", "--port", str(port)],

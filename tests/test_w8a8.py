@@ -143,17 +143,18 @@ def test_a_use_waits_for_the_build_started_in_the_background(monkeypatch):
     model is read; the first use waits for that build instead of starting a second one beside it."""
     from specui.weights import native as native_module
 
-    builds = []
+    builds, started = [], threading.Event()
 
     @functools.cache
     def slow_build():
         builds.append(threading.current_thread().name)
+        started.set()
         time.sleep(0.3)
         return "kernels", ""
 
     monkeypatch.setattr(native_module, "_built", slow_build)
     thread = native_module.build_in_background()
-    time.sleep(0.05)  # the background build is under way
+    assert started.wait(30)  # the background build is under way
     assert native_module.native() == ("kernels", "")
     thread.join(5)
     assert builds == ["specui-kernels-build"]
