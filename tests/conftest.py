@@ -83,11 +83,16 @@ def _no_cache_fallback_carried_over(monkeypatch):
 @pytest.fixture(autouse=True)
 def _thread_variables_restored():
     """The variables a CPU quota makes app.main or a model's load set for good (OMP_NUM_THREADS and the
-    workers' counts, engine/host_cpus.py) as they were before each test: a test run in-process in a
-    container with a quota leaves none to the next (whose thread reason would name them)."""
-    names = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", "MAX_JOBS")
-    before = {name: os.environ.get(name) for name in names}
+    workers' counts, engine/host_cpus.py), and torch's thread count, as they were before each test: a
+    test run in-process in a container with a quota leaves none to the next (whose thread reason would
+    name them)."""
+    from specui.engine.host_cpus import WORKER_VARIABLES
+
+    before = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", *WORKER_VARIABLES)}
+    threads = torch.get_num_threads()  # a quota's cut (weights/threads.threads_within_quota) too
     yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     for name, value in before.items():
         if value is None:
             os.environ.pop(name, None)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import EOS, TinyTokenizer
 from test_greedy_equivalence import PROMPTS, near_copy, run
-from test_profile import synthetic
+from test_profile import calm_timings, synthetic
 from test_sampling_distribution import (
     CONFIGS,
     TV_BOUND,
@@ -277,10 +277,7 @@ def test_the_tree_verdict_carries_over_to_the_next_reply(tiny_target):
 
 
 def test_auto_measures_the_profile_on_first_use(tiny_target, tiny_draft, tmp_path, monkeypatch):
-    import specui.engine.profiling as prof
-
-    # calm timings: real ones taken beside the other tests may be disturbed, and those are never cached
-    monkeypatch.setattr(prof, "forward_ms", lambda s, c, w, r, *room, **quick: 1.0 * w)
+    calm_timings(monkeypatch)  # (a busy machine's profile is used, not cached)
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS], profile_dir=tmp_path)
     gen = run(engine, PROMPTS[0], 8, "auto")
     assert engine.costs.profile is not None and list(tmp_path.glob("*.json"))

@@ -174,10 +174,11 @@ def test_live_panels_update_in_place_while_a_reply_streams(page):
         return len(live) >= 4 and live[-1][-1] > live[0][-1] and \
             all(len({probe[i][2] for probe in live}) >= 2 for i in range(1, len(LIVE_CHARTS)))
 
+    deadline = time.monotonic() + 180
     while "running" in page.stats():
         seen.append(page.driver.execute_script(CHART_PROBE_JS, list(LIVE_CHARTS), False))
-        if changed(live_probes()):
-            page.find("#stop").click()
+        if changed(live_probes()) or time.monotonic() > deadline:
+            page.find("#stop").click()  # (past the deadline the asserts below say what was missing)
             break
         time.sleep(0.3)
     page.wait_done(1, timeout=180)

@@ -56,10 +56,11 @@ def check_rows(batch, padding):
             assert session.padding_slots() == 0
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-gamma", "measured-gamma"])
 @pytest.mark.parametrize("padding", PADDINGS)
-def test_every_row_equals_its_own_greedy_reply_with_joins_and_leaves(engine32, padding):
+def test_every_row_equals_its_own_greedy_reply_with_joins_and_leaves(engine32, padding, adaptive):
     lengths = [30, 12, 25, 18]  # rows finish (leave) at different steps
-    gens = [emssd(engine32, p, n, padding) for p, n in zip(PROMPTS, lengths)]
+    gens = [emssd(engine32, p, n, padding, adaptive=adaptive) for p, n in zip(PROMPTS, lengths)]
     batch = engine32.batch(gens[0].method)
     batch.join(gens[:2])
     steps = 0
@@ -69,7 +70,9 @@ def test_every_row_equals_its_own_greedy_reply_with_joins_and_leaves(engine32, p
         steps += 1
         if steps == 3:
             batch.join(gens[2:])  # join mid-batch, beside rows already decoding
-    assert max(batch.sizes) == 4 and batch.sizes[0] == 2 and batch.sizes[-1] == 1
+    assert batch.sizes[0] == 2 and max(batch.sizes) >= 3
+    if not adaptive:  # measured gammas: which step each row ends at follows the timings
+        assert max(batch.sizes) == 4 and batch.sizes[-1] == 1
     for g, p, n in zip(gens, PROMPTS, lengths):
         assert g.output_ids == greedy(engine32, p, n)
     stats = batch.decoder.padding_stats()["target"]

@@ -53,12 +53,17 @@ def reply(service, submit, prompt: str, method: str, n: int = 12, cancel: thread
     return generation, steps
 
 
-def wait_for_inbox(service, runner, n: int) -> None:
+def wait_for_inbox(service, runner, n: int, pending=()) -> None:
+    """Until n requests wait in the batch loop's inbox; a request in `pending` (futures) that ends
+    first shows why it never queued."""
     loop = service.batch_loop(runner.submit)
     for _ in range(3000):
         with loop._lock:
             if len(loop._inbox) >= n:
                 return
+        for future in pending:
+            if future.done():
+                raise AssertionError(f"a request ended before {n} queued: {future.result()!r}")
         threading.Event().wait(0.01)
     raise AssertionError(f"{n} requests never queued")
 
@@ -128,20 +133,18 @@ def test_eight_http_clients_at_once_each_get_their_own_reply(service):
         loop = service.batch_loop(runner.submit)
         before = len(loop.sizes)
 
-        def ask(prompt: str) -> dict:
-            return Client(url, verbose=False).predict(prompt, method="ems-sd", api_name="/chat")
-
-        # the model thread busy until all eight have queued (each reply takes a few ms: clients that
-        # arrive one after another would otherwise each find the engine free)
-        busy = threading.Event()
-        runner.submit(busy.wait, 60)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            asked = [pool.submit(ask, p) for p in PROMPTS]
+            clients = list(pool.map(lambda _: Client(url, verbose=False), PROMPTS))  # each reads the page first
+            # the model thread busy until all eight have queued (each reply takes a few ms: clients that
+            # arrive one after another would otherwise each find the engine free)
+            busy = threading.Event()
+            runner.submit(busy.wait, 60)
+            asked = [pool.submit(c.predict, p, method="ems-sd", api_name="/chat") for c, p in zip(clients, PROMPTS)]
             try:
-                wait_for_inbox(service, runner, len(PROMPTS))
+                wait_for_inbox(service, runner, len(PROMPTS), asked)
             finally:
                 busy.set()
-            answers = [a.result() for a in asked]
+            answers = [a.result(timeout=120) for a in asked]
         for p, out in zip(PROMPTS, answers):
             assert out["reply"] == reference[p] and out["stats"]["method"] == "ems-sd"
         assert max(loop.sizes[before:]) == len(PROMPTS)  # they decoded together

@@ -139,11 +139,16 @@ def test_measuring_prefills_only_the_shortest_context(tiny_engine):
     assert fed and max(fed) == 7  # the 8-token context (all but its last token); 32 and 64 are stretched
 
 
-def test_cache_hit_miss_and_corrupt_file(tiny_target, tiny_draft, tmp_path, monkeypatch):
+def calm_timings(monkeypatch) -> None:
+    """Profile forwards timed calm (1 ms a token): real ones taken beside the other tests may be
+    disturbed, and a disturbed profile is never cached."""
     import specui.engine.profiling as prof
 
-    # calm timings: real ones taken beside the other tests may be disturbed, and those are never cached
     monkeypatch.setattr(prof, "forward_ms", lambda s, c, w, r, *room, **quick: 1.0 * w)
+
+
+def test_cache_hit_miss_and_corrupt_file(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    calm_timings(monkeypatch)
     engine = Engine(tiny_target, TinyTokenizer(), draft=tiny_draft, eos_ids=[EOS])
     seen = []
     p1, note1 = get_profile(engine.target, engine.draft, tmp_path, progress=lambda f, m: seen.append(f))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from specui.weights.loading import ModelSpec
 from specui.weights.threads import choose_threads
 
 
-def test_thread_choice_is_measured_or_given():
+def test_thread_choice_is_measured_or_given(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a CI may set it: both cases below
     model = tiny_llama(0, dtype=torch.float32)
     before = torch.get_num_threads()
     try:
@@ -26,8 +26,10 @@ def test_thread_choice_is_measured_or_given():
         assert torch.get_num_threads() == 1 and "--threads" in choose_threads(model, True, 1).reason
         torch.set_num_threads(before)
         remote = choose_threads(model, local_browser=False)
-        given = "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "torch default"  # a CI may set it
-        assert remote.threads == before and given in remote.reason
+        assert remote.threads == before and "torch default" in remote.reason
+        monkeypatch.setenv("OMP_NUM_THREADS", str(before))
+        assert "OMP_NUM_THREADS" in choose_threads(model, local_browser=False).reason
+        monkeypatch.delenv("OMP_NUM_THREADS")
         local = choose_threads(model, local_browser=True)
         assert local.threads == torch.get_num_threads() and 1 <= local.threads <= before
         if before > 1:

@@ -52,8 +52,8 @@ def browser_problem() -> str | None:
         if not shutil.which(path):
             return f"{path} is missing (make browser installs Debian's chromium + chromium-driver)"
         try:
-            run = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60,
-                                 stdin=subprocess.DEVNULL)
+            run = subprocess.run([path, "--version"], capture_output=True, text=True, encoding="utf-8",
+                                 errors="replace", timeout=20, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError) as e:
             return f"{path} --version did not answer: {e}"
         found = re.search(r"\b(\d+)\.\d+\.\d+", run.stdout)
