@@ -73,31 +73,24 @@ def tiny_llama(
 
 
 @pytest.fixture(autouse=True)
-def _no_cache_fallback_carried_over(monkeypatch):
-    """SPECUI_CACHE_DIR as conftest left it (unset) at each test's start and after it: a test that
-    points the cache at an unusable folder makes cache_root set it to its fallback."""
-    monkeypatch.setenv("SPECUI_CACHE_DIR", "")
-    monkeypatch.delenv("SPECUI_CACHE_DIR")
-
-
-@pytest.fixture(autouse=True)
-def _thread_variables_restored():
-    """The variables a CPU quota makes app.main or a model's load set for good (OMP_NUM_THREADS and the
-    workers' counts, engine/host_cpus.py), and torch's thread count, as they were before each test: a
-    test run in-process in a container with a quota leaves none to the next (whose thread reason would
-    name them)."""
+def _process_state_restored(monkeypatch):
+    """What a test's app.main, model load or cache_root may set for good, as it was before the test
+    once it ends: SPECUI_CACHE_DIR (unset at each test's start too: a test that points the cache at an
+    unusable folder makes cache_root set it to its fallback), the variables a CPU quota sets
+    (OMP_NUM_THREADS and the workers' counts, engine/host_cpus.py), and torch's thread count (a
+    quota's cut: weights/threads.threads_within_quota). A test run in-process in a container with a
+    quota then leaves none of them to the next (whose thread reason would name them)."""
     from specui.engine.host_cpus import WORKER_VARIABLES
 
-    before = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", *WORKER_VARIABLES)}
-    threads = torch.get_num_threads()  # a quota's cut (weights/threads.threads_within_quota) too
+    for name in ("SPECUI_CACHE_DIR", "OMP_NUM_THREADS", *WORKER_VARIABLES):
+        value = None if name == "SPECUI_CACHE_DIR" else os.environ.get(name)
+        monkeypatch.setenv(name, value or "")  # so that the variable's state is restored after the test ...
+        if value is None:
+            monkeypatch.delenv(name)  # ... where it was unset
+    threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

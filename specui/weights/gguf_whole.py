@@ -60,7 +60,8 @@ class _Walker:
         if item in FIXED:
             self.skip(FIXED[item] * count)
         else:
-            self.skip(0 if count * 8 <= len(self.data) - self.at else len(self.data))  # each takes 8+ bytes
+            if count * 8 > len(self.data) - self.at:  # each takes 8+ bytes: a corrupt count is never walked
+                raise _Cut
             for _ in range(count):
                 self.value(item)
         return None
