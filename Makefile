@@ -27,9 +27,11 @@ $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 # Debian's Chromium + ChromeDriver for the browser tests (no browser download). Best effort: where
 # apt-get is missing or cannot install them (macOS, Fedora, no sudo without a password, Ubuntu's snap-only
 # chromium in a container) it says so and the browser tests skip with that reason; the rest still runs.
-# A chromium that does not answer --version (Ubuntu's snap shim) counts as missing.
-CHROMIUM_OK := /usr/bin/chromium --version >/dev/null 2>&1 && /usr/bin/chromedriver --version >/dev/null 2>&1
-browser:
+# Usable is what the browser tests ask (specui/bench/browser_driver.browser_problem): both programs
+# answer --version (Ubuntu's snap shim does not) with the same major version.
+CHROMIUM_OK := $(PY) -c 'import sys; from specui.bench.browser_driver import browser_problem; sys.exit(bool(browser_problem()))'
+CHROMIUM_WHY := $(PY) -c 'from specui.bench.browser_driver import browser_problem; print(browser_problem())'
+browser: setup
 	@if $(CHROMIUM_OK); then echo "chromium: present"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
 	  echo "chromium: no apt-get here; install chromium and chromedriver to run the browser tests (skipped without them)"; \
@@ -37,7 +39,7 @@ browser:
 	  { $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; } || true; \
 	  if $(CHROMIUM_OK); then echo "chromium: installed"; \
-	  else echo "chromium: apt-get could not install chromium + chromium-driver; the browser tests will be skipped"; fi; fi
+	  else echo "chromium: apt-get could not install a usable chromium + chromium-driver ($$($(CHROMIUM_WHY))); the browser tests will be skipped"; fi; fi
 
 run: setup
 	$(PY) app.py $(ARGS)
