@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specui.bench.browser_driver import wait_until
+from specui.bench.browser_driver import browser_problem, wait_until
 from specui.bench.cpu_usage import child_pids
 from specui.engine.paths import cache_root
 from specui.service.process_memory import rss_bytes as process_rss
@@ -98,3 +98,11 @@ def rss_bytes(pid: int) -> int:
     """Resident memory of a process and every process under it (Linux /proc): the app and its
     engine's process (0 for one that ended meanwhile)."""
     return (process_rss(pid) or 0) + sum(rss_bytes(child) for child in child_pids(pid))
+
+
+def needs_browser():
+    """The mark that skips a browser test, with the reason, where Chromium cannot be driven here."""
+    import pytest
+
+    problem = browser_problem()  # None where Chromium and its driver run here
+    return pytest.mark.skipif(problem is not None, reason=f"no usable browser: {problem}")

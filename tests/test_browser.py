@@ -12,19 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
-from app_process import start_app, stop_app
+from app_process import needs_browser, start_app, stop_app
 from figure_page import covered, overlaps
 
-from specui.bench.browser_driver import PageDriver, browser_problem
+from specui.bench.browser_driver import PageDriver
 from specui.bench.browser_driver import wait_until as _wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
-BROWSER_PROBLEM = browser_problem()  # None where Chromium and its driver run here
 pytestmark = [
-    pytest.mark.skipif(BROWSER_PROBLEM is not None, reason=f"no usable browser: {BROWSER_PROBLEM}"),
+    needs_browser(),
     # a real browser on a real model on a 2-core machine: one retry absorbs a scheduling hiccup
     # (a failure that repeats is reported as it is)
     pytest.mark.flaky(reruns=1, reruns_delay=2),

@@ -5,18 +5,17 @@ user of the --auth file gets the owner's model tab back when the page loads."""
 from __future__ import annotations
 
 import pytest
-from app_process import start_app, stop_app
+from app_process import needs_browser, start_app, stop_app
 from share_flood import AUTH, tiny_pair
 
-from specui.bench.browser_driver import CHROME_FLAGS, CHROMEDRIVER, CHROMIUM, browser_problem, wait_until
+from specui.bench.browser_driver import CHROME_FLAGS, CHROMEDRIVER, CHROMIUM, wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
-BROWSER_PROBLEM = browser_problem()  # None where Chromium and its driver run here
 pytestmark = [
-    pytest.mark.skipif(BROWSER_PROBLEM is not None, reason=f"no usable browser: {BROWSER_PROBLEM}"),
+    needs_browser(),
     pytest.mark.flaky(reruns=1, reruns_delay=2),
 ]
 OWNER_AUTH = ("boss", "owner-pw")

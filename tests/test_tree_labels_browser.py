@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from app_process import needs_browser
 from figure_page import FigurePage, covered, disjoint, overlaps
 
-from specui.bench.browser_driver import browser_problem
 from specui.engine.trace import NodeTrace, StepTrace, traces_from_json
 from specui.ui import tree_figure as tf
 from specui.ui.figures import acceptance_figure, choices_figure, timing_figure, tree_figure
@@ -18,8 +18,7 @@ from specui.ui.palette import plain_figure
 from specui.ui.reply_panels import beams_before
 
 pytest.importorskip("selenium.webdriver")
-BROWSER_PROBLEM = browser_problem()  # None where Chromium and its driver run here
-pytestmark = pytest.mark.skipif(BROWSER_PROBLEM is not None, reason=f"no usable browser: {BROWSER_PROBLEM}")
+pytestmark = needs_browser()
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
 TREES = ("mcsd-baseline", "opt-tree-25", "dsbd-w4", "mcsd-fork-w4")
