@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from specui.engine.attention import CACHE_KEY, GROUPED_KEY, SHARED_KEY
+from specui.engine.cpu_class import cpu_class
 from specui.engine.device_chain import greedy_chain_on_device
 from specui.engine.paths import cache_root  # noqa: F401 - where the rest of SpecUI reads it
 from specui.engine.session import ModelSession
@@ -49,6 +50,11 @@ def cpu_model() -> str:
     flags = set(info.get("flags", "").split())
     isa = [torch.backends.cpu.get_cpu_capability()] + [f for f in ISA_FLAGS if f in flags]
     return f"{name} ({', '.join(isa)})"
+
+
+def cpu_class_name() -> str | None:
+    """This CPU's class ("AMD Zen 3", "Intel Cascade Lake"), None where unknown (engine/cpu_class.py)."""
+    return cpu_class(_cpuinfo())
 
 
 def has_avx2_fma() -> bool:

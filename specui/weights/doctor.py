@@ -23,7 +23,7 @@ import torch
 
 from specui.engine.host_cpus import affinity_cores, cgroup_cpus
 from specui.engine.host_memory import cgroup_room
-from specui.engine.measure import cache_root, cpu_model, cpu_signature
+from specui.engine.measure import cache_root, cpu_class_name, cpu_model, cpu_signature
 from specui.weights import q8a8, w4a8, w8a8
 from specui.weights.attend import attend, exact_attention_ready
 from specui.weights.native import native
@@ -79,7 +79,7 @@ def machine_lines() -> list[str]:
     mem, gib, quota = _meminfo(), 2**30, cgroup_cpus()
     quota_text = f"; its control group's CPU quota: {quota[0]:g} CPUs of time, {quota[1]}" if quota else ""
     return [
-        f"CPU: {cpu_model()}",
+        f"CPU: {cpu_model()}" + (f"; class: {name}" if (name := cpu_class_name()) else ""),
         f"CPU signature (cache key): {cpu_signature()}",
         f"cores: {os.cpu_count() or 0} ({affinity_cores()} usable by this process{quota_text}); "
         f"torch threads: {torch.get_num_threads()}",
