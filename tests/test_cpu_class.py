@@ -31,6 +31,7 @@ def info(vendor: str, family: int | str, model: int | str, stepping: int | str =
     (info(INTEL, 6, 143), "Intel Sapphire Rapids"),
     (info(INTEL, 6, 207), "Intel Emerald Rapids"),
     (info(INTEL, 6, 42), None),  # a model not in the table
+    (info(AMD, 25, 0x30), None),  # a family-25 model range no class is known for
     (info(AMD, 21, 2), None),  # an older AMD family
     (info("HygonGenuine", 24, 1), None),
     (info(AMD, "", 1), None),  # unreadable fields

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# (family, first model, last model, class), AMD, first match wins
+# (family, first model, last model, class), AMD
 AMD = (
     (23, 0x00, 0x2F, "Zen 1 / Zen+ (AVX2 on 128-bit units)"),
     (23, 0x30, 0xFF, "Zen 2"),
+    (25, 0x00, 0x0F, "Zen 3"),
+    (25, 0x20, 0x2F, "Zen 3"),
+    (25, 0x40, 0x5F, "Zen 3"),
     (25, 0x10, 0x1F, "Zen 4"),
     (25, 0x60, 0x7F, "Zen 4"),
     (25, 0xA0, 0xAF, "Zen 4"),
-    (25, 0x00, 0xFF, "Zen 3"),
     (26, 0x00, 0xFF, "Zen 5"),
 )
 # Intel family 6 by model; 85 is three generations told apart by stepping
