@@ -27,14 +27,15 @@ $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 # Debian's Chromium + ChromeDriver for the browser tests (no browser download). Best effort: where
 # apt-get is missing or cannot install them (macOS, Fedora, no sudo without a password, Ubuntu's snap-only
 # chromium in a container) it says so and the browser tests skip with that reason; the rest still runs.
-# Usable is what the browser tests ask (specui/bench/browser_driver.browser_problem): both programs
-# answer --version (Ubuntu's snap shim does not) with the same major version.
-CHROMIUM_OK := $(PY) -c 'import sys; from specui.bench.browser_driver import browser_problem; sys.exit(bool(browser_problem()))'
-CHROMIUM_WHY := $(PY) -c 'from specui.bench.browser_driver import browser_problem; print(browser_problem())'
-browser: setup
+# Usable is what the browser tests ask (specui/bench/browser_driver.browser_problem; standard library only, so
+# any python runs it, before the venv too): both programs answer --version (Ubuntu's snap shim does not)
+# with the same major version.
+CHROMIUM_OK := $(PYTHON) -c 'import sys; from specui.bench.browser_driver import browser_problem; sys.exit(bool(browser_problem()))'
+CHROMIUM_WHY := $(PYTHON) -c 'from specui.bench.browser_driver import browser_problem; print(browser_problem())'
+browser:
 	@if $(CHROMIUM_OK); then echo "chromium: present"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "chromium: no apt-get here; install chromium and chromedriver to run the browser tests (skipped without them)"; \
+	  echo "chromium: not usable ($$($(CHROMIUM_WHY))) and no apt-get here; install chromium and chromedriver to run the browser tests (skipped without them)"; \
 	else SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
 	  { $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; } || true; \

@@ -31,7 +31,18 @@ def info(vendor: str, family: int | str, model: int | str, stepping: int | str =
     (info(INTEL, 6, 143), "Intel Sapphire Rapids"),
     (info(INTEL, 6, 207), "Intel Emerald Rapids"),
     (info(INTEL, 6, 42), None),  # a model not in the table
-    (info(AMD, 25, 0x30), None),  # a family-25 model range no class is known for
+    (info(AMD, 25, 0x30), "AMD Zen 3"),  # Trento
+    (info(AMD, 25, 0x90), "AMD Zen 4"),
+    (info(AMD, 25, 0xB0), None),  # a family-25 model range no class is known for
+    (info(AMD, 23, 0x50), "AMD Zen 1 / Zen+ (AVX2 on 128-bit units)"),
+    (info(AMD, 26, 0x50), "AMD Zen 6"),
+    (info(AMD, 26, 0x30), None),
+    (info(INTEL, 6, 63), "Intel Haswell"),
+    (info(INTEL, 6, 79), "Intel Broadwell"),
+    (info(INTEL, 6, 106), "Intel Ice Lake"),
+    (info(INTEL, 6, 173), "Intel Granite Rapids"),
+    (info(INTEL, 6, 85, ""), "Intel Skylake / Cascade Lake / Cooper Lake"),  # stepping hidden
+    ({"vendor_id": INTEL, "cpu family": "6", "model": "85"}, "Intel Skylake / Cascade Lake / Cooper Lake"),
     (info(AMD, 21, 2), None),  # an older AMD family
     (info("HygonGenuine", 24, 1), None),
     (info(AMD, "", 1), None),  # unreadable fields
