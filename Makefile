@@ -30,17 +30,17 @@ $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 # Usable is what the browser tests ask (specui/bench/browser_driver.browser_problem; standard library only, so
 # any python runs it, before the venv too): both programs answer --version (Ubuntu's snap shim does not)
 # with the same major version.
-CHROMIUM_OK := $(PYTHON) -c 'import sys; from specui.bench.browser_driver import browser_problem; sys.exit(bool(browser_problem()))'
-CHROMIUM_WHY := $(PYTHON) -c 'from specui.bench.browser_driver import browser_problem; print(browser_problem())'
+# CHROMIUM_WHY prints why not (nothing where usable) and exits 0 only where usable: one run per check.
+CHROMIUM_WHY := $(PYTHON) -c 'import sys; from specui.bench.browser_driver import browser_problem; why = browser_problem(); print(why or ""); sys.exit(bool(why))'
 browser:
-	@if $(CHROMIUM_OK); then echo "chromium: present"; \
+	@if why=$$($(CHROMIUM_WHY)); then echo "chromium: present"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "chromium: not usable ($$($(CHROMIUM_WHY))) and no apt-get here; install chromium and chromedriver to run the browser tests (skipped without them)"; \
+	  echo "chromium: not usable ($$why) and no apt-get here; install chromium and chromedriver to run the browser tests (skipped without them)"; \
 	else SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
 	  { $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; } || true; \
-	  if $(CHROMIUM_OK); then echo "chromium: installed"; \
-	  else echo "chromium: apt-get could not install a usable chromium + chromium-driver ($$($(CHROMIUM_WHY))); the browser tests will be skipped"; fi; fi
+	  if why=$$($(CHROMIUM_WHY)); then echo "chromium: installed"; \
+	  else echo "chromium: apt-get could not install a usable chromium + chromium-driver ($$why); the browser tests will be skipped"; fi; fi
 
 run: setup
 	$(PY) app.py $(ARGS)
